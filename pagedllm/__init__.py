@@ -1,0 +1,8 @@
+"""pagedllm: an LLM inference and serving engine built on PagedAttention."""
+
+from pagedllm.llm import LLM
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]

@@ -1,0 +1,112 @@
+"""EngineConfig: every engine knob in one place, validated once.
+
+The same names are used by `LLM(...)` keyword arguments and by the CLI flags (with dashes), as
+vLLM names them, so that a user's vLLM command line carries over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SUPPORTED_DEVICES = ("auto", "cpu", "cuda")
+SUPPORTED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
+SUPPORTED_QUANTIZATION: tuple[str, ...] = ("gguf",)
+SUPPORTED_PREEMPTION_MODES = ("recompute",)
+
+
+@dataclass
+class EngineConfig:
+    """Engine construction arguments (see README "Every knob")."""
+
+    model: str | None = None  # HF folder, .gguf file, or None for the default SmolLM2
+    tokenizer: str | None = None  # defaults to the model
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on GPU
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    block_size: int = 16
+    kv_cache_space: float = 4.0  # GiB of KV cache on CPU
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None  # fixes the pool size (tests, benchmarks)
+    swap_space: float = 0.0  # GiB of host memory for swapped-out blocks
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # default: max(2048, max_num_seqs)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: str | None = None  # None: the scheduler's choice
+    tensor_parallel_size: int = 1
+    quantization: str | None = None
+    enforce_eager: bool = False
+    num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
+    served_model_name: str | None = None
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {list(SUPPORTED_DTYPES)}, got {self.dtype!r}.")
+        if self.device not in SUPPORTED_DEVICES:
+            raise ValueError(f"device must be one of {list(SUPPORTED_DEVICES)}, got {self.device!r}.")
+        if self.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ValueError(
+                f"block_size must be one of {list(SUPPORTED_BLOCK_SIZES)}, got {self.block_size}."
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
+        if self.kv_cache_space <= 0:
+            raise ValueError(f"kv_cache_space must be positive (GiB), got {self.kv_cache_space}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
+            )
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}.")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be non-negative (GiB), got {self.swap_space}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}."
+            )
+        if self.preemption_mode is not None and self.preemption_mode not in SUPPORTED_PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {list(SUPPORTED_PREEMPTION_MODES)}, "
+                f"got {self.preemption_mode!r}."
+            )
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: "
+                "this build runs on a single device (tensor_parallel_size=1)."
+            )
+        if self.quantization is not None and self.quantization not in SUPPORTED_QUANTIZATION:
+            raise ValueError(
+                f"quantization={self.quantization!r} is not supported yet. Supported: "
+                f"{list(SUPPORTED_QUANTIZATION)} (GGUF files are dequantized at load)."
+            )
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}.")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from keyword arguments; an unknown name is a precise error, not ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"Unknown engine argument(s) {unknown}. Known: {sorted(names)}.")
+        return cls(**kwargs)
+
+    def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        if not self.enable_chunked_prefill:
+            return max(max_model_len, self.max_num_seqs)
+        return max(2048, self.max_num_seqs)
+
+
+ENGINE_ARG_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(EngineConfig))

@@ -1,0 +1,25 @@
+"""Torch-free core: sequence state, block pool, KV cache manager and scheduler."""
+
+from pagedllm.core.block_pool import BlockPool, FreeKVBlockQueue, KVBlock, hash_block_tokens
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Sequence, SequenceStatus
+from pagedllm.core.scheduler import (
+    ScheduledSequence,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+
+__all__ = [
+    "BlockPool",
+    "FreeKVBlockQueue",
+    "KVBlock",
+    "KVCacheManager",
+    "ScheduledSequence",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "Sequence",
+    "SequenceStatus",
+    "hash_block_tokens",
+]

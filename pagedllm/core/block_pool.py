@@ -1,0 +1,185 @@
+"""Physical KV blocks: reference counts, the LRU free queue and the prefix-hash map.
+
+The pool owns a fixed number of blocks. A block with `ref_count == 0` sits in the free queue,
+least recently freed first, and keeps its hash and content until it is handed out again: that is
+what lets a later request hit the prefix cache after the request that wrote the block is gone.
+Handing a hashed block out again *evicts* it (its hash entry is dropped). This module imports no
+torch; the KV tensors themselves live in the worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+
+def hash_block_tokens(
+    parent_hash: int | None, token_ids: Sequence[int], extra_keys: tuple | None = None
+) -> int:
+    """Hash of one full block, chained on its parent's so equal hashes mean equal prefixes.
+
+    Python's `hash` of ints and tuples is deterministic within a process, which is as long as
+    the cache lives. `extra_keys` (the cache salt, on the first block only) isolates caches.
+    """
+    return hash((parent_hash, tuple(token_ids), extra_keys))
+
+
+@dataclass(eq=False)
+class KVBlock:
+    """One physical block of `block_size` KV slots; identity equality (eq=False)."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None  # set only while full, hashed and listed in the pool's map
+    # Links of the free queue; both None while the block is not in it.
+    prev_free: KVBlock | None = field(default=None, repr=False)
+    next_free: KVBlock | None = field(default=None, repr=False)
+
+
+class FreeKVBlockQueue:
+    """Doubly-linked list of free blocks: O(1) pop from the head, append, remove from the middle.
+
+    A deque cannot remove a block from the middle in O(1), which a prefix-cache hit on a free
+    block needs. Sentinel head and tail nodes keep every operation branch-free.
+    """
+
+    def __init__(self, blocks: Iterable[KVBlock] = ()) -> None:
+        self._head = KVBlock(block_id=-1)
+        self._tail = KVBlock(block_id=-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self._len = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        node = self._head.next_free
+        while node is not self._tail:
+            assert node is not None
+            yield node
+            node = node.next_free
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise ValueError("no free blocks")
+        self.remove(block)
+        return block
+
+    def append(self, block: KVBlock) -> None:
+        if block.prev_free is not None or block.next_free is not None:
+            raise ValueError(f"block {block.block_id} is already in the free queue")
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self._len += 1
+
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self._len -= 1
+
+
+class BlockPool:
+    """All physical blocks, their ref counts, the free queue and `hash -> block` map."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
+        # Block-id order at start, so the first allocation returns 0, 1, 2, ...
+        self.free_block_queue = FreeKVBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[int, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by some sequence (cached free blocks count as free)."""
+        return self.num_used_blocks / self.num_blocks
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
+        """Take `num_blocks` from the head of the free queue (LRU first), evicting their hashes."""
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(
+                f"cannot get {num_blocks} free blocks: only {self.num_free_blocks} are free"
+            )
+        blocks = []
+        for _ in range(num_blocks):
+            block = self.free_block_queue.popleft()
+            assert block.ref_count == 0
+            self._evict_cached_block(block)
+            block.ref_count = 1
+            blocks.append(block)
+        return blocks
+
+    def _evict_cached_block(self, block: KVBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self.cached_block_hash_to_block.get(block.block_hash) is block:
+            del self.cached_block_hash_to_block[block.block_hash]
+        block.block_hash = None
+
+    def get_cached_block(self, block_hash: int) -> KVBlock | None:
+        if not self.enable_caching:
+            return None
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on prefix-cache hits; a free cached block leaves the free queue."""
+        for block in blocks:
+            if block.ref_count == 0:
+                self.free_block_queue.remove(block)
+            block.ref_count += 1
+
+    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference each, in eviction order; a block at 0 joins the queue's tail.
+
+        It keeps its hash and content, so a later request can still hit it until it is reused.
+        """
+        for block in blocks:
+            if block.ref_count <= 0:
+                raise ValueError(f"block {block.block_id} freed with ref_count {block.ref_count}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_queue.append(block)
+
+    def cache_full_block(self, block: KVBlock, block_hash: int) -> None:
+        """Publish a full block under `block_hash`; a duplicate of a cached block stays unhashed.
+
+        Keeping one block per hash keeps eviction O(1); the duplicate is still a valid block of
+        its sequence, it just cannot be hit.
+        """
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached_block_hash_to_block:
+            return
+        block.block_hash = block_hash
+        self.cached_block_hash_to_block[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash; refused (False) while any block is in use, as in vLLM."""
+        if self.num_used_blocks > 0:
+            return False
+        self.cached_block_hash_to_block.clear()
+        for block in self.blocks:
+            block.block_hash = None
+        return True

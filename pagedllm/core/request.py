@@ -1,0 +1,94 @@
+"""Per-sequence state shared by the scheduler, the KV cache manager and the engine.
+
+A *request* (one prompt, one SamplingParams) owns one or more *sequences*: n > 1 forks the
+prompt's sequence after prefill. The scheduler and the KV cache manager work on sequences; the
+engine groups them back into a RequestOutput. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # in the waiting queue (new, or preempted for recompute)
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"  # EOS, stop token id or stop string
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            SequenceStatus.FINISHED_STOPPED,
+            SequenceStatus.FINISHED_LENGTH,
+            SequenceStatus.FINISHED_ABORTED,
+        )
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI finish_reason string, or None while unfinished."""
+        return self.value if self.is_finished else None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One token stream: prompt + generated tokens, and how much of it is in the KV cache.
+
+    `num_computed_tokens` counts tokens whose K/V are written in the cache (or were found in the
+    prefix cache). A sequence needs `num_tokens - num_computed_tokens` more tokens run through
+    the model; when that reaches the last token, the step samples a new one.
+    """
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    arrival_time: float
+    index: int = 0  # which of the request's n samples
+    cache_salt: str | None = None
+    # Prompt logprobs need every prompt position computed, so such a sequence skips prefix hits.
+    skip_prefix_cache: bool = False
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_preemptions: int = 0
+    # Engine-side state (sampling and detokenization); opaque to core/.
+    data: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)

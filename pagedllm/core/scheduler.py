@@ -1,0 +1,262 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+One token budget per step (`max_num_batched_tokens`), as in vLLM v1: running sequences are
+served first (a decode is 1 token, an unfinished prefill takes what is left of the budget), then
+waiting ones are admitted FCFS with prefill chunks from what remains. When a running sequence
+cannot get a block, the most recently arrived running sequence not yet scheduled this step is
+preempted by recompute (blocks freed, requeued at the front of the waiting queue) and the
+allocation retried. A step that preempted admits nothing new, so the pool can drain.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # Otherwise a long prompt could never be admitted and would wait forever.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_model_len ({self.max_model_len}) when chunked prefill is disabled"
+            )
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    token_ids: list[int]  # tokens fed this step, at positions start_pos .. start_pos+len-1
+    start_pos: int  # seq.num_computed_tokens before this step
+    block_table: list[int]  # the seq's block ids after allocation (covers start_pos+len tokens)
+    sample: bool  # the step reaches the last known token: sample one from the last row
+    all_logits: bool = False  # set by the engine for prompt logprobs
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence]
+    block_copies: list[tuple[int, int]]  # (src, dst) CoW copies to do BEFORE the forward
+    preempted: list[int]  # seq ids preempted this step
+    num_batched_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.waiting: deque[Sequence] = deque()
+        # Ordered by (arrival_time, request order, index): the tail is the preemption victim.
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        # Unfinished sequences of each request, and the order requests were first seen in
+        # (keeps a request's sequences together in `running` when arrival times tie).
+        self._requests: dict[str, list[Sequence]] = {}
+        self._request_order: dict[str, int] = {}
+        self._next_request_order = 0
+
+    # ---- queues ---------------------------------------------------------------------------
+
+    def _priority(self, seq: Sequence) -> tuple[float, int, int, int]:
+        return (seq.arrival_time, self._request_order[seq.request_id], seq.index, seq.seq_id)
+
+    def _register(self, seq: Sequence) -> None:
+        if seq.request_id not in self._requests:
+            self._requests[seq.request_id] = []
+            self._request_order[seq.request_id] = self._next_request_order
+            self._next_request_order += 1
+        self._requests[seq.request_id].append(seq)
+
+    def _insert_running(self, seq: Sequence) -> None:
+        bisect.insort(self.running, seq, key=self._priority)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue a new sequence (status WAITING) behind all waiting ones."""
+        self._register(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def fork_sequence(self, parent: Sequence, child: Sequence) -> None:
+        """Run `child` alongside its running `parent`, sharing the parent's blocks (CoW).
+
+        The child holds the same computed tokens as the parent (its own sampled tokens, if any,
+        are not computed yet) and is placed after its siblings in the running order.
+        """
+        if parent.status != SequenceStatus.RUNNING:
+            raise ValueError(f"can only fork a running sequence, seq {parent.seq_id} is not")
+        if child.request_id != parent.request_id:
+            raise ValueError("a forked sequence must belong to its parent's request")
+        child.num_computed_tokens = parent.num_computed_tokens
+        if child.num_tokens < child.num_computed_tokens:
+            raise ValueError(f"seq {child.seq_id} has fewer tokens than its parent computed")
+        self.kv_cache_manager.fork(parent, child)
+        self._register(child)
+        child.status = SequenceStatus.RUNNING
+        self._insert_running(child)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preempt by recompute: free its blocks and requeue it ahead of new arrivals.
+
+        Its output tokens are kept: it resumes as a prefill of prompt + output so far. Preempted
+        sequences sit at the front of the waiting queue, oldest first.
+        """
+        self.kv_cache_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        key = self._priority(seq)
+        i = 0
+        while (
+            i < len(self.waiting)
+            and self.waiting[i].num_preemptions > 0
+            and self._priority(self.waiting[i]) < key
+        ):
+            i += 1
+        self.waiting.insert(i, seq)
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        budget = self.config.max_num_batched_tokens
+        steps: list[tuple[Sequence, int]] = []  # (seq, num_new_tokens), in emission order
+        preempted: list[int] = []
+
+        # 1. Running sequences, oldest first. Victims are popped from the end of `running`,
+        #    which holds only sequences not yet scheduled beyond `index`.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to run until the engine appends a token
+                index += 1
+                continue
+            while not kv.allocate_slots(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.seq_id)
+                if victim is seq:
+                    break
+            else:
+                steps.append((seq, num_new))
+                budget -= num_new
+                index += 1
+                continue
+            break  # `seq` preempted itself: nobody after it can be served either
+
+        # 2. Waiting sequences, FCFS, only if nobody was preempted (else the pool would thrash).
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(seq)
+            num_new = seq.num_tokens - seq.num_computed_tokens - num_hit_tokens
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not kv.allocate_slots(seq, num_new, hit_blocks or None):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens += num_hit_tokens
+            seq.status = SequenceStatus.RUNNING
+            self._insert_running(seq)
+            steps.append((seq, num_new))
+            budget -= num_new
+
+        # 3. Emit, running ones first, then the newly admitted.
+        scheduled = [
+            ScheduledSequence(
+                seq=seq,
+                token_ids=seq.token_ids_slice(seq.num_computed_tokens, seq.num_computed_tokens + n),
+                start_pos=seq.num_computed_tokens,
+                block_table=kv.get_block_ids(seq.seq_id),
+                sample=seq.num_computed_tokens + n == seq.num_tokens,
+            )
+            for seq, n in steps
+        ]
+        return SchedulerOutput(
+            scheduled=scheduled,
+            block_copies=kv.take_pending_copies(),
+            preempted=preempted,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+        )
+
+    def update_after_step(self, output: SchedulerOutput) -> None:
+        """Mark this step's tokens computed and publish blocks they filled to the prefix cache.
+
+        Sequences finished since `schedule` (aborted mid-step) are skipped: their blocks are gone.
+        """
+        for entry in output.scheduled:
+            seq = entry.seq
+            if seq.is_finished:
+                continue
+            seq.num_computed_tokens += len(entry.token_ids)
+            self.kv_cache_manager.cache_full_blocks(seq)
+
+    # ---- finishing ------------------------------------------------------------------------
+
+    def finish_sequence(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Finish `seq` with `status`, wherever it is, and free its blocks at once."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        if seq.is_finished:
+            return
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = status
+        self.kv_cache_manager.free(seq)
+        seqs = self._requests.get(seq.request_id)
+        if seqs is not None:
+            seqs.remove(seq)
+            if not seqs:
+                del self._requests[seq.request_id]
+                del self._request_order[seq.request_id]
+
+    def abort_request(self, request_id: str) -> list[Sequence]:
+        """Finish every unfinished sequence of the request as aborted; returns them."""
+        seqs = list(self._requests.get(request_id, ()))
+        for seq in seqs:
+            self.finish_sequence(seq, SequenceStatus.FINISHED_ABORTED)
+        return seqs
+
+    # ---- counts ---------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get_sequence_count(self) -> tuple[int, int]:
+        """(running, waiting), like vLLM's `get_request_counts`."""
+        return len(self.running), len(self.waiting)

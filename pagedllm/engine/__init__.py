@@ -1,0 +1,1 @@
+"""LLMEngine and its request state."""

@@ -1,0 +1,406 @@
+"""LLMEngine: requests in, RequestOutputs out, one `step()` at a time.
+
+step() = schedule (core/scheduler) -> execute (worker/model_runner) -> sample (layers/sampler)
+-> update (append tokens, detokenize, check stops, free finished sequences). Single-threaded;
+the async server drives it from one background task.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any, Iterable
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Sequence, SequenceStatus
+from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.engine.kv_stats import KVCacheStats, KVCacheStatsTracker
+from pagedllm.engine.request_state import RequestState, SeqState, sample_seed
+from pagedllm.engine.sequence_update import SequenceUpdater
+from pagedllm.layers.sampler import Sampler
+from pagedllm.model.loader import load_model
+from pagedllm.model_source import ModelSource, load_hf_config, resolve_model
+from pagedllm.outputs import RequestMetrics, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import IncrementalDetokenizer, load_tokenizer
+from pagedllm.worker.cache_engine import CacheEngine
+from pagedllm.worker.device import resolve_device, resolve_dtype
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLMEngine:
+    """The engine surface: add_request / step / abort_request / has_unfinished_requests."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        t0 = time.perf_counter()
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.source: ModelSource = resolve_model(config.model)
+        self.model_name = config.served_model_name or self.source.name
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.hf_config = load_hf_config(self.source)
+        tok_source = resolve_model(config.tokenizer) if config.tokenizer else self.source
+        self.tokenizer = load_tokenizer(tok_source.path, tok_source.gguf_file)
+        self.model = load_model(
+            self.source.path, self.source.gguf_file, self.hf_config, self.dtype, self.device
+        )
+        self.max_model_len = self._resolve_max_model_len()
+        self.block_size = config.block_size
+        self.num_blocks = self._determine_num_blocks()
+        self._log_cache_size()
+
+        self.kv_cache_manager = KVCacheManager(
+            self.num_blocks, self.block_size, enable_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.resolved_max_num_batched_tokens(self.max_model_len),
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.kv_cache_manager,
+        )
+        self.model_runner = ModelRunner(
+            self.model, self.hf_config, self.num_blocks, self.block_size, self.dtype, self.device
+        )
+        self.sampler = Sampler()
+        self.updater = SequenceUpdater(self.tokenizer, self._eos_token_ids(), self.max_model_len)
+        self.requests: dict[str, RequestState] = {}
+        self._seq_counter = itertools.count()
+        self._kv_stats = KVCacheStatsTracker(self.num_blocks, self.block_size)
+        self.startup_seconds = time.perf_counter() - t0
+        logger.info("Engine ready in %.1f s (%s, %s)", self.startup_seconds, self.device, self.dtype)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "LLMEngine":
+        return cls(EngineConfig.from_kwargs(**kwargs))
+
+    # ---- start-up -------------------------------------------------------------------------
+
+    def _resolve_max_model_len(self) -> int:
+        model_max = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0)
+        wanted = self.config.max_model_len
+        if wanted is None:
+            return model_max or 2048
+        if model_max and wanted > model_max:
+            raise ValueError(
+                f"max_model_len={wanted} is larger than the model's maximum context length "
+                f"(max_position_embeddings={model_max})."
+            )
+        return wanted
+
+    def _bytes_per_block(self) -> int:
+        cfg = self.hf_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        return CacheEngine.bytes_per_block(
+            cfg.num_hidden_layers, kv_heads, head_dim, self.block_size, self.dtype
+        )
+
+    def _determine_num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = self._bytes_per_block()
+        if self.device.type == "cuda":
+            budget = self._profile_gpu_budget()
+        else:
+            budget = int(self.config.kv_cache_space * (1 << 30))
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"The KV cache budget ({budget} bytes) holds no block of {per_block} bytes; "
+                "raise kv_cache_space / gpu_memory_utilization."
+            )
+        return int(num_blocks)
+
+    def _profile_gpu_budget(self) -> int:
+        """GPU: what is left of `gpu_memory_utilization` of the device after a dummy forward."""
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        tokens = min(self.config.resolved_max_num_batched_tokens(self.max_model_len), 4096)
+        probe = ModelRunner(self.model, self.hf_config, 1, self.block_size, self.dtype, self.device)
+        probe.profile_run(tokens)
+        del probe
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        _, total = torch.cuda.mem_get_info()
+        return int(total * self.config.gpu_memory_utilization) - peak
+
+    def _log_cache_size(self) -> None:
+        per_block = self._bytes_per_block()
+        tokens = self.num_blocks * self.block_size
+        concurrency = tokens / self.max_model_len
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB; maximum concurrency for "
+            "%d tokens per request: %.2fx",
+            self.num_blocks, self.block_size, tokens, self.num_blocks * per_block / (1 << 30),
+            self.max_model_len, concurrency,
+        )
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (self.hf_config, getattr(self.model, "generation_config", None)):
+            value = getattr(src, "eos_token_id", None) if src is not None else None
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        gen_cfg = self._generation_config()
+        if gen_cfg is not None:
+            value = gen_cfg.get("eos_token_id")
+            ids.update([value] if isinstance(value, int) else (value or []))
+        if not ids and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def _generation_config(self) -> dict | None:
+        if self.source.is_gguf:
+            return None
+        import json
+        from pathlib import Path
+
+        path = Path(self.source.path) / "generation_config.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Validate, tokenize and queue a request; a request that can never run is rejected here."""
+        if request_id in self.requests:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        params = params.clone() if params is not None else SamplingParams()
+        prompt_text, prompt_ids = self._tokenize_prompt(prompt)
+        self._validate_prompt(prompt_ids, params)
+        now = time.time() if arrival_time is None else arrival_time
+        state = RequestState(
+            request_id=request_id,
+            prompt=prompt_text,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            metrics=RequestMetrics(arrival_time=now, num_prompt_tokens=len(prompt_ids)),
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
+        seq = self._new_sequence(state, index=0, cache_salt=cache_salt)
+        if params.prompt_logprobs is not None:
+            seq.skip_prefix_cache = True
+        state.seqs.append(seq)
+        self.requests[request_id] = state
+        self.scheduler.add_sequence(seq)
+
+    def _new_sequence(self, state: RequestState, index: int, cache_salt: str | None) -> Sequence:
+        params = state.params
+        seq = Sequence(
+            seq_id=next(self._seq_counter),
+            request_id=state.request_id,
+            prompt_token_ids=state.prompt_token_ids,
+            arrival_time=state.metrics.arrival_time,
+            index=index,
+            cache_salt=cache_salt,
+        )
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(sample_seed(params.seed, index))
+        seq.data["state"] = SeqState(
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer,
+                state.prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            ),
+            generator=generator,
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        return seq
+
+    def _tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                return prompt.get("prompt"), self._check_token_ids(ids)
+            if "prompt" in prompt:
+                return self._tokenize_prompt(prompt["prompt"])
+            raise ValueError("A prompt dict needs a 'prompt' or 'prompt_token_ids' key.")
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_token_ids(prompt)
+        raise ValueError(
+            f"A prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}."
+        )
+
+    def _check_token_ids(self, ids: Iterable[Any]) -> list[int]:
+        ids = list(ids)
+        vocab = int(self.hf_config.vocab_size)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ValueError(f"Prompt token ids must be integers, got {t!r}.")
+            if not 0 <= t < vocab:
+                raise ValueError(f"Token id {t} is out of vocabulary (size {vocab}).")
+        return ids
+
+    def _validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        n_prompt = len(prompt_ids)
+        if n_prompt == 0:
+            raise ValueError("The prompt is empty: at least one token is needed.")
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - n_prompt
+            if params.max_tokens < 1:
+                raise ValueError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, the prompt has {n_prompt} tokens, which leaves no room to generate."
+                )
+        total = n_prompt + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {total} tokens ({n_prompt} in the messages, {params.max_tokens} "
+                "in the completion). Please reduce the length of the messages or completion."
+            )
+        blocks = self.kv_cache_manager.num_blocks_needed(total)
+        if blocks > self.num_blocks:
+            raise ValueError(
+                f"The request needs {blocks} KV cache blocks ({total} tokens at block_size="
+                f"{self.block_size}) but the whole pool has {self.num_blocks} blocks "
+                f"({self.num_blocks * self.block_size} tokens); raise kv_cache_space or lower "
+                "max_tokens."
+            )
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Drop requests wherever they are; their blocks return to the pool at once."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            state = self.requests.pop(rid, None)
+            if state is None:
+                continue
+            for seq in state.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish_sequence(seq, SequenceStatus.FINISHED_ABORTED)
+                    seq.data["state"].finish_reason = "abort"
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step and return an output for every request that advanced."""
+        sched_out = self.scheduler.schedule()
+        if not sched_out.scheduled:
+            return []
+        now = time.time()
+        for item in sched_out.scheduled:
+            state = self.requests[item.seq.request_id]
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+                state.metrics.time_in_queue = now - state.metrics.arrival_time
+            item.all_logits = state.prompt_logprobs is not None and not state.prompt_logprobs_done
+        runner_out = self.model_runner.execute_model(sched_out)
+        self.scheduler.update_after_step(sched_out)
+        self._observe_kv_usage()
+        touched = self._process_outputs(sched_out, runner_out)
+        outputs = []
+        for state in touched:
+            outputs.append(state.to_output())
+            if state.finished:
+                state.metrics.finished_time = time.time()
+                self.requests.pop(state.request_id, None)
+        return outputs
+
+    def _process_outputs(self, sched_out: SchedulerOutput, runner_out) -> list[RequestState]:
+        touched: dict[str, RequestState] = {}
+        rows: list[tuple[RequestState, Sequence]] = []
+        row_logits: list[int] = []  # which runner logits row each sampling row reads
+        sample_i = 0
+        for item in sched_out.scheduled:
+            state = self.requests[item.seq.request_id]
+            if item.all_logits:
+                self.updater.add_prompt_logprobs(
+                    state, item, runner_out.all_logits[item.seq.seq_id], self.sampler
+                )
+            if not item.sample:
+                continue
+            targets = [item.seq]
+            if state.params.n > 1 and not state.forked:
+                # First sample of an n > 1 request: fork n - 1 children that share the
+                # prompt's blocks; each samples its own first token from the same logits.
+                targets += [self._fork(state, item.seq, idx) for idx in range(1, state.params.n)]
+                state.forked = True
+            for target in targets:
+                rows.append((state, target))
+                row_logits.append(sample_i)
+            sample_i += 1
+        if not rows:
+            return []
+        logits = runner_out.sample_logits
+        if len(row_logits) != logits.shape[0]:
+            logits = logits.index_select(0, torch.tensor(row_logits, device=logits.device))
+        metadata = self.updater.build_sampling_metadata(rows, logits.device)
+        sampler_out = self.sampler(logits, metadata)
+        now = time.time()
+        for r, (state, seq) in enumerate(rows):
+            status = self.updater.append_token(state, seq, sampler_out, r)
+            if status is not None:
+                self.scheduler.finish_sequence(seq, status)
+            touched[state.request_id] = state
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            state.metrics.last_token_time = now
+        for state in touched.values():
+            state.metrics.num_generation_tokens = sum(s.num_output_tokens for s in state.seqs)
+        return list(touched.values())
+
+    def _fork(self, state: RequestState, parent: Sequence, idx: int) -> Sequence:
+        """Sample `idx` of an n > 1 request, made at the first sample: it shares the parent's
+        blocks (ref counts raised; copy-on-write before it writes a shared block)."""
+        child = self._new_sequence(state, index=idx, cache_salt=parent.cache_salt)
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.scheduler.fork_sequence(parent, child)
+        state.seqs.append(child)
+        return child
+
+    def _observe_kv_usage(self) -> None:
+        kv = self.kv_cache_manager
+        tokens = KVCacheStatsTracker.count_stored_tokens(
+            self.scheduler.running, kv.get_block_ids, self.block_size
+        )
+        self._kv_stats.observe(self.num_blocks - kv.num_free_blocks, tokens)
+
+    # ---- statistics -----------------------------------------------------------------------
+
+    def kv_cache_stats(self) -> KVCacheStats:
+        kv = self.kv_cache_manager
+        return self._kv_stats.snapshot(
+            self.scheduler.num_preemptions, kv.prefix_cache_queries, kv.prefix_cache_hits
+        )
+
+    def reset_kv_cache_peak(self) -> None:
+        self._kv_stats.reset_peak()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()

@@ -1,0 +1,84 @@
+"""KV cache statistics: how full the pool is, and how much of what is allocated holds tokens.
+
+`waste_at_peak` is the number that shows paging works: at the step with the most blocks in use,
+the fraction of allocated slots that hold no token (only the tail of each sequence's last
+block, so it stays small).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from pagedllm.core.request import Sequence
+
+
+@dataclass
+class KVCacheStats:
+    num_blocks: int
+    block_size: int
+    used_blocks: int
+    peak_used_blocks: int
+    tokens_stored: int
+    peak_tokens_stored: int
+    waste_at_peak: float  # 1 - tokens / (blocks * block_size) at the peak of used blocks
+    num_preemptions: int
+    prefix_cache_queries: int  # tokens looked up in the prefix cache
+    prefix_cache_hits: int  # tokens found there
+
+
+class KVCacheStatsTracker:
+    """Follows used blocks and stored tokens step by step and remembers the peak."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.used_blocks = 0
+        self.tokens_stored = 0
+        self.peak_used_blocks = 0
+        self.peak_tokens_stored = 0
+
+    @staticmethod
+    def count_stored_tokens(
+        running: Iterable[Sequence], block_ids_of, block_size: int
+    ) -> int:
+        """Tokens held in the cache, counting a block shared by several sequences once."""
+        filled: dict[int, int] = {}
+        for seq in running:
+            computed = seq.num_computed_tokens
+            for i, block_id in enumerate(block_ids_of(seq.seq_id)):
+                n = min(block_size, computed - i * block_size)
+                if n <= 0:
+                    break
+                if n > filled.get(block_id, 0):
+                    filled[block_id] = n
+        return sum(filled.values())
+
+    def observe(self, used_blocks: int, tokens_stored: int) -> None:
+        self.used_blocks = used_blocks
+        self.tokens_stored = tokens_stored
+        if used_blocks > self.peak_used_blocks or (
+            used_blocks == self.peak_used_blocks and tokens_stored > self.peak_tokens_stored
+        ):
+            self.peak_used_blocks = used_blocks
+            self.peak_tokens_stored = tokens_stored
+
+    def reset_peak(self) -> None:
+        self.peak_used_blocks = self.used_blocks
+        self.peak_tokens_stored = self.tokens_stored
+
+    def snapshot(self, num_preemptions: int, queries: int, hits: int) -> KVCacheStats:
+        slots = self.peak_used_blocks * self.block_size
+        waste = 1.0 - self.peak_tokens_stored / slots if slots else 0.0
+        return KVCacheStats(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            used_blocks=self.used_blocks,
+            peak_used_blocks=self.peak_used_blocks,
+            tokens_stored=self.tokens_stored,
+            peak_tokens_stored=self.peak_tokens_stored,
+            waste_at_peak=waste,
+            num_preemptions=num_preemptions,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+        )

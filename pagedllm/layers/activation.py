@@ -1,0 +1,22 @@
+"""Gated activations for fused gate/up projections."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """`silu(gate) * up` where the input is the fused projection `[..., gate | up]`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]
+
+
+def get_act_and_mul(hidden_act: str) -> nn.Module:
+    """The gated activation module for a HF `hidden_act` name (only SiLU for the Llama family)."""
+    if hidden_act in ("silu", "swish"):
+        return SiluAndMul()
+    raise ValueError(f"Unsupported activation {hidden_act!r}; supported: ['silu']")

@@ -1,0 +1,104 @@
+"""Paged attention layer and the metadata that describes one step's batch.
+
+The flattened batch holds `T` query tokens: first `num_decode_tokens` decode sequences (exactly
+one query token each), then the prefill sequences (every other sequence: a prompt, a chunk of a
+prompt on top of cached context, or the uncached tail after a prefix-cache hit). The layer first
+writes the step's K/V into the paged cache at `slot_mapping`, then reads each sequence's context
+back through its block table. `AttentionMetadata` is built once per step by the model runner and
+passed as an argument through the model's forward; masks derived from it are memoised on it so
+that the layers share them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.layers.backends import get_attn_backend
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch layout for attention. Token order: decodes first, then prefills."""
+
+    slot_mapping: torch.Tensor  # LongTensor[T]: cache slot of every query token
+    block_size: int
+    # Decode part: tokens [0, num_decode_tokens), one per sequence.
+    num_decode_tokens: int = 0
+    decode_block_tables: torch.Tensor | None = None  # LongTensor[D, max_blocks], padded with 0
+    decode_context_lens: torch.Tensor | None = None  # LongTensor[D], including the current token
+    # Prefill part: one entry per prefill sequence.
+    prefill_query_starts: list[int] = field(default_factory=list)  # offset in the flattened batch
+    prefill_query_lens: list[int] = field(default_factory=list)
+    prefill_context_lens: list[int] = field(default_factory=list)  # cached + new tokens
+    prefill_block_tables: list[torch.Tensor] = field(default_factory=list)  # LongTensor[ceil(ctx/B)]
+    # Masks shared by all layers of one forward, keyed by (kind, sequence, sliding window).
+    _mask_cache: dict[Any, torch.Tensor | None] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_prefills(self) -> int:
+        return len(self.prefill_query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    def cached_mask(self, key: Any, build) -> torch.Tensor | None:
+        if key not in self._mask_cache:
+            self._mask_cache[key] = build()
+        return self._mask_cache[key]
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query attention over a paged KV cache.
+
+    `forward(q [T, Hq, D], k [T, Hk, D], v [T, Hk, D], kv_cache, attn_metadata) -> [T, Hq * D]`.
+    `kv_cache` is this layer's `(key_cache, value_cache)`, each `[num_blocks, block_size, Hk, D]`.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.backend = get_attn_backend()
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        out = self.backend.forward(
+            query,
+            key,
+            value,
+            kv_cache[0],
+            kv_cache[1],
+            attn_metadata,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+        )
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"sliding_window={self.sliding_window}, backend={self.backend.name}"
+        )

@@ -1,0 +1,149 @@
+"""The offline API: `LLM(model).generate(prompts, SamplingParams(...))`, as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence as SequenceT
+
+from tqdm.auto import tqdm
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.engine import LLMEngine, PromptType
+from pagedllm.engine.kv_stats import KVCacheStats
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import apply_chat_template
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine plus a batch loop: submit all prompts, step until all are done.
+
+    Every `EngineConfig` field is a keyword argument (block_size, kv_cache_space,
+    max_model_len, max_num_seqs, enable_prefix_caching, ...). `model=None` uses the default
+    SmolLM2-135M-Instruct GGUF, downloaded once.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self._request_counter = itertools.count()
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> "LLM":
+        return cls(**{k: getattr(config, k) for k in config.__dataclass_fields__})
+
+    def get_tokenizer(self):
+        return self.llm_engine.get_tokenizer()
+
+    def kv_cache_stats(self) -> KVCacheStats:
+        return self.llm_engine.kv_cache_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def generate(
+        self,
+        prompts: PromptType | SequenceT[PromptType],
+        sampling_params: SamplingParams | SequenceT[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of the prompts.
+
+        Prompts: a string, a list of strings, a `{"prompt_token_ids": [...]}` dict or a list of
+        them. `sampling_params`: one for all, or a list with one per prompt.
+        """
+        prompt_list = self._as_prompt_list(prompts)
+        params_list = self._as_params_list(sampling_params, len(prompt_list))
+        return self._run(prompt_list, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | list[Conversation],
+        sampling_params: SamplingParams | SequenceT[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        if not messages:
+            raise ValueError("chat() needs at least one message.")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        template = chat_template or self.llm_engine.config.chat_template
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            text = apply_chat_template(
+                self.get_tokenizer(), conv, chat_template=template,
+                add_generation_prompt=add_generation_prompt,
+            )
+            # The template already holds the special tokens (BOS etc.): do not add them again.
+            ids = self.get_tokenizer().encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        params_list = self._as_params_list(sampling_params, len(prompts))
+        return self._run(prompts, params_list, use_tqdm)
+
+    # ---- internals ------------------------------------------------------------------------
+
+    @staticmethod
+    def _as_prompt_list(prompts: Any) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)):
+            if prompts and all(isinstance(p, int) for p in prompts):
+                raise ValueError(
+                    "A flat list of ints is ambiguous: pass {'prompt_token_ids': [...]} instead."
+                )
+            return list(prompts)
+        raise ValueError(f"prompts must be a string, a dict or a list, got {type(prompts).__name__}.")
+
+    @staticmethod
+    def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(
+                f"Got {len(params)} SamplingParams for {n} prompts: pass one, or one per prompt."
+            )
+        return params
+
+    def _run(
+        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = [f"offline-{next(self._request_counter)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                engine.add_request(rid, prompt, p)
+                added.append(rid)
+        except Exception:
+            engine.abort_request(added)  # nothing half-submitted stays in the engine
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        prompt_tokens = output_tokens = 0
+        try:
+            while len(results) < len(ids):
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        prompt_tokens += len(out.prompt_token_ids)
+                        output_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        elapsed = bar.format_dict["elapsed"] or 1e-9
+                        bar.set_postfix_str(
+                            f"est. speed input: {prompt_tokens / elapsed:.2f} toks/s, "
+                            f"output: {output_tokens / elapsed:.2f} toks/s", refresh=False
+                        )
+                        bar.update(1)
+                if not engine.has_unfinished_requests() and len(results) < len(ids):
+                    raise RuntimeError("The engine stopped with requests unfinished.")
+        except BaseException:
+            engine.abort_request([r for r in ids if r not in results])
+            raise
+        finally:
+            bar.close()
+        return [results[r] for r in ids]

@@ -1,0 +1,251 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+
+One class serves the three architectures; the differences are configuration: q/k/v biases
+(`attention_bias`, always on for Qwen2 without an o-projection bias), sliding-window layers
+(Mistral, Qwen2 `layer_types`), tied or separate LM head, `head_dim`, rope scaling. Parameter names
+follow transformers' (`model.layers.N.self_attn...`) except that q/k/v and gate/up are fused into
+`qkv_proj` and `gate_up_proj`; `load_weights` maps the checkpoint's separate matrices into them.
+
+Tokens of all sequences of a step are flattened: `forward(input_ids [T], positions [T], kv_caches,
+attn_metadata) -> hidden [T, hidden]`; `compute_logits(hidden [R, hidden]) -> [R, vocab]` float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.activation import get_act_and_mul
+from pagedllm.layers.attention import Attention, AttentionMetadata
+from pagedllm.layers.linear import Linear, MergedLinear, VocabEmbedding
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary_emb, head_dim_of
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+# checkpoint projection name -> (our fused module name, shard index)
+_STACKED_PARAMS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def layer_sliding_window(hf_config: Any, layer_idx: int) -> int | None:
+    """The attention window of one layer (None: full causal attention), as transformers decides."""
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None or getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    if hf_config.model_type == "qwen2":
+        return window if layer_idx >= getattr(hf_config, "max_window_layers", 0) else None
+    return window
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        is_qwen2 = config.model_type == "qwen2"
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = MergedLinear(
+            hidden,
+            [self.q_size, self.kv_size, self.kv_size],
+            bias=attention_bias or is_qwen2,
+            dtype=dtype,
+            device=device,
+        )
+        self.o_proj = Linear(self.q_size, hidden, bias=attention_bias and not is_qwen2, dtype=dtype, device=device)
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            sliding_window=layer_sliding_window(config, layer_idx),
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary_emb(q, k, cos, sin)
+        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype, device=device)
+        self.down_proj = Linear(inter, config.hidden_size, bias=bias, dtype=dtype, device=device)
+        self.act_fn = get_act_and_mul(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.self_attn = LlamaAttention(config, layer_idx, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.mlp = LlamaMLP(config, dtype, device)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        residual = hidden
+        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
+        hidden = residual + hidden
+        residual = hidden
+        hidden = self.mlp(self.post_attention_layernorm(hidden))
+        return residual + hidden
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.rotary_emb = RotaryEmbedding.from_config(config, device=device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over flattened tokens and a paged KV cache (Llama, Mistral, Qwen2)."""
+
+    def __init__(
+        self,
+        config: Any,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.model = LlamaModel(config, dtype, device)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
+
+    # Shapes the model runner / cache engine need.
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.model.layers[0].self_attn.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.model.layers[0].self_attn.head_dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.embed_tokens.num_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(positions)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ---- weights -------------------------------------------------------------------------
+    def _expected_weights(self) -> set[tuple[str, int | None]]:
+        expected: set[tuple[str, int | None]] = set()
+        for mod_name, module in self.named_modules():
+            for p_name, param in module.named_parameters(recurse=False):
+                if param is None:
+                    continue
+                full = f"{mod_name}.{p_name}" if mod_name else p_name
+                if isinstance(module, MergedLinear):
+                    expected.update((full, s) for s in range(len(module.output_sizes)))
+                else:
+                    expected.add((full, None))
+        return expected
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load transformers-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...).
+
+        q/k/v and gate/up go into their fused layers. Raises ValueError for an unknown name, a
+        shape mismatch, or a parameter that the checkpoint does not provide.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, int | None]] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # recomputed from the config
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # tied: the embedding table is the head
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in _STACKED_PARAMS:
+                fused, shard = _STACKED_PARAMS[parts[-2]]
+                mod_name = ".".join(parts[:-2] + [fused])
+                try:
+                    module = self.get_submodule(mod_name)
+                except AttributeError:
+                    raise ValueError(f"Unexpected weight {name!r} in checkpoint") from None
+                module.load_shard(shard, parts[-1], tensor)
+                loaded.add((f"{mod_name}.{parts[-1]}", shard))
+                continue
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"Unexpected weight {name!r} in checkpoint")
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"Shape mismatch loading {name}: checkpoint has {tuple(tensor.shape)}, "
+                    f"model expects {tuple(param.shape)}"
+                )
+            param.data.copy_(tensor)
+            loaded.add((name, None))
+        missing = self._expected_weights() - loaded
+        if missing:
+            names = sorted(f"{n}[shard {s}]" if s is not None else n for n, s in missing)
+            raise ValueError(f"Checkpoint is missing {len(missing)} weight(s): {names[:10]}")

