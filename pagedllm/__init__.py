@@ -1,8 +1,35 @@
-"""pagedllm: an LLM inference and serving engine built on PagedAttention."""
+"""pagedllm: an LLM inference and serving engine built on PagedAttention.
 
-from pagedllm.llm import LLM
-from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+Public names are imported lazily so that `pagedllm.core` (no torch) loads in milliseconds.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+_LAZY = {
+    "LLM": "pagedllm.llm",
+    "SamplingParams": "pagedllm.sampling_params",
+    "BeamSearchParams": "pagedllm.sampling_params",
+    "RequestOutput": "pagedllm.outputs",
+    "CompletionOutput": "pagedllm.outputs",
+    "LLMEngine": "pagedllm.engine.engine",
+    "EngineConfig": "pagedllm.config",
+}
+__all__ = [*_LAZY, "__version__"]
+
+if TYPE_CHECKING:
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.engine import LLMEngine
+    from pagedllm.llm import LLM
+    from pagedllm.outputs import CompletionOutput, RequestOutput
+    from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

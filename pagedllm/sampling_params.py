@@ -3,8 +3,8 @@
 Everything is validated once, at construction, with a `ValueError` whose message names the
 field, the allowed range and the value received (vLLM's wording). Normalisations done there:
 `stop` (str or list) becomes a list, `stop_token_ids` a list, `top_k=-1` becomes 0 (off),
-`seed=-1` becomes None, `logprobs=True` becomes 1, temperatures in (0, 1e-2) are raised to 1e-2,
-and greedy sampling (temperature < 1e-5) resets top_p/top_k/min_p to "off".
+`seed=-1` becomes None, `logprobs=True` becomes 1, temperatures in [1e-5, 1e-2) are raised to
+1e-2, and greedy sampling (temperature < 1e-5) resets top_p/top_k/min_p to "off".
 
 This module imports no torch.
 """
@@ -167,7 +167,9 @@ class SamplingParams:
                 f"output_kind must be a RequestOutputKind, got {self.output_kind!r}."
             )
 
-        if 0 < self.temperature < _MAX_TEMP:
+        # vLLM clamps every 0 < T < 1e-2; here T < 1e-5 stays greedy (as its sampling_type
+        # says) and only 1e-5 <= T < 1e-2 is raised.
+        if _SAMPLING_EPS <= self.temperature < _MAX_TEMP:
             logger.warning(
                 "temperature %s is less than %s, which may cause numerical errors nan or inf "
                 "in tensors. We have maxed it out to %s.",

@@ -69,7 +69,7 @@ class KVCacheManager:
         Only the first `num_tokens - 1` tokens are looked up: the last one is always recomputed
         because its logits are needed. Takes no references (see `allocate_slots`).
         """
-        if not self.enable_caching or seq.num_computed_tokens > 0:
+        if not self.enable_caching or seq.num_computed_tokens > 0 or seq.skip_prefix_cache:
             return [], 0
         blocks: list[KVBlock] = []
         parent: int | None = None
@@ -120,6 +120,7 @@ class KVCacheManager:
         table = self.req_to_blocks.get(seq.seq_id, [])
         if hits and table:
             raise ValueError(f"seq {seq.seq_id}: prefix hits given for a non-empty block table")
+        hit_hashes = self._check_hits(seq, hits)
         B = self.block_size
         write_start = seq.num_computed_tokens + len(hits) * B
         write_end = write_start + num_new_tokens
@@ -138,8 +139,7 @@ class KVCacheManager:
         if hits:
             self.block_pool.touch(hits)
             table = list(hits)
-            if self.enable_caching:
-                self.req_to_block_hashes[seq.seq_id] = [b.block_hash for b in hits]  # type: ignore[misc]
+            self.req_to_block_hashes[seq.seq_id] = hit_hashes
         for i, new_block in zip(cow, self.block_pool.get_new_blocks(len(cow))):
             old_block = table[i]
             table[i] = new_block
@@ -148,6 +148,15 @@ class KVCacheManager:
         table.extend(self.block_pool.get_new_blocks(num_new_blocks))
         self.req_to_blocks[seq.seq_id] = table
         return True
+
+    def _check_hits(self, seq: Sequence, hits: list[KVBlock]) -> list[int]:
+        """Chain hashes of `hits`, refusing blocks evicted (and maybe reused) since the lookup."""
+        hashes: list[int] = []
+        for i, block in enumerate(hits):
+            hashes.append(self._block_hash(seq, i, hashes[-1] if hashes else None))
+            if block.block_hash != hashes[-1]:
+                raise ValueError(f"seq {seq.seq_id}: stale prefix hit on block {block.block_id}")
+        return hashes
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share all of the parent's blocks with the child (copy-on-write on first write)."""

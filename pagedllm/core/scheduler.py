@@ -150,18 +150,17 @@ class Scheduler:
             if num_new <= 0:  # nothing to run until the engine appends a token
                 index += 1
                 continue
-            while not kv.allocate_slots(seq, num_new):
+            allocated = True
+            while allocated and not kv.allocate_slots(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.seq_id)
-                if victim is seq:
-                    break
-            else:
-                steps.append((seq, num_new))
-                budget -= num_new
-                index += 1
-                continue
-            break  # `seq` preempted itself: nobody after it can be served either
+                allocated = victim is not seq
+            if not allocated:
+                break  # `seq` preempted itself: nobody after it can be served either
+            steps.append((seq, num_new))
+            budget -= num_new
+            index += 1
 
         # 2. Waiting sequences, FCFS, only if nobody was preempted (else the pool would thrash).
         while (
@@ -224,9 +223,9 @@ class Scheduler:
             raise ValueError(f"{status} is not a finished status")
         if seq.is_finished:
             return
-        if seq.status == SequenceStatus.RUNNING:
+        if seq in self.running:
             self.running.remove(seq)
-        else:
+        elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = status
         self.kv_cache_manager.free(seq)

@@ -1,4 +1,4 @@
-"""KVCacheManager: block tables with exact ids, prefix hits, salt, fork + CoW, capacity, invariants."""
+"""KVCacheManager: exact block ids, prefix hits, salt, fork + CoW, capacity, invariants."""
 
 import random
 
@@ -245,6 +245,18 @@ def test_capacity_counts_touched_free_cached_blocks():
     assert kv.get_block_ids(b.seq_id) == [0, 1, 2] and kv.num_free_blocks == 0
 
 
+def test_stale_prefix_hits_are_refused():
+    kv = KVCacheManager(num_blocks=2, block_size=2)
+    a = make_seq(range(3))
+    run(kv, a)
+    kv.free(a)
+    b = make_seq(range(3))
+    hits, _ = kv.get_computed_blocks(b)
+    run(kv, make_seq([9, 9, 9, 9]))  # takes both blocks, evicting the hit
+    with pytest.raises(ValueError):
+        kv.allocate_slots(b, 1, hits)
+
+
 def test_reset_prefix_cache():
     kv = KVCacheManager(num_blocks=4, block_size=2)
     a = make_seq(range(5))
@@ -290,18 +302,18 @@ class FakeKV:
 @pytest.mark.parametrize("seed", range(6))
 def test_randomized_block_table_operations(seed):
     rng = random.Random(seed)
-    B = rng.choice([1, 2, 4])
+    B = rng.choice([2, 4, 8])
     kv = KVCacheManager(num_blocks=rng.randint(6, 16), block_size=B)
     store = FakeKV(kv)
-    prefixes = [[rng.randrange(3) for _ in range(rng.randint(1, 10))] for _ in range(3)]
+    max_len = kv.num_blocks * B  # a sequence never outgrows the pool alone
+    prefixes = [[rng.randrange(3) for _ in range(rng.randint(1, max_len // 3))] for _ in range(3)]
     active: list[Sequence] = []
 
     for _ in range(400):
         op = rng.random()
         if op < 0.2 or not active:
-            prompt = rng.choice(prefixes) + [rng.randrange(3) for _ in range(rng.randint(0, 6))]
-            if kv.num_blocks_needed(len(prompt) + 8) <= kv.num_blocks:
-                active.append(make_seq(prompt, salt=rng.choice([None, None, "s"])))
+            prompt = rng.choice(prefixes) + [rng.randrange(3) for _ in range(rng.randint(0, 2 * B))]
+            active.append(make_seq(prompt, salt=rng.choice([None, None, "s"])))
         elif op < 0.3:
             seq = active.pop(rng.randrange(len(active)))
             kv.free(seq)
@@ -309,8 +321,10 @@ def test_randomized_block_table_operations(seed):
             seq = rng.choice(active)
             kv.free(seq)
             seq.num_computed_tokens = 0
-        elif op < 0.5:  # fork a sequence that has just sampled a token
+        elif op < 0.5:  # fork a sequence after it samples a token (n > 1, beam search)
             parent = rng.choice(active)
+            if parent.num_computed_tokens >= parent.prompt_len and not parent.num_uncomputed_tokens:
+                parent.append_token(rng.randrange(3))
             if (
                 parent.num_computed_tokens >= parent.prompt_len
                 and parent.num_tokens == parent.num_computed_tokens + 1
@@ -331,7 +345,7 @@ def test_randomized_block_table_operations(seed):
             if seq.num_computed_tokens == 0:
                 hits, num_hit = kv.get_computed_blocks(seq)
             num_new = rng.randint(1, seq.num_tokens - num_hit - seq.num_computed_tokens)
-            if seq.num_tokens > 30 or not kv.allocate_slots(seq, num_new, hits or None):
+            if seq.num_tokens > max_len or not kv.allocate_slots(seq, num_new, hits or None):
                 kv.free(seq)  # out of room: finish it
                 active.remove(seq)
             else:

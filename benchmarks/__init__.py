@@ -1,0 +1,1 @@
+"""Benchmarks: fixed seeded workloads and backends (pagedllm, transformers)."""

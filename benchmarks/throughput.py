@@ -1,0 +1,174 @@
+"""Offline throughput: all requests at once, output tokens/s, peak RSS; backends side by side.
+
+    python -m benchmarks.throughput --workload seed20 --compare pagedllm,hf --hf-batch-size 1
+
+Each backend runs in its own child process (so its peak RSS is its own), one after the other;
+ratios are printed against the first backend. One JSON line per backend goes to stdout and,
+with --json-out, to a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from benchmarks.workloads import BenchRequest, load_dataset, load_workload  # noqa: E402
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def run_pagedllm(args, model: str | None) -> dict:
+    from pagedllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    kwargs = dict(kv_cache_space=args.kv_cache_space, block_size=args.block_size,
+                  max_num_seqs=args.max_num_seqs)
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    llm = LLM(model, **kwargs)
+    startup = time.perf_counter() - t0
+    reqs = _requests(args, llm.get_tokenizer(), llm.llm_engine.hf_config.vocab_size)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
+              for r in reqs]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    llm.llm_engine.reset_kv_cache_peak()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert out_tokens == sum(r.max_tokens for r in reqs), "every request must run to max_tokens"
+    stats = llm.kv_cache_stats()
+    return _result("pagedllm", reqs, elapsed, out_tokens, startup,
+                   extra={"waste_at_peak": round(stats.waste_at_peak, 4),
+                          "peak_used_blocks": stats.peak_used_blocks,
+                          "num_preemptions": stats.num_preemptions})
+
+
+def run_hf(args, model: str | None) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedllm.model_source import resolve_model
+
+    src = resolve_model(model)
+    t0 = time.perf_counter()
+    kw = {"gguf_file": src.gguf_file} if src.is_gguf else {}
+    tok = AutoTokenizer.from_pretrained(src.path, **kw)
+    hf = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32, **kw).eval()
+    startup = time.perf_counter() - t0
+    reqs = _requests(args, tok, hf.config.vocab_size)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    bs = args.hf_batch_size
+    t = time.perf_counter()
+    for i in range(0, len(reqs), bs):
+        batch = reqs[i:i + bs]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, r in enumerate(batch):  # left padding
+            ids[j, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+            mask[j, width - len(r.prompt_token_ids):] = 1
+        new = max(r.max_tokens for r in batch)
+        with torch.inference_mode():
+            hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                        do_sample=False, pad_token_id=pad)
+    elapsed = time.perf_counter() - t
+    useful = sum(r.max_tokens for r in reqs)  # only each request's own tokens count
+    return _result(f"hf(B={bs})", reqs, elapsed, useful, startup)
+
+
+def _requests(args, tokenizer, vocab_size: int) -> list[BenchRequest]:
+    if args.dataset:
+        return load_dataset(args.dataset, tokenizer)
+    return load_workload(args.workload, vocab_size, seed=args.seed)
+
+
+def _result(backend: str, reqs: list[BenchRequest], elapsed: float, out_tokens: int,
+            startup: float, extra: dict | None = None) -> dict:
+    total = out_tokens + sum(len(r.prompt_token_ids) for r in reqs)
+    res = {
+        "backend": backend, "num_requests": len(reqs), "elapsed_s": round(elapsed, 3),
+        "requests_per_s": round(len(reqs) / elapsed, 3),
+        "total_tokens_per_s": round(total / elapsed, 2),
+        "output_tokens_per_s": round(out_tokens / elapsed, 2),
+        "output_tokens": out_tokens, "startup_s": round(startup, 2),
+        "peak_rss_mb": round(_peak_rss_mb(), 1),
+    }
+    res.update(extra or {})
+    return res
+
+
+BACKENDS = {"pagedllm": run_pagedllm, "hf": run_hf}
+
+
+def markdown_table(results: list[dict]) -> str:
+    base = results[0]["output_tokens_per_s"]
+    lines = ["| backend | req/s | total tok/s | output tok/s | ratio | peak RSS MB | start-up s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['backend']} | {r['requests_per_s']} | {r['total_tokens_per_s']} | "
+                     f"{r['output_tokens_per_s']} | {r['output_tokens_per_s'] / base:.2f}x | "
+                     f"{r['peak_rss_mb']} | {r['startup_s']} |")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--backend", default="pagedllm", choices=sorted(BACKENDS))
+    p.add_argument("--compare", default=None, help="comma-separated backends, e.g. pagedllm,hf")
+    p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct GGUF")
+    p.add_argument("--workload", default="seed20")
+    p.add_argument("--dataset", default=None, help="JSON list of {prompt|prompt_token_ids, max_tokens}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hf-batch-size", type=int, default=1)
+    p.add_argument("--kv-cache-space", type=float, default=4.0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--json-out", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = build_parser().parse_args(argv)
+    if not args.compare:
+        res = BACKENDS[args.backend](args, args.model)
+        print(json.dumps(res), flush=True)
+        if args.json_out:
+            with open(args.json_out, "a") as f:
+                f.write(json.dumps(res) + "\n")
+        return [res]
+    results = []
+    argv = list(argv if argv is not None else sys.argv[1:])
+    i = argv.index("--compare")
+    base_argv = argv[:i] + argv[i + 2:]
+    for backend in args.compare.split(","):
+        with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as tmp:
+            cmd = [sys.executable, "-m", "benchmarks.throughput", *base_argv,
+                   "--backend", backend, "--json-out", tmp.name]
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            results.append(json.loads(tmp.read().splitlines()[-1]))
+    print(markdown_table(results))
+    for r in results:
+        print(json.dumps(r))
+    if args.json_out:
+        with open(args.json_out, "a") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()

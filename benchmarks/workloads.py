@@ -1,0 +1,56 @@
+"""Fixed, seeded workloads: random-token prompts with exact output lengths (EOS ignored)."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def random_requests(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
+                    vocab_size: int, seed: int) -> list[BenchRequest]:
+    """n requests; lengths uniform in the inclusive ranges; token ids avoid the first 100
+    (special tokens live there in the models we serve)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        plen = rng.randint(*prompt_range)
+        olen = rng.randint(*output_range)
+        out.append(BenchRequest([rng.randrange(100, vocab_size) for _ in range(plen)], olen))
+    return out
+
+
+WORKLOADS = {
+    # "20 concurrent, input 128±50, output 256±100"
+    "seed20": dict(n=20, prompt_range=(78, 178), output_range=(156, 356)),
+    "burst200": dict(n=200, prompt_range=(64, 192), output_range=(64, 192)),
+    "single": dict(n=1, prompt_range=(32, 32), output_range=(256, 256)),
+    "tiny": dict(n=4, prompt_range=(8, 16), output_range=(4, 8)),  # smoke tests
+}
+
+
+def load_workload(name: str, vocab_size: int, seed: int = 0) -> list[BenchRequest]:
+    if name not in WORKLOADS:
+        raise ValueError(f"Unknown workload {name!r}; known: {sorted(WORKLOADS)}.")
+    return random_requests(vocab_size=vocab_size, seed=seed, **WORKLOADS[name])
+
+
+def load_dataset(path: str, tokenizer) -> list[BenchRequest]:
+    """A JSON list of {"prompt" | "prompt_token_ids", "max_tokens"}."""
+    items = json.loads(open(path).read())
+    out = []
+    for i, item in enumerate(items):
+        if "prompt_token_ids" in item:
+            ids = list(item["prompt_token_ids"])
+        elif "prompt" in item:
+            ids = tokenizer.encode(item["prompt"])
+        else:
+            raise ValueError(f"Dataset item {i} has neither 'prompt' nor 'prompt_token_ids'.")
+        out.append(BenchRequest(ids, int(item["max_tokens"])))
+    return out

@@ -1,0 +1,309 @@
+"""Tokenizer loading (HF folder or GGUF file), chat templates, incremental detokenization and
+stop strings.
+
+Streaming text, the engine's way (per sequence):
+
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens,
+                                   params.spaces_between_special_tokens)
+    delta = detok.add_token(token_id)           # "" while a multi-byte character is incomplete
+    if params.stop:
+        hit = check_stop_strings(detok.text, len(delta), params.stop,
+                                 params.include_stop_str_in_output)
+        if hit is not None:                     # finish: reason "stop", stop_reason=hit[0]
+            detok.truncate(hit[1])
+    # While unfinished, emit only detok.text[: len(detok.text) - hold], where
+    # hold = num_held_back_chars(detok.text, params.stop) if params.stop and not
+    # params.include_stop_str_in_output else 0; once finished, emit all of detok.text.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+# Prompt tokens decoded together with the first output tokens, so that the first output
+# token's leading space (SentencePiece "▁") and byte fragments come out as in a full decode.
+INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PAGEDLLM_CACHE_DIR", "~/.cache/pagedllm")).expanduser()
+
+
+# --------------------------------------------------------------------------------- loading
+
+
+def load_tokenizer(
+    model_path: str | os.PathLike,
+    gguf_file: str | None = None,
+    trust_remote_code: bool = False,
+    use_cache: bool = True,
+    **kwargs: Any,
+) -> PreTrainedTokenizerBase:
+    """Loads a Hugging Face tokenizer from a model folder, or from a GGUF file.
+
+    GGUF: pass the folder and the file name (`gguf_file`), or the file's path as `model_path`.
+    Converting a GGUF vocabulary to a fast tokenizer takes seconds, so the result is saved under
+    `$PAGEDLLM_CACHE_DIR/tokenizers/` (default `~/.cache/pagedllm`), keyed by the GGUF file's
+    name, size and mtime, and loaded from there the next time (`use_cache=False` skips that).
+    """
+    model_path = os.fspath(model_path)
+    if gguf_file is None and model_path.endswith(".gguf") and os.path.isfile(model_path):
+        model_path, gguf_file = os.path.split(os.path.abspath(model_path))
+    elif gguf_file is not None and os.path.dirname(gguf_file):
+        model_path = os.path.join(model_path, os.path.dirname(gguf_file))
+        gguf_file = os.path.basename(gguf_file)
+
+    if gguf_file is None:
+        return AutoTokenizer.from_pretrained(
+            model_path, trust_remote_code=trust_remote_code, **kwargs
+        )
+
+    gguf_path = Path(model_path) / gguf_file
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    if not use_cache:
+        return _load_from_gguf(model_path, gguf_file, trust_remote_code, **kwargs)
+
+    st = gguf_path.stat()
+    key = f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}"
+    cached = cache_dir() / "tokenizers" / key
+    if (cached / "tokenizer_config.json").is_file():
+        try:
+            t0 = time.perf_counter()
+            tok = AutoTokenizer.from_pretrained(
+                cached, trust_remote_code=trust_remote_code, **kwargs
+            )
+            logger.debug("loaded cached tokenizer %s in %.2fs", cached, time.perf_counter() - t0)
+            return tok
+        except Exception as e:  # a broken cache entry is rebuilt, never fatal
+            logger.warning("ignoring unreadable tokenizer cache %s: %s", cached, e)
+            shutil.rmtree(cached, ignore_errors=True)
+
+    tok = _load_from_gguf(model_path, gguf_file, trust_remote_code, **kwargs)
+    try:
+        tmp = cached.with_name(f"{key}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tok.save_pretrained(tmp)
+        try:
+            tmp.rename(cached)  # atomic: readers see the whole folder or none
+        except OSError:  # another process got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        logger.warning("could not cache the tokenizer in %s: %s", cached, e)
+    return tok
+
+
+def _load_from_gguf(
+    model_path: str, gguf_file: str, trust_remote_code: bool, **kwargs: Any
+) -> PreTrainedTokenizerBase:
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(
+        model_path, gguf_file=gguf_file, trust_remote_code=trust_remote_code, **kwargs
+    )
+    logger.info("converted the tokenizer of %s in %.2fs", gguf_file, time.perf_counter() - t0)
+    return tok
+
+
+# ----------------------------------------------------------------------------- chat template
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase,
+    conversation: list[dict[str, Any]],
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    **kwargs: Any,
+) -> str:
+    """Renders a conversation ([{"role": ..., "content": ...}, ...]) to a prompt string.
+
+    The string usually starts with the template's own special tokens (BOS, <|im_start|>), so
+    tokenize it with `add_special_tokens=False`, as vLLM does."""
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "As of transformers v4.44, default chat template is no longer allowed, so you must "
+            "provide a chat template if the tokenizer does not define one."
+        )
+    if continue_final_message and add_generation_prompt:
+        raise ValueError(
+            "continue_final_message and add_generation_prompt are not compatible. Use "
+            "continue_final_message when you want the model to continue the final message, "
+            "and add_generation_prompt when you want to add a header that will prompt it to "
+            "start a new assistant message instead."
+        )
+    return tokenizer.apply_chat_template(
+        conversation,
+        chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tools=tools,
+        tokenize=False,
+        **kwargs,
+    )
+
+
+def convert_ids_list_to_tokens(
+    tokenizer: PreTrainedTokenizerBase, token_ids: Iterable[int]
+) -> list[str]:
+    """Each token's own text (for `Logprob.decoded_token`), as vLLM: `decode([token_id])`."""
+    return [tokenizer.decode([t]) or "" for t in token_ids]
+
+
+# ------------------------------------------------------------------- incremental detokenizer
+
+
+def _convert_tokens_to_string_with_added_encoders(
+    tokenizer: PreTrainedTokenizerBase,
+    output_tokens: list[str],
+    skip_special_tokens: bool,
+    spaces_between_special_tokens: bool,
+) -> str:
+    # Slow tokenizers decode added tokens separately (vLLM / HF's slow decode).
+    sub_texts: list[str] = []
+    current: list[str] = []
+    all_special = set(tokenizer.all_special_tokens)
+    added_vocab = tokenizer.get_added_vocab()
+    for token in output_tokens:
+        if skip_special_tokens and token in all_special:
+            continue
+        if token in added_vocab:
+            if current:
+                sub_texts.append(tokenizer.convert_tokens_to_string(current))
+                current = []
+            sub_texts.append(token)
+        else:
+            current.append(token)
+    if current:
+        sub_texts.append(tokenizer.convert_tokens_to_string(current))
+    return (" " if spaces_between_special_tokens else "").join(sub_texts)
+
+
+class IncrementalDetokenizer:
+    """Turns one sequence's output tokens into text a token at a time.
+
+    vLLM's / TGI's scheme: keep the token strings; decode only the window
+    `tokens[prefix_offset:]` and subtract the text of `tokens[prefix_offset:read_offset]` (what
+    was already emitted at the window's start). New text is held back while it ends with
+    U+FFFD (an incomplete UTF-8 sequence, e.g. half an emoji); the window then grows until the
+    character is complete. The window starts on the prompt's last tokens, so that the first
+    output token is decoded in context.
+
+    At the end, `text == tokenizer.decode(output_ids, skip_special_tokens=...)` for any output
+    that does not end in the middle of a character (an incomplete tail is never emitted).
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        self._plain = tokenizer.is_fast or not tokenizer.get_added_vocab()
+        self.output_token_ids: list[int] = []
+        self.text = ""
+        n = INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET
+        tail = list(prompt_token_ids[-n - 2 :])
+        self._tokens: list[str] = self._to_tokens(tail)
+        self.read_offset = len(self._tokens)
+        self.prefix_offset = max(self.read_offset - n, 0)
+
+    def _to_tokens(self, ids: list[int]) -> list[str]:
+        if not ids:
+            return []
+        toks = self.tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=self.skip_special_tokens)
+        if isinstance(toks, str):
+            toks = [toks]
+        return [t if t is not None else "" for t in toks]
+
+    def _to_string(self, tokens: list[str]) -> str:
+        if not tokens:
+            return ""
+        if self._plain:
+            return self.tokenizer.convert_tokens_to_string(tokens)
+        return _convert_tokens_to_string_with_added_encoders(
+            self.tokenizer, tokens, self.skip_special_tokens, self.spaces_between_special_tokens
+        )
+
+    def add_token(self, token_id: int) -> str:
+        """Appends one token; returns the text it completes ("" if none yet)."""
+        self.output_token_ids.append(token_id)
+        new_tokens = self._to_tokens([token_id])
+        if not new_tokens:  # a skipped special token
+            return ""
+        self._tokens.extend(new_tokens)
+        prefix_text = self._to_string(self._tokens[self.prefix_offset : self.read_offset])
+        new_text = self._to_string(self._tokens[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""  # nothing new, or an incomplete character: wait for more bytes
+        delta = new_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self._tokens)
+        if self.prefix_offset > 64:  # drop token strings that no window will read again
+            del self._tokens[: self.prefix_offset]
+            self.read_offset -= self.prefix_offset
+            self.prefix_offset = 0
+        self.text += delta
+        return delta
+
+    def add_tokens(self, token_ids: Iterable[int]) -> str:
+        return "".join(self.add_token(t) for t in token_ids)
+
+    def truncate(self, length: int) -> None:
+        """Cuts the text (after a stop string matched; no more tokens are added then)."""
+        self.text = self.text[:length]
+
+
+# ------------------------------------------------------------------------------ stop strings
+
+
+def check_stop_strings(
+    text: str, new_char_count: int, stop: Sequence[str], include_stop_str_in_output: bool
+) -> tuple[str, int] | None:
+    """Finds a stop string that ends within the last `new_char_count` characters of `text`
+    (it may start in older text: stop strings span token boundaries).
+
+    Returns `(stop_str, truncate_to)`: the output text is `text[:truncate_to]`, which ends just
+    before the stop string, or just after it with include_stop_str_in_output. If several stop
+    strings occur, the one that starts first wins (then the first listed). None if no match.
+    """
+    if not new_char_count or not stop:
+        return None
+    best: tuple[int, str] | None = None
+    for stop_str in stop:
+        # Only text that could contain a match ending in the new characters is searched.
+        start = max(len(text) - new_char_count - len(stop_str) + 1, 0)
+        idx = text.find(stop_str, start)
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, stop_str)
+    if best is None:
+        return None
+    idx, stop_str = best
+    return stop_str, idx + len(stop_str) if include_stop_str_in_output else idx
+
+
+def num_held_back_chars(text: str, stop: Sequence[str]) -> int:
+    """How many characters at the end of `text` a stream must not emit yet: the longest suffix
+    of `text` that is the beginning of a stop string (it may still become one). At most
+    `max(len(s) for s in stop) - 1`, vLLM's fixed hold-back (`output_text_buffer_length`)."""
+    held = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:n]):
+                held = n
+                break
+    return held

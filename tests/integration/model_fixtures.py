@@ -1,0 +1,110 @@
+"""Helpers for the model-side integration tests: tiny random transformers checkpoints, a fake
+scheduler output (the duck-typed contract of `ModelRunner.execute_model`) and a toy block
+allocator that hands out shuffled, non-contiguous block ids."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_VOCAB = 256
+
+
+@dataclass
+class FakeSeq:
+    seq_id: int
+
+
+@dataclass
+class FakeScheduledSequence:
+    seq: FakeSeq
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool = True
+    all_logits: bool = False
+
+
+@dataclass
+class FakeSchedulerOutput:
+    scheduled: list[FakeScheduledSequence]
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+class ToyBlocks:
+    """Per-sequence block tables drawn from a shuffled pool, so block ids are non-contiguous."""
+
+    def __init__(self, num_blocks: int, block_size: int, seed: int = 0) -> None:
+        self.block_size = block_size
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.tables: dict[int, list[int]] = {}
+
+    def ensure(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Grow `seq_id`'s table to cover `num_tokens` positions; returns a copy of the table."""
+        table = self.tables.setdefault(seq_id, [])
+        while len(table) * self.block_size < num_tokens:
+            table.append(self.free.pop())
+        return list(table)
+
+    def share(self, src_seq: int, dst_seq: int, num_blocks: int) -> None:
+        """`dst_seq` starts with the first `num_blocks` blocks of `src_seq` (prefix hit / fork)."""
+        self.tables[dst_seq] = list(self.tables[src_seq][:num_blocks])
+
+    def replace_last(self, seq_id: int) -> tuple[int, int]:
+        """Copy-on-write: give `seq_id` a fresh last block; returns the (src, dst) copy."""
+        table = self.tables[seq_id]
+        new = self.free.pop()
+        src, table[-1] = table[-1], new
+        return src, new
+
+
+def tiny_config(arch: str, **overrides: Any):
+    """A small transformers config of the given family (2 layers, hidden 64, GQA 4/2)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        initializer_range=0.1,  # peaked enough that greedy choices are not near-ties
+        tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[arch]
+    return cls(**common)
+
+
+def make_hf_model(config, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        # Norm weights are initialised to ones; perturb them so that loading them is tested.
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith(".bias"):
+                p.copy_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def save_checkpoint(model, path: Path) -> Path:
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@torch.no_grad()
+def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """transformers' float32 logits `[len, vocab]` for one unpadded sequence."""
+    return model(torch.tensor([token_ids])).logits[0].float()
