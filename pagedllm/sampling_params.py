@@ -217,7 +217,8 @@ class SamplingParams:
             self.top_p = 1.0
             self.top_k = 0
             self.min_p = 0.0
-            self._verify_greedy_sampling()
+            # n > 1 with greedy is allowed (as in vLLM v1): the samples are equal, and they
+            # share every block, which is what the sharing tests use.
 
         # The engine adds the EOS id(s) (update_from_generation_config).
         self._all_stop_token_ids = set(self.stop_token_ids)
@@ -298,10 +299,6 @@ class SamplingParams:
                 "stop strings are only supported when detokenize is True. "
                 "Set detokenize=True to use stop."
             )
-
-    def _verify_greedy_sampling(self) -> None:
-        if self.n > 1:
-            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
 
     def verify_token_ids(self, vocab_size: int) -> None:
         """Checks token ids against the model's vocabulary (the engine calls this at

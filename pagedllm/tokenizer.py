@@ -56,7 +56,7 @@ def load_tokenizer(
     `$PAGEDLLM_CACHE_DIR/tokenizers/` (default `~/.cache/pagedllm`), keyed by the GGUF file's
     name, size and mtime, and loaded from there the next time (`use_cache=False` skips that).
     """
-    model_path = os.fspath(model_path)
+    model_path = os.path.expanduser(os.fspath(model_path))
     if gguf_file is None and model_path.endswith(".gguf") and os.path.isfile(model_path):
         model_path, gguf_file = os.path.split(os.path.abspath(model_path))
     elif gguf_file is not None and os.path.dirname(gguf_file):
@@ -225,7 +225,9 @@ class IncrementalDetokenizer:
     def _to_tokens(self, ids: list[int]) -> list[str]:
         if not ids:
             return []
-        toks = self.tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=self.skip_special_tokens)
+        toks = self.tokenizer.convert_ids_to_tokens(
+            ids, skip_special_tokens=self.skip_special_tokens
+        )
         if isinstance(toks, str):
             toks = [toks]
         return [t if t is not None else "" for t in toks]

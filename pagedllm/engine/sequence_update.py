@@ -117,15 +117,9 @@ class SequenceUpdater:
             entries = compute_prompt_logprobs(
                 logits[: end - start], next_ids, state.params.prompt_logprobs
             )
-            for tid, entry in zip(next_ids, entries):
-                state.prompt_logprobs.append(self._to_logprob_dict(tid, entry))
+            for entry in entries:
+                for tid, lp in entry.items():
+                    lp.decoded_token = self.decode_token(tid)
+                state.prompt_logprobs.append(entry)
         if start + n >= len(prompt):
             state.prompt_logprobs_done = True
-
-    def _to_logprob_dict(self, token_id: int, entry):
-        if isinstance(entry, dict) and all(isinstance(k, int) for k in entry):
-            for tid, lp in entry.items():
-                if getattr(lp, "decoded_token", "") is None:
-                    lp.decoded_token = self.decode_token(tid)
-            return entry
-        return entry

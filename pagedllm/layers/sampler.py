@@ -32,7 +32,9 @@ _NEG_INF = float("-inf")
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator for a seeded sequence; it must live on the device the logits are on.
+    """A generator for a seeded sequence. One on the logits' device is fastest; a CPU
+    generator also works with GPU logits (its draws are copied over), and then a seed gives the
+    same draws on every device.
 
     For n > 1 with a seed, give sample i the seed `seed + i` (vLLM's choice) so that the samples
     differ but stay reproducible."""
@@ -366,8 +368,12 @@ def random_sample(
     if any(g is None for g in gens):
         q.exponential_()
     for i, g in enumerate(gens):
-        if g is not None:
+        if g is None:
+            continue
+        if g.device == q.device:
             q[i].exponential_(generator=g)
+        else:  # e.g. a CPU generator with GPU logits: draw where the generator lives
+            q[i] = torch.empty(q.shape[1], device=g.device).exponential_(generator=g).to(q.device)
     # Exp(1) can return exactly 0 with tiny probability; keep 0/0 (masked tokens) out of reach.
     q.clamp_(min=torch.finfo(q.dtype).tiny)
     return probs.div_(q).argmax(dim=-1)

@@ -130,7 +130,8 @@ def test_chat_template_missing(cache_root, tok):
     bare.chat_template = None
     with pytest.raises(ValueError, match="must provide a chat template"):
         apply_chat_template(bare, [{"role": "user", "content": "hi"}])
-    assert apply_chat_template(bare, [{"role": "user", "content": "hi"}], chat_template="{{ messages[0]['content'] }}") == "hi"
+    msgs = [{"role": "user", "content": "hi"}]
+    assert apply_chat_template(bare, msgs, chat_template="{{ messages[0]['content'] }}") == "hi"
 
 
 def _stream(tok, prompt_ids, ids, **kw):
@@ -139,7 +140,12 @@ def _stream(tok, prompt_ids, ids, **kw):
     return detok, deltas
 
 
-PROMPTS = ["", "Say something:", "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "日本"]
+PROMPTS = [
+    "",
+    "Say something:",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "日本",
+]
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -283,7 +289,7 @@ def test_num_held_back_chars():
     assert num_held_back_chars("hello", ["\nUser:"]) == 0
     assert num_held_back_chars("hello\n", ["\nUser:"]) == 1
     assert num_held_back_chars("hello\nUse", ["\nUser:"]) == 4
-    assert num_held_back_chars("hello\nUser:", ["\nUser:"]) == 0 or True  # matched: engine stops
+    assert num_held_back_chars("hello\nUser:", ["\nUser:"]) == 0  # complete: not a prefix
     assert num_held_back_chars("aab", ["ab", "aabx"]) == 3
     assert num_held_back_chars("", ["abc"]) == 0
     assert num_held_back_chars("xa", ["abc", "b"]) == 1

@@ -10,6 +10,7 @@ from pagedllm.layers.sampler import (
     SamplingMetadata,
     SamplingRow,
     apply_min_p,
+    apply_penalties,
     apply_top_k_top_p,
     compute_prompt_logprobs,
     make_generator,
@@ -26,7 +27,9 @@ def rows_for(params_list, prompts=None, outputs=None, generators=None):
     prompts = prompts or [[] for _ in range(n)]
     outputs = outputs or [[] for _ in range(n)]
     generators = generators or [None] * n
-    return [SamplingRow(p, pr, o, g) for p, pr, o, g in zip(params_list, prompts, outputs, generators)]
+    return [
+        SamplingRow(p, pr, o, g) for p, pr, o, g in zip(params_list, prompts, outputs, generators)
+    ]
 
 
 def sample(logits, params_list, eos_token_id=None, **kw):
@@ -145,8 +148,6 @@ def test_penalties_match_hand_computation():
     )
     md = SamplingMetadata.build([SamplingRow(params, prompt, output)])
     processed = logits.clone()
-    from pagedllm.layers.sampler import apply_penalties
-
     apply_penalties(processed, md)
     expected = []
     for tok, x in enumerate(logits[0].tolist()):
@@ -178,7 +179,8 @@ def test_penalty_rows_do_not_touch_neutral_rows():
         SamplingParams(temperature=0.0),
     ]
     top = logits.argmax(-1).tolist()
-    out = sample(logits, params, prompts=[top[:1], top[1:2], top[2:]], outputs=[top[:1], top[1:2], top[2:]])
+    seen = [top[:1], top[1:2], top[2:]]
+    out = sample(logits, params, prompts=seen, outputs=seen)
     assert out.sampled_token_ids[0] == top[0] and out.sampled_token_ids[2] == top[2]
     assert out.sampled_token_ids[1] != top[1]
 
@@ -210,7 +212,9 @@ def test_min_tokens_blocks_eos_and_stop_ids():
     p2 = SamplingParams(temperature=0.0, min_tokens=1)
     p2.update_from_generation_config({}, model_eos_token_id=1)
     assert sample(logits, [p2], outputs=[[]]).sampled_token_ids == [2]
-    md = SamplingMetadata.build(rows_for([params, SamplingParams()], outputs=[[], []]), eos_token_id=1)
+    md = SamplingMetadata.build(
+        rows_for([params, SamplingParams()], outputs=[[], []]), eos_token_id=1
+    )
     assert md.min_tokens_mask == [{1, 2}, None]
 
 
@@ -380,3 +384,24 @@ def test_bf16_logits_accepted():
     logits = rand_logits(3, seed=11).to(torch.bfloat16)
     out = sample(logits, [SamplingParams(temperature=0.0, logprobs=1)] * 3)
     assert out.sampled_token_ids == logits.float().argmax(-1).tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cpu_generator_with_cuda_logits_matches_cpu():
+    params = SamplingParams(temperature=0.9, top_k=50, seed=3)
+    logits = [rand_logits(1, seed=200 + s) for s in range(20)]
+    g_cpu, g_mixed = make_generator(3), make_generator(3)
+    on_cpu = [sample(x, [params], generators=[g_cpu]).sampled_token_ids[0] for x in logits]
+    on_gpu = [
+        sample(x.cuda(), [params], generators=[g_mixed]).sampled_token_ids[0] for x in logits
+    ]
+    assert on_gpu == on_cpu
+
+
+def test_exponential_race_uses_the_row_generator():
+    # token = argmax(probs / q) with q drawn from the row's generator: recomputed by hand.
+    logits = rand_logits(1, vocab=50, seed=12)
+    params = SamplingParams(temperature=0.6, seed=11)
+    out = sample(logits, [params], generators=[make_generator(11)]).sampled_token_ids[0]
+    q = torch.empty(50).exponential_(generator=make_generator(11))
+    assert out == int((torch.softmax(logits[0] / 0.6, -1) / q).argmax())

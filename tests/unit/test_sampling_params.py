@@ -51,7 +51,10 @@ def test_max_tokens_none_allowed():
     "kwargs, message",
     [
         (dict(n=0), "n must be at least 1, got 0."),
-        (dict(n=2, best_of=1), "best_of must be greater than or equal to n, got n=2 and best_of=1."),
+        (
+            dict(n=2, best_of=1),
+            "best_of must be greater than or equal to n, got n=2 and best_of=1.",
+        ),
         (dict(presence_penalty=2.5), "presence_penalty must be in [-2, 2], got 2.5."),
         (dict(presence_penalty=-2.01), "presence_penalty must be in [-2, 2], got -2.01."),
         (dict(frequency_penalty=-3), "frequency_penalty must be in [-2, 2], got -3.0."),
@@ -86,7 +89,6 @@ def test_max_tokens_none_allowed():
             "stop strings are only supported when detokenize is True. Set detokenize=True to "
             "use stop.",
         ),
-        (dict(n=2, temperature=0.0), "n must be 1 when using greedy sampling, got 2."),
         # types
         (dict(temperature="0.5"), "temperature must be a float, got str: '0.5'."),
         (dict(temperature=None), "temperature must be a float, got NoneType: None."),
@@ -142,7 +144,8 @@ def test_stop_normalisation():
 
 def test_output_text_buffer_length():
     assert SamplingParams(stop=["a", "abcd"]).output_text_buffer_length == 3
-    assert SamplingParams(stop=["abcd"], include_stop_str_in_output=True).output_text_buffer_length == 0
+    p = SamplingParams(stop=["abcd"], include_stop_str_in_output=True)
+    assert p.output_text_buffer_length == 0
 
 
 def test_top_k_minus_one_normalised_to_zero():
@@ -232,3 +235,9 @@ def test_beam_search_params():
         BeamSearchParams(beam_width=2, max_tokens=0)
     with pytest.raises(ValueError, match=r"^temperature must be non-negative, got -1\.0\.$"):
         BeamSearchParams(beam_width=2, max_tokens=3, temperature=-1)
+
+
+def test_parallel_greedy_samples_allowed():
+    # vLLM v1 allows n > 1 with greedy: the samples are equal (and share every block).
+    p = SamplingParams(n=4, temperature=0.0)
+    assert p.n == 4 and p.is_greedy

@@ -1,0 +1,219 @@
+"""GGUF loading: the default SmolLM2 Q4_1 file against transformers' own GGUF loader, tiny GGUF
+files written here (mixed quantization types, llama.cpp's Q/K permutation), and the errors."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, GenerationConfig, GPT2Config
+
+from pagedllm.model import get_model_class, load_model
+from pagedllm.model.gguf_loader import gguf_to_hf_name
+from pagedllm.worker import ModelRunner
+from tests.integration.model_fixtures import (
+    FakeScheduledSequence,
+    FakeSchedulerOutput,
+    FakeSeq,
+    hf_logits,
+    make_hf_model,
+    tiny_config,
+)
+
+# SmolLM2's chat template around "Explain in two sentences why the sky is blue during the day and
+# red at sunset." with the default system prompt, tokenized by the GGUF's own tokenizer.
+PROMPT_IDS = [
+    1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 30, 2, 198, 1, 4093,
+    198, 36971, 281, 827, 8545, 1701, 260, 6376, 314, 4461, 981, 260, 1194, 284, 2382, 418, 21822,
+    30, 2, 198, 1, 520, 9531, 198,
+]  # fmt: skip
+SMOLLM2_ATOL = 2e-3  # 30 layers of float32 with differently fused matrix products
+
+
+@pytest.fixture(scope="module")
+def smollm2_config(smollm2_gguf):
+    folder, name = os.path.split(smollm2_gguf)
+    return AutoConfig.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="module")
+def smollm2_ours(smollm2_gguf, smollm2_config):
+    folder, name = os.path.split(smollm2_gguf)
+    return load_model(folder, name, smollm2_config, torch.float32, torch.device("cpu"))
+
+
+def test_smollm2_gguf_logits_match_transformers(smollm2_ours, smollm2_config, hf_smollm2) -> None:
+    runner = ModelRunner(smollm2_ours, smollm2_config, 16, 16, torch.float32, "cpu")
+    seq = FakeScheduledSequence(FakeSeq(0), PROMPT_IDS, 0, [7, 2, 11], sample=True, all_logits=True)
+    out = runner.execute_model(FakeSchedulerOutput([seq]))
+    ref = hf_logits(hf_smollm2, PROMPT_IDS)
+    ours = out.all_logits[0]
+    diff = (ours - ref).abs().max().item()
+    print(f"SmolLM2 GGUF prefill: max |logits diff| = {diff:.3g} over {ref.shape}")
+    assert diff < SMOLLM2_ATOL
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_smollm2_gguf_greedy_decode_matches_transformers(smollm2_ours, smollm2_config, hf_smollm2) -> None:
+    """Chunked prefill (16-token chunks) then greedy decode, against transformers' generate."""
+    block_size, new_tokens = 8, 12
+    runner = ModelRunner(smollm2_ours, smollm2_config, 32, block_size, torch.float32, "cpu")
+    table = [19, 4, 27, 0, 13, 8, 30, 22, 5]
+    tokens = list(PROMPT_IDS)
+    pos = 0
+    while len(tokens) < len(PROMPT_IDS) + new_tokens:
+        n = min(16, len(tokens) - pos)
+        seq = FakeScheduledSequence(FakeSeq(0), tokens[pos : pos + n], pos, table, sample=pos + n == len(tokens))
+        out = runner.execute_model(FakeSchedulerOutput([seq]))
+        pos += n
+        if seq.sample:
+            tokens.append(int(out.sample_logits[0].argmax()))
+    gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ref = hf_smollm2.generate(
+        torch.tensor([PROMPT_IDS]), attention_mask=torch.ones(1, len(PROMPT_IDS), dtype=torch.long), generation_config=gen
+    )
+    assert ref[0].tolist() == tokens
+
+
+def test_unsupported_architecture_raises() -> None:
+    with pytest.raises(ValueError, match=r"Model architecture\(s\) \['GPT2LMHeadModel'\] are not supported"):
+        get_model_class(GPT2Config(architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(ValueError, match=r"\['gpt2'\] are not supported. Supported architectures: \['LlamaForCausalLM'"):
+        get_model_class(GPT2Config())  # GGUF configs have no `architectures`: model_type decides
+    assert get_model_class(tiny_config("qwen2", architectures=None)).__name__ == "LlamaForCausalLM"
+
+
+# ---- tiny GGUF files written here ------------------------------------------------------------
+
+_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_TYPES = {
+    "attn_q": "Q8_0",
+    "attn_k": "Q4_1",
+    "attn_v": "F16",
+    "attn_output": "Q4_0",
+    "ffn_gate": "Q5_0",
+    "ffn_up": "BF16",
+    "ffn_down": "Q8_0",
+    "token_embd": "Q8_0",
+    "output": "F16",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf_name == "model.norm.weight":
+        return "output_norm.weight"
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, _, suffix = rest.rpartition(".")
+    return f"blk.{layer}.{_GGUF_NAMES[module]}.{suffix}"
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py's LlamaModel.permute."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_tiny_gguf(hf_model, config, gguf_arch: str, path) -> None:
+    """Write `hf_model` as llama.cpp would (permuted Q/K for `llama`), in mixed quantization
+    types, and round `hf_model`'s weights to what the file holds, so both sides see the same."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    unpermute = LlamaTensorProcessor(
+        {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads}
+    )
+    writer = gguf.GGUFWriter(str(path), gguf_arch)
+    with torch.no_grad():
+        for hf_name, param in hf_model.state_dict().items():
+            if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+                continue  # llama.cpp writes no output.weight for a tied head
+            name = _gguf_name(hf_name)
+            kind = name.split(".")[-2]
+            w = param.numpy().astype(np.float32)
+            if gguf_arch == "llama" and kind == "attn_q":
+                w = _llama_cpp_permute(w, config.num_attention_heads)
+            elif gguf_arch == "llama" and kind == "attn_k":
+                w = _llama_cpp_permute(w, config.num_key_value_heads)
+            qtype = gguf.GGMLQuantizationType[_TYPES.get(kind, "F32") if w.ndim == 2 else "F32"]
+            if qtype == gguf.GGMLQuantizationType.F32:
+                data = w
+            elif qtype == gguf.GGMLQuantizationType.F16:
+                data = w.astype(np.float16)
+            else:
+                data = quantize(w, qtype)
+            writer.add_tensor(name, data, raw_dtype=qtype)
+            stored = dequantize(data, qtype).reshape(w.shape)
+            if gguf_arch == "llama" and kind in ("attn_q", "attn_k"):
+                stored = unpermute.process(stored, name).weights  # transformers' own reverse permute
+            param.copy_(torch.from_numpy(np.ascontiguousarray(stored)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    "arch,gguf_arch,overrides",
+    [
+        ("llama", "llama", dict(attention_bias=True)),  # permuted Q/K weights and biases, GQA
+        ("mistral", "llama", dict(sliding_window=None, tie_word_embeddings=True)),  # llama.cpp stores Mistral as llama
+        ("qwen2", "qwen2", dict()),  # not permuted by llama.cpp; q/k/v biases
+    ],
+)
+def test_tiny_gguf_with_mixed_quant_types_matches_transformers(tmp_path, arch, gguf_arch, overrides) -> None:
+    config = tiny_config(arch, **overrides)
+    hf_model = make_hf_model(config, seed=11)
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(hf_model, config, gguf_arch, path)
+    model = load_model(str(tmp_path), "tiny.gguf", config, torch.float32, "cpu")
+    runner = ModelRunner(model, config, 8, 16, torch.float32, "cpu")
+    prompt = [(7 * i + 3) % config.vocab_size for i in range(37)]
+    out = runner.execute_model(
+        FakeSchedulerOutput([FakeScheduledSequence(FakeSeq(0), prompt, 0, [5, 1, 6], all_logits=True)])
+    )
+    torch.testing.assert_close(out.all_logits[0], hf_logits(hf_model, prompt), atol=1e-4, rtol=0)
+    # The .gguf path alone also works.
+    assert load_model(str(path), None, config, torch.float32, "cpu") is not None
+
+
+def test_unsupported_gguf_tensor_type_raises(tmp_path) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "iq.gguf"), "llama")
+    writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+    # One IQ4_NL block row: 32 weights in 18 bytes; the content is irrelevant.
+    writer.add_tensor(
+        "token_embd.weight", np.zeros((4, 18 * 2), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL
+    )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = tiny_config("llama", hidden_size=64, vocab_size=4, num_hidden_layers=0)
+    with pytest.raises(ValueError, match="Unsupported GGUF tensor type IQ4_NL for tensor 'token_embd.weight'"):
+        load_model(str(tmp_path / "iq.gguf"), None, config, torch.float32, "cpu")
+
+
+def test_gguf_tensor_names() -> None:
+    assert gguf_to_hf_name("blk.12.attn_q.bias") == "model.layers.12.self_attn.q_proj.bias"
+    assert gguf_to_hf_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
+    assert gguf_to_hf_name("output.weight") == "lm_head.weight"
+    assert gguf_to_hf_name("rope_freqs.weight") is None
+    with pytest.raises(ValueError, match="Unsupported tensor 'blk.0.ffn_gate_exps.weight'"):
+        gguf_to_hf_name("blk.0.ffn_gate_exps.weight")
