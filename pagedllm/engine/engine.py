@@ -324,6 +324,7 @@ class LLMEngine:
         self.scheduler.update_after_step(sched_out)
         self._observe_kv_usage()
         touched = self._process_outputs(sched_out, runner_out)
+        self._observe_kv_usage()  # finished sequences gave their blocks back
         outputs = []
         for state in touched:
             outputs.append(state.to_output())

@@ -111,11 +111,14 @@ class SequenceUpdater:
 
         prompt = state.prompt_token_ids
         start, n = item.start_pos, len(item.token_ids)
-        end = min(start + n, len(prompt) - 1)  # rows whose next token is still in the prompt
-        if end > start:
-            next_ids = prompt[start + 1 : end + 1]
+        # Row i predicts the token at start + i + 1. Skip positions already recorded (a chunk
+        # recomputed after preemption) and the last row (it predicts the first output token).
+        first = max(start, len(state.prompt_logprobs) - 1)
+        end = min(start + n, len(prompt) - 1)
+        if end > first:
             entries = compute_prompt_logprobs(
-                logits[: end - start], next_ids, state.params.prompt_logprobs
+                logits[first - start : end - start], prompt[first + 1 : end + 1],
+                state.params.prompt_logprobs,
             )
             for entry in entries:
                 for tid, lp in entry.items():

@@ -88,6 +88,8 @@ class ModelRunner:
             token_ids.extend(s.token_ids)
             ctx = s.start_pos + q_lens[i]
             n_blocks = -(-ctx // B)
+            if q_lens[i] == 0:
+                raise ValueError(f"Sequence {s.seq.seq_id} is scheduled with no tokens")
             if len(s.block_table) < n_blocks:
                 raise ValueError(
                     f"Sequence {s.seq.seq_id}: block table has {len(s.block_table)} blocks, "

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, GenerationConfig, GPT2Config
 
 from pagedllm.model import get_model_class, load_model
-from pagedllm.model.gguf_loader import gguf_to_hf_name
+from pagedllm.model.gguf_loader import dequantize_tensor, gguf_to_hf_name
 from pagedllm.worker import ModelRunner
 from tests.integration.model_fixtures import (
     FakeScheduledSequence,
@@ -217,3 +217,17 @@ def test_gguf_tensor_names() -> None:
     assert gguf_to_hf_name("rope_freqs.weight") is None
     with pytest.raises(ValueError, match="Unsupported tensor 'blk.0.ffn_gate_exps.weight'"):
         gguf_to_hf_name("blk.0.ffn_gate_exps.weight")
+
+
+@pytest.mark.parametrize("type_name", ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q8_0"])
+def test_dequantize_is_bit_identical_to_gguf(type_name) -> None:
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    w = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32) * 3
+    data = w if qtype == gguf.GGMLQuantizationType.F32 else (
+        w.astype(np.float16) if qtype == gguf.GGMLQuantizationType.F16 else quantize(w, qtype)
+    )
+    ours = dequantize_tensor(data, qtype).reshape(6, 96).float()
+    assert torch.equal(ours, torch.from_numpy(dequantize(data, qtype).reshape(6, 96)))

@@ -290,3 +290,21 @@ def test_cache_engine_layout_and_copy_blocks() -> None:
         assert torch.all(k[4] == 100 * layer + 1) and torch.all(v[4] == -(100 * layer + 1))
         assert torch.all(k[5] == 100 * layer + 4) and torch.all(v[5] == -(100 * layer + 4))
         assert torch.all(k[1] == 100 * layer + 1)
+
+
+def test_bfloat16_model_and_cache(tmp_path) -> None:
+    """Half-precision weights and KV cache run the same paths; logits come back float32."""
+    config = tiny_config("qwen2", use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    hf_model = make_hf_model(config, seed=2)
+    path = save_checkpoint(hf_model, tmp_path)
+    model = load_model(str(path), None, config, torch.bfloat16, "cpu")
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    runner = ModelRunner(model, config, 16, 8, torch.bfloat16, "cpu")
+    prompt = list(range(3, 30))
+    first = FakeScheduledSequence(FakeSeq(0), prompt[:20], 0, [4, 0, 9, 2], sample=False, all_logits=True)
+    out = runner.execute_model(FakeSchedulerOutput([first]))
+    rest = FakeScheduledSequence(FakeSeq(0), prompt[20:], 20, [4, 0, 9, 2], all_logits=True)
+    out2 = runner.execute_model(FakeSchedulerOutput([rest]))
+    ours = torch.cat([out.all_logits[0], out2.all_logits[0]])
+    assert ours.dtype == torch.float32 and out2.sample_logits.dtype == torch.float32
+    torch.testing.assert_close(ours, hf_logits(hf_model, prompt), atol=0.1, rtol=0.05)
