@@ -41,14 +41,14 @@ def test_chunked_prefill_small_budget(smollm2_gguf, reference):
 
 
 def test_preemption_by_recompute(smollm2_gguf, reference):
-    # 8 prompts (one of ~400 tokens) + 32 new tokens each need ~60 blocks of 16 in all; a pool
-    # of 40 forces preemptions, yet each request alone fits.
-    llm = LLM(smollm2_gguf, num_kv_blocks=40, enable_prefix_caching=False)
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    # The 7 short prompts + 32 new tokens need ~3 blocks of 16 each, ~21 in all; a pool of 10
+    # admits them all at first, then forces preemptions as they grow; each alone fits.
+    llm = LLM(smollm2_gguf, num_kv_blocks=10, enable_prefix_caching=False)
+    outs = llm.generate(PROMPTS[:7], GREEDY, use_tqdm=False)
     stats = llm.kv_cache_stats()
     assert stats.num_preemptions > 0
-    assert [o.outputs[0].token_ids for o in outs] == reference
-    assert stats.used_blocks == 0
+    assert [o.outputs[0].token_ids for o in outs] == reference[:7]
+    assert stats.used_blocks == 0 and stats.peak_used_blocks <= 10
 
 
 @pytest.mark.parametrize("block_size", [8, 32])
