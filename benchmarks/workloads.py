@@ -11,6 +11,7 @@ from dataclasses import dataclass
 class BenchRequest:
     prompt_token_ids: list[int]
     max_tokens: int
+    prompt: str | None = None  # text prompts of a dataset (sent as text to servers)
 
 
 def random_requests(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
@@ -41,16 +42,17 @@ def load_workload(name: str, vocab_size: int, seed: int = 0) -> list[BenchReques
     return random_requests(vocab_size=vocab_size, seed=seed, **WORKLOADS[name])
 
 
-def load_dataset(path: str, tokenizer) -> list[BenchRequest]:
-    """A JSON list of {"prompt" | "prompt_token_ids", "max_tokens"}."""
+def load_dataset(path: str, tokenizer=None) -> list[BenchRequest]:
+    """A JSON list of {"prompt" | "prompt_token_ids", "max_tokens"}; text prompts are
+    tokenized when a tokenizer is given, else kept as text."""
     items = json.loads(open(path).read())
     out = []
     for i, item in enumerate(items):
         if "prompt_token_ids" in item:
             ids = list(item["prompt_token_ids"])
         elif "prompt" in item:
-            ids = tokenizer.encode(item["prompt"])
+            ids = tokenizer.encode(item["prompt"]) if tokenizer is not None else []
         else:
             raise ValueError(f"Dataset item {i} has neither 'prompt' nor 'prompt_token_ids'.")
-        out.append(BenchRequest(ids, int(item["max_tokens"])))
+        out.append(BenchRequest(ids, int(item["max_tokens"]), item.get("prompt")))
     return out

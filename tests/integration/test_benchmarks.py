@@ -1,0 +1,58 @@
+"""Smoke tests of the benchmark tools on a tiny workload (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import latency, throughput
+from benchmarks.workloads import WORKLOADS, load_dataset, load_workload
+
+
+def test_workloads_are_fixed_and_seeded():
+    a = load_workload("seed20", 49152, seed=0)
+    assert a == load_workload("seed20", 49152, seed=0)
+    assert a != load_workload("seed20", 49152, seed=1)
+    assert len(a) == 20
+    assert all(78 <= len(r.prompt_token_ids) <= 178 and 156 <= r.max_tokens <= 356 for r in a)
+    assert set(WORKLOADS) >= {"seed20", "burst200", "single"}
+    with pytest.raises(ValueError, match="Unknown workload"):
+        load_workload("nope", 100)
+
+
+def test_dataset_file(tmp_path, smollm2_llm):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([{"prompt": "Hello there", "max_tokens": 3},
+                                {"prompt_token_ids": [5, 6, 7], "max_tokens": 2}]))
+    reqs = load_dataset(str(path), smollm2_llm.get_tokenizer())
+    assert reqs[0].prompt_token_ids == smollm2_llm.get_tokenizer().encode("Hello there")
+    assert reqs[1].prompt_token_ids == [5, 6, 7] and reqs[1].max_tokens == 2
+
+
+@pytest.mark.parametrize("backend", ["pagedllm", "hf"])
+def test_throughput_backends(backend, smollm2_gguf, tmp_path):
+    out = tmp_path / "r.jsonl"
+    [res] = throughput.main(["--backend", backend, "--model", smollm2_gguf, "--workload", "tiny",
+                             "--kv-cache-space", "0.1", "--hf-batch-size", "2",
+                             "--json-out", str(out)])
+    expected = sum(r.max_tokens for r in load_workload("tiny", 49152))
+    assert res["output_tokens"] == expected and res["output_tokens_per_s"] > 0
+    assert json.loads(out.read_text().splitlines()[-1])["backend"] == res["backend"]
+    if backend == "pagedllm":
+        assert 0 <= res["waste_at_peak"] < 1
+
+
+def test_latency_benchmark(smollm2_gguf):
+    res = latency.main(["--model", smollm2_gguf, "--batch-size", "2", "--input-len", "8",
+                        "--output-len", "4", "--num-iters", "1", "--kv-cache-space", "0.1"])
+    assert res["prefill_ms"] > 0 and res["decode_step_ms"] > 0
+
+
+def test_markdown_table_ratios():
+    rows = [{"backend": "a", "requests_per_s": 1, "total_tokens_per_s": 10,
+             "output_tokens_per_s": 10.0, "peak_rss_mb": 1, "startup_s": 1},
+            {"backend": "b", "requests_per_s": 1, "total_tokens_per_s": 10,
+             "output_tokens_per_s": 5.0, "peak_rss_mb": 1, "startup_s": 1}]
+    table = throughput.markdown_table(rows)
+    assert "| a |" in table and "0.50x" in table
