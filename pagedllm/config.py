@@ -14,7 +14,7 @@ SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUPPORTED_DEVICES = ("auto", "cpu", "cuda")
 SUPPORTED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 SUPPORTED_QUANTIZATION: tuple[str, ...] = ("gguf",)
-SUPPORTED_PREEMPTION_MODES = ("recompute",)
+SUPPORTED_PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass
@@ -31,12 +31,16 @@ class EngineConfig:
     kv_cache_space: float = 4.0  # GiB of KV cache on CPU
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # fixes the pool size (tests, benchmarks)
-    swap_space: float = 0.0  # GiB of host memory for swapped-out blocks
+    # GiB of host memory for swapped-out blocks (vLLM's default 4). On CPU it is a separate
+    # tensor whose pages cost memory only once a swap-out writes them. 0: no swap.
+    swap_space: float = 4.0
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: max(2048, max_num_seqs)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    preemption_mode: str | None = None  # None: the scheduler's choice
+    # None: swap out a preempted request with several running sequences (n > 1, beam
+    # search), recompute a single one; "swap" / "recompute" force one for every preemption.
+    preemption_mode: str | None = None
     tensor_parallel_size: int = 1
     quantization: str | None = None
     enforce_eager: bool = False
@@ -79,6 +83,8 @@ class EngineConfig:
                 f"preemption_mode must be one of {list(SUPPORTED_PREEMPTION_MODES)}, "
                 f"got {self.preemption_mode!r}."
             )
+        if self.preemption_mode == "swap" and self.swap_space == 0:
+            raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory).")
         if self.tensor_parallel_size != 1:
             raise ValueError(
                 f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: "

@@ -11,7 +11,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.engine import LLMEngine, PromptType
 from pagedllm.engine.kv_stats import KVCacheStats
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.tokenizer import apply_chat_template
 
 Conversation = list[dict[str, Any]]
@@ -51,11 +51,29 @@ class LLM:
         """Generate for every prompt; outputs come back in the order of the prompts.
 
         Prompts: a string, a list of strings, a `{"prompt_token_ids": [...]}` dict or a list of
-        them. `sampling_params`: one for all, or a list with one per prompt.
+        them; a dict may carry a `"cache_salt"` that isolates its prefix cache from requests
+        with another salt. `sampling_params`: one for all, or a list with one per prompt.
         """
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         return self._run(prompt_list, params_list, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | SequenceT[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Beam search for every prompt (transformers' `generate(num_beams=...)` semantics).
+
+        Each RequestOutput holds `beam_width` completions, best score first; a completion's
+        `cumulative_logprob` is its sum of token logprobs (the score divides it by
+        `len(token_ids) ** length_penalty`). The beams share KV blocks (fork, copy-on-write).
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"beam_search() takes BeamSearchParams, got {type(params).__name__}.")
+        prompt_list = self._as_prompt_list(prompts)
+        return self._run(prompt_list, [params] * len(prompt_list), use_tqdm)
 
     def chat(
         self,
@@ -110,7 +128,10 @@ class LLM:
         return params
 
     def _run(
-        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams] | list[BeamSearchParams],
+        use_tqdm: bool,
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = [f"offline-{next(self._request_counter)}" for _ in prompts]

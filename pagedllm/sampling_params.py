@@ -97,6 +97,8 @@ class SamplingParams:
         include_stop_str_in_output: keep the matched stop string at the end of the text.
         logit_bias: token id -> value added to its logit before sampling.
         output_kind: CUMULATIVE, DELTA or FINAL_ONLY RequestOutputs while streaming.
+        use_beam_search: run beam search with beam width `n` (greedy; no sampling knobs).
+        length_penalty: beam scores are divided by length ** length_penalty.
     """
 
     n: int = 1
@@ -122,6 +124,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Beam search through the sampling API (vLLM's server extra): beam width = n.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     # Set in __post_init__, not inputs.
     # Characters of output text to hold back while streaming, so that no text is emitted that
@@ -143,6 +148,7 @@ class SamplingParams:
         self.top_p = _as_float("top_p", self.top_p)
         _check_int("top_k", self.top_k)
         self.min_p = _as_float("min_p", self.min_p)
+        self.length_penalty = _as_float("length_penalty", self.length_penalty)
         _check_int("seed", self.seed, allow_none=True)
         _check_int("max_tokens", self.max_tokens, allow_none=True)
         _check_int("min_tokens", self.min_tokens)
@@ -158,6 +164,7 @@ class SamplingParams:
             "skip_special_tokens",
             "spaces_between_special_tokens",
             "include_stop_str_in_output",
+            "use_beam_search",
         ):
             if not isinstance(getattr(self, name), bool):
                 value = getattr(self, name)
@@ -353,7 +360,13 @@ class SamplingParams:
 
 @dataclass
 class BeamSearchParams:
-    """Beam search parameters (vLLM's `BeamSearchParams`), used by `LLM.beam_search`."""
+    """Beam search parameters (vLLM's `BeamSearchParams`), used by `LLM.beam_search`.
+
+    `early_stopping` is transformers' (`generate(..., early_stopping=...)`): True stops as
+    soon as `beam_width` hypotheses are finished; False (default) stops when the best running
+    beam, scored at its current length, cannot beat the worst finished one; "never" scores it
+    at `max_tokens` when `length_penalty > 0` (the exact, slower search).
+    """
 
     beam_width: int
     max_tokens: int
@@ -361,8 +374,13 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ValueError(
+                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}."
+            )
         _check_int("beam_width", self.beam_width)
         _check_int("max_tokens", self.max_tokens)
         self.temperature = _as_float("temperature", self.temperature)

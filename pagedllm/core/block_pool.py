@@ -102,6 +102,8 @@ class BlockPool:
         # Block-id order at start, so the first allocation returns 0, 1, 2, ...
         self.free_block_queue = FreeKVBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[int, KVBlock] = {}
+        # Blocks with ref_count > 1, kept up to date by touch/free so statistics cost O(1).
+        self.num_shared_blocks = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -148,6 +150,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_count == 0:
                 self.free_block_queue.remove(block)
+            elif block.ref_count == 1:
+                self.num_shared_blocks += 1
             block.ref_count += 1
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
@@ -161,6 +165,8 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_block_queue.append(block)
+            elif block.ref_count == 1:
+                self.num_shared_blocks -= 1
 
     def cache_full_block(self, block: KVBlock, block_hash: int) -> None:
         """Publish a full block under `block_hash`; a duplicate of a cached block stays unhashed.

@@ -4,6 +4,10 @@ A sequence's block table maps its positions to physical blocks:
 `slot(pos) = table[pos // block_size] * block_size + pos % block_size`. Blocks are shared in two
 ways: prefix-cache hits on full, hashed blocks (never written again), and `fork` (n > 1, beam
 search), whose partly filled last block is copied on the first write (copy-on-write).
+
+Swap preemption moves a group of sequences' blocks to a host pool (a second BlockPool without
+caching) and back: the manager remaps the block tables and queues the (src, dst) copies that the
+cache engine performs before the next forward, in the order swap-out, swap-in, copy-on-write.
 """
 
 from __future__ import annotations
@@ -15,19 +19,34 @@ from pagedllm.core.request import Sequence
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        num_host_blocks: int = 0,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
+        if num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be non-negative, got {num_host_blocks}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        # Host memory for swapped-out blocks: ref counts and a free queue, never hashed.
+        self.host_pool = BlockPool(num_host_blocks, False) if num_host_blocks else None
         self.req_to_blocks: dict[int, list[KVBlock]] = {}
+        self.swapped_tables: dict[int, list[KVBlock]] = {}  # seq_id -> host blocks
         # Chain hashes of each sequence's full computed blocks, in order (the next block's
         # parent); kept even where the pool holds a duplicate and did not cache the block.
         self.req_to_block_hashes: dict[int, list[int]] = {}
         self._pending_copies: list[tuple[int, int]] = []
-        self.prefix_cache_queries = 0  # tokens looked up
+        self._pending_swap_out: list[tuple[int, int]] = []  # (device src, host dst)
+        self._pending_swap_in: list[tuple[int, int]] = []  # (host src, device dst)
+        self.prefix_cache_queries = 0  # tokens looked up (counted when a sequence is admitted)
         self.prefix_cache_hits = 0  # tokens found
+        self.num_swapped_out = 0  # blocks copied device -> host, cumulative
+        self.num_swapped_in = 0  # blocks copied host -> device, cumulative
 
     # ---- sizes and statistics -------------------------------------------------------------
 
@@ -46,7 +65,11 @@ class KVCacheManager:
     @property
     def num_shared_blocks(self) -> int:
         """Blocks referenced by more than one sequence right now."""
-        return sum(1 for b in self.block_pool.blocks if b.ref_count > 1)
+        return self.block_pool.num_shared_blocks
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.host_pool.num_free_blocks if self.host_pool else 0
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -67,9 +90,11 @@ class KVCacheManager:
         """Longest run of cached full blocks at the start of `seq`, and the tokens they hold.
 
         Only the first `num_tokens - 1` tokens are looked up: the last one is always recomputed
-        because its logits are needed. Takes no references (see `allocate_slots`).
+        because its logits are needed. Takes no references and counts nothing: the hit and
+        query counters move when `allocate_slots` admits the sequence, so that a sequence
+        looked up in several steps before it fits is counted once.
         """
-        if not self.enable_caching or seq.num_computed_tokens > 0 or seq.skip_prefix_cache:
+        if not self._uses_prefix_cache(seq):
             return [], 0
         blocks: list[KVBlock] = []
         parent: int | None = None
@@ -79,10 +104,34 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_hit_tokens = len(blocks) * self.block_size
-        self.prefix_cache_queries += seq.num_tokens
-        self.prefix_cache_hits += num_hit_tokens
-        return blocks, num_hit_tokens
+        return blocks, len(blocks) * self.block_size
+
+    def _uses_prefix_cache(self, seq: Sequence) -> bool:
+        return self.enable_caching and seq.num_computed_tokens == 0 and not seq.skip_prefix_cache
+
+    def first_missed_block_hash(self, seq: Sequence, hits: list[KVBlock]) -> int | None:
+        """Hash of the first looked-up block after `hits` (the block that missed), or None.
+
+        The scheduler defers a waiting sequence whose missed block another sequence is
+        computing in the same step: one step later it hits instead of computing it again.
+        """
+        if not self._uses_prefix_cache(seq):
+            return None
+        if len(hits) >= (seq.num_tokens - 1) // self.block_size:
+            return None
+        return self._block_hash(seq, len(hits), hits[-1].block_hash if hits else None)
+
+    def hashes_filled_by(self, seq: Sequence, num_new_tokens: int) -> list[int]:
+        """Chain hashes of the blocks that computing `num_new_tokens` more tokens makes full."""
+        if not self.enable_caching or seq.skip_prefix_cache:
+            return []
+        hashes = self.req_to_block_hashes.get(seq.seq_id, [])
+        parent = hashes[-1] if hashes else None
+        out = []
+        for i in range(len(hashes), (seq.num_computed_tokens + num_new_tokens) // self.block_size):
+            parent = self._block_hash(seq, i, parent)
+            out.append(parent)
+        return out
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Hash and publish every block now full of computed tokens (prompt or generated)."""
@@ -136,6 +185,9 @@ class KVCacheManager:
         if num_new_blocks + len(cow) > self.block_pool.num_free_blocks - num_hits_from_free:
             return False
 
+        if not table and self._uses_prefix_cache(seq):  # admission: count the lookup once
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += len(hits) * B
         if hits:
             self.block_pool.touch(hits)
             table = list(hits)
@@ -169,16 +221,117 @@ class KVCacheManager:
             self.req_to_block_hashes[child.seq_id] = list(self.req_to_block_hashes[parent.seq_id])
 
     def free(self, seq: Sequence) -> None:
-        """Release the sequence's blocks, tail first so its prefix stays cached the longest."""
+        """Release the sequence's blocks, tail first so its prefix stays cached the longest.
+
+        A copy-on-write queued this step into one of its blocks is dropped: the block may be
+        handed out again in the same step, and two copies into one block would race.
+        """
         table = self.req_to_blocks.pop(seq.seq_id, None)
         self.req_to_block_hashes.pop(seq.seq_id, None)
+        host_table = self.swapped_tables.pop(seq.seq_id, None)
+        if host_table:
+            assert self.host_pool is not None
+            self.host_pool.free_blocks(reversed(host_table))
         if table:
             self.block_pool.free_blocks(reversed(table))
+            if self._pending_copies:
+                blocks = self.block_pool.blocks
+                self._pending_copies = [
+                    (src, dst) for src, dst in self._pending_copies if blocks[dst].ref_count > 0
+                ]
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """(src_block_id, dst_block_id) copies the runner must do before the next forward."""
         copies, self._pending_copies = self._pending_copies, []
         return copies
+
+    # ---- swap -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _distinct(tables: Iterable[list[KVBlock]]) -> list[KVBlock]:
+        seen: dict[int, KVBlock] = {}
+        for table in tables:
+            for block in table:
+                seen.setdefault(block.block_id, block)
+        return list(seen.values())
+
+    def num_swap_out_blocks(self, seqs: list[Sequence]) -> int:
+        """Host blocks a swap-out of `seqs` takes: each block they share is stored once."""
+        return len(self._distinct(self.req_to_blocks.get(s.seq_id, []) for s in seqs))
+
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        return (
+            self.host_pool is not None
+            and self.num_swap_out_blocks(seqs) <= self.host_pool.num_free_blocks
+        )
+
+    def num_swap_in_blocks(self, seqs: list[Sequence]) -> int:
+        return len(self._distinct(self.swapped_tables.get(s.seq_id, []) for s in seqs))
+
+    def swap_out(self, seqs: list[Sequence]) -> None:
+        """Move the blocks of `seqs` (a forked group) to host memory, keeping their sharing.
+
+        Each distinct device block gets one host block, whose ref count is the number of
+        table entries that point at it; the device blocks lose those references (a block also
+        held outside the group, e.g. a prefix hit, stays on the device for its other owners).
+        A block filled by a copy-on-write queued this step holds nothing yet: the swap-out
+        reads that copy's source instead, and the copy is dropped.
+        """
+        if not self.can_swap_out(seqs):
+            raise ValueError("not enough free host blocks to swap out")
+        assert self.host_pool is not None
+        tables = [self.req_to_blocks.get(s.seq_id, []) for s in seqs]
+        distinct = self._distinct(tables)
+        host_blocks = self.host_pool.get_new_blocks(len(distinct))
+        to_host = {d.block_id: h for d, h in zip(distinct, host_blocks)}
+        cow_source = {dst: src for src, dst in self._pending_copies}
+        self._pending_copies = [(s, d) for s, d in self._pending_copies if d not in to_host]
+        for d, h in zip(distinct, host_blocks):
+            self._pending_swap_out.append((cow_source.get(d.block_id, d.block_id), h.block_id))
+        self.num_swapped_out += len(distinct)
+        host_refs: dict[int, int] = {}
+        for seq, table in zip(seqs, tables):
+            self.swapped_tables[seq.seq_id] = [to_host[b.block_id] for b in table]
+            for b in table:
+                host_refs[b.block_id] = host_refs.get(b.block_id, 0) + 1
+            self.req_to_blocks.pop(seq.seq_id, None)
+            self.block_pool.free_blocks(reversed(table))
+        for block_id, n in host_refs.items():  # get_new_blocks gave each host block one ref
+            self.host_pool.touch([to_host[block_id]] * (n - 1))
+
+    def swap_in(self, seqs: list[Sequence]) -> bool:
+        """Bring swapped `seqs` back into fresh device blocks; False (nothing changed) if the
+        pool is short. Their full blocks are published to the prefix cache again."""
+        assert self.host_pool is not None
+        tables = [self.swapped_tables.get(s.seq_id, []) for s in seqs]
+        distinct = self._distinct(tables)
+        if len(distinct) > self.block_pool.num_free_blocks:
+            return False
+        dev_blocks = self.block_pool.get_new_blocks(len(distinct))
+        to_dev = {h.block_id: d for h, d in zip(distinct, dev_blocks)}
+        self._pending_swap_in.extend((h.block_id, d.block_id) for h, d in zip(distinct, dev_blocks))
+        self.num_swapped_in += len(distinct)
+        dev_refs: dict[int, int] = {}
+        for seq, table in zip(seqs, tables):
+            dev_table = [to_dev[h.block_id] for h in table]
+            self.req_to_blocks[seq.seq_id] = dev_table
+            for h in table:
+                dev_refs[h.block_id] = dev_refs.get(h.block_id, 0) + 1
+            del self.swapped_tables[seq.seq_id]
+            self.host_pool.free_blocks(reversed(table))
+        for block_id, n in dev_refs.items():
+            self.block_pool.touch([to_dev[block_id]] * (n - 1))
+        for seq in seqs:
+            table = self.req_to_blocks[seq.seq_id]
+            for block, block_hash in zip(table, self.req_to_block_hashes.get(seq.seq_id, [])):
+                self.block_pool.cache_full_block(block, block_hash)
+        return True
+
+    def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(swap-out (device, host) pairs, swap-in (host, device) pairs) queued this step."""
+        out, self._pending_swap_out = self._pending_swap_out, []
+        inn, self._pending_swap_in = self._pending_swap_in, []
+        return out, inn
 
     # ---- checks for tests -----------------------------------------------------------------
 
@@ -187,6 +340,9 @@ class KVCacheManager:
         seqs = {s.seq_id: s for s in active_seqs}
         B = self.block_size
         assert set(self.req_to_blocks) <= set(seqs), "block table of an inactive sequence"
+        assert set(self.swapped_tables) <= set(seqs), "host table of an inactive sequence"
+        assert not set(self.req_to_blocks) & set(self.swapped_tables), "on device and host"
+        self._check_host_pool()
         refs: dict[int, int] = {}
         for seq_id, table in self.req_to_blocks.items():
             seq = seqs[seq_id]
@@ -211,3 +367,17 @@ class KVCacheManager:
         assert len(hashed) == len(pool.cached_block_hash_to_block)
         if not self.enable_caching:
             assert not hashed and not self.req_to_block_hashes
+
+    def _check_host_pool(self) -> None:
+        if self.host_pool is None:
+            assert not self.swapped_tables
+            return
+        refs: dict[int, int] = {}
+        for table in self.swapped_tables.values():
+            for block in table:
+                refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        for block in self.host_pool.blocks:
+            assert block.ref_count == refs.get(block.block_id, 0), block
+            assert block.block_hash is None
+        free = {b.block_id for b in self.host_pool.free_block_queue}
+        assert free == {b.block_id for b in self.host_pool.blocks if b.ref_count == 0}

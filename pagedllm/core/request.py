@@ -15,6 +15,7 @@ from typing import Any
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # in the waiting queue (new, or preempted for recompute)
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted by swap: its blocks wait in host memory
     FINISHED_STOPPED = "stop"  # EOS, stop token id or stop string
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len reached
     FINISHED_ABORTED = "abort"
@@ -54,6 +55,8 @@ class Sequence:
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
+    # Prompt tokens found in the prefix cache at first admission (None until admitted).
+    num_cached_tokens: int | None = None
     # Engine-side state (sampling and detokenization); opaque to core/.
     data: dict[str, Any] = field(default_factory=dict)
 

@@ -2,17 +2,20 @@
 
 One token budget per step (`max_num_batched_tokens`), as in vLLM v1: running sequences are
 served first (a decode is 1 token, an unfinished prefill takes what is left of the budget), then
-waiting ones are admitted FCFS with prefill chunks from what remains. When a running sequence
-cannot get a block, the most recently arrived running sequence not yet scheduled this step is
-preempted by recompute (blocks freed, requeued at the front of the waiting queue) and the
-allocation retried. A step that preempted admits nothing new, so the pool can drain.
+swapped-out groups come back (oldest first), then waiting ones are admitted FCFS with prefill
+chunks from what remains. When a running sequence cannot get a block, the most recently arrived
+running sequence is preempted and the allocation retried, as vLLM v0 did: a request with several
+running sequences (n > 1, beam search) is swapped out whole to host memory, keeping its sharing;
+a single sequence is recomputed (blocks freed, requeued at the front of the waiting queue);
+`preemption_mode` forces either. A step that preempted admits nothing new and swaps nothing in,
+so the pool can drain; nothing new is admitted while a group waits in host memory.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Sequence, SequenceStatus
@@ -24,11 +27,17 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    # None: swap a preempted group with several running sequences, recompute a single one.
+    preemption_mode: str | None = None  # "recompute" | "swap" force one
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.preemption_mode not in (None, "recompute", "swap"):
+            raise ValueError(
+                f"preemption_mode must be None, 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # Otherwise a long prompt could never be admitted and would wait forever.
             raise ValueError(
@@ -51,8 +60,15 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence]
     block_copies: list[tuple[int, int]]  # (src, dst) CoW copies to do BEFORE the forward
-    preempted: list[int]  # seq ids preempted this step
+    preempted: list[int]  # seq ids preempted this step (recomputed or swapped out)
     num_batched_tokens: int
+    # Done before the forward in this order: swap out, swap in, then the block copies.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+
+    @property
+    def has_cache_ops(self) -> bool:
+        return bool(self.block_copies or self.blocks_to_swap_out or self.blocks_to_swap_in)
 
     @property
     def is_empty(self) -> bool:
@@ -66,6 +82,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         # Ordered by (arrival_time, request order, index): the tail is the preemption victim.
         self.running: list[Sequence] = []
+        # Groups preempted by swap, each a request's sequences, oldest request first.
+        self.swapped: list[list[Sequence]] = []
         self.num_preemptions = 0
         # Unfinished sequences of each request, and the order requests were first seen in
         # (keeps a request's sequences together in `running` when arrival times tie).
@@ -112,17 +130,20 @@ class Scheduler:
         child.status = SequenceStatus.RUNNING
         self._insert_running(child)
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Preempt by recompute: free its blocks and requeue it ahead of new arrivals.
+    def _preempt_by_recompute(self, seq: Sequence) -> None:
+        """Free its blocks and requeue it ahead of new arrivals.
 
         Its output tokens are kept: it resumes as a prefill of prompt + output so far. Preempted
         sequences sit at the front of the waiting queue, oldest first.
         """
         self.kv_cache_manager.free(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self._requeue_for_recompute(seq)
+
+    def _requeue_for_recompute(self, seq: Sequence) -> None:
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
         key = self._priority(seq)
         i = 0
         while (
@@ -133,6 +154,31 @@ class Scheduler:
             i += 1
         self.waiting.insert(i, seq)
 
+    def _preempt_by_swap(self, group: list[Sequence]) -> None:
+        """Move the group's blocks to host memory; it comes back, whole, before new arrivals."""
+        self.kv_cache_manager.swap_out(group)
+        for seq in group:
+            self.running.remove(seq)
+            seq.status = SequenceStatus.SWAPPED
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
+        bisect.insort(self.swapped, group, key=lambda g: self._priority(g[0]))
+
+    def _preempt_last(self) -> list[Sequence]:
+        """Preempt the most recently arrived running request's sequences; returns them.
+
+        A request's running sequences are contiguous in `running`, so its group is a tail.
+        """
+        victim = self.running[-1]
+        group = [s for s in self.running if s.request_id == victim.request_id]
+        mode = self.config.preemption_mode or ("swap" if len(group) > 1 else "recompute")
+        if mode == "swap" and self.kv_cache_manager.can_swap_out(group):
+            self._preempt_by_swap(group)
+            return group
+        self.running.pop()
+        self._preempt_by_recompute(victim)
+        return [victim]
+
     # ---- one step -------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -141,8 +187,8 @@ class Scheduler:
         steps: list[tuple[Sequence, int]] = []  # (seq, num_new_tokens), in emission order
         preempted: list[int] = []
 
-        # 1. Running sequences, oldest first. Victims are popped from the end of `running`,
-        #    which holds only sequences not yet scheduled beyond `index`.
+        # 1. Running sequences, oldest first. Victims come from the end of `running`: either
+        #    after `index`, or a group that holds `seq` itself (then the loop ends).
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
@@ -152,40 +198,29 @@ class Scheduler:
                 continue
             allocated = True
             while allocated and not kv.allocate_slots(seq, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim.seq_id)
-                allocated = victim is not seq
+                gone = self._preempt_last()
+                preempted.extend(s.seq_id for s in gone)
+                if seq in gone:
+                    allocated = False
+                    for s in gone:  # members of its group scheduled before it: unschedule
+                        budget += sum(n for t, n in steps if t is s)
+                    steps = [(t, n) for t, n in steps if t not in gone]
             if not allocated:
-                break  # `seq` preempted itself: nobody after it can be served either
+                break  # `seq` was preempted: nobody after it can be served either
             steps.append((seq, num_new))
             budget -= num_new
             index += 1
 
-        # 2. Waiting sequences, FCFS, only if nobody was preempted (else the pool would thrash).
-        while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            seq = self.waiting[0]
-            hit_blocks, num_hit_tokens = kv.get_computed_blocks(seq)
-            num_new = seq.num_tokens - seq.num_computed_tokens - num_hit_tokens
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                num_new = budget
-            if not kv.allocate_slots(seq, num_new, hit_blocks or None):
-                break
-            self.waiting.popleft()
-            seq.num_computed_tokens += num_hit_tokens
-            seq.status = SequenceStatus.RUNNING
-            self._insert_running(seq)
-            steps.append((seq, num_new))
-            budget -= num_new
+        # 2. Swapped groups come back first, whole, when nothing was preempted this step.
+        if not preempted:
+            budget = self._swap_in(steps, budget)
 
-        # 3. Emit, running ones first, then the newly admitted.
+        # 3. Waiting sequences, FCFS, only if nobody was preempted (else the pool would thrash)
+        #    and no group waits in host memory.
+        if not preempted and not self.swapped:
+            budget = self._admit_waiting(steps, budget)
+
+        # 4. Emit, running ones first, then the swapped-in, then the newly admitted.
         scheduled = [
             ScheduledSequence(
                 seq=seq,
@@ -196,12 +231,87 @@ class Scheduler:
             )
             for seq, n in steps
         ]
+        swap_out, swap_in = kv.take_pending_swaps()
         return SchedulerOutput(
             scheduled=scheduled,
             block_copies=kv.take_pending_copies(),
             preempted=preempted,
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            blocks_to_swap_out=swap_out,
+            blocks_to_swap_in=swap_in,
         )
+
+    def _swap_in(self, steps: list[tuple[Sequence, int]], budget: int) -> int:
+        """Bring back swapped groups, oldest first, while their blocks, tokens and seats fit.
+
+        Room is kept for one more block per sequence (its next token may need a new block or a
+        copy-on-write). A group that cannot fit even in an empty pool is recomputed instead.
+        """
+        kv = self.kv_cache_manager
+        while self.swapped:
+            group = self.swapped[0]
+            num_new = [s.num_tokens - s.num_computed_tokens for s in group]
+            blocks = kv.num_swap_in_blocks(group) + len(group)
+            if blocks > kv.num_blocks:  # could never come back: recompute it instead
+                self.swapped.pop(0)
+                for seq in group:
+                    kv.free(seq)
+                    self._requeue_for_recompute(seq)
+                continue
+            if (
+                blocks > kv.num_free_blocks
+                or sum(num_new) > budget
+                or len(self.running) + len(group) > self.config.max_num_seqs
+            ):
+                break
+            self.swapped.pop(0)
+            assert kv.swap_in(group)
+            for seq, n in zip(group, num_new):
+                seq.status = SequenceStatus.RUNNING
+                self._insert_running(seq)
+                if n > 0:
+                    assert kv.allocate_slots(seq, n)
+                    steps.append((seq, n))
+                    budget -= n
+        return budget
+
+    def _admit_waiting(self, steps: list[tuple[Sequence, int]], budget: int) -> int:
+        """Admit waiting sequences FCFS with prefill chunks from what is left of the budget.
+
+        With prefix caching, a sequence whose first missed block is being computed this step by
+        another one waits a step (later ones may go ahead): it will then hit that block.
+        """
+        kv = self.kv_cache_manager
+        in_flight: set[int] | None = None
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[i]
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(seq)
+            missed = kv.first_missed_block_hash(seq, hit_blocks)
+            if missed is not None:
+                if in_flight is None:
+                    in_flight = {h for t, n in steps for h in kv.hashes_filled_by(t, n)}
+                if missed in in_flight:
+                    i += 1
+                    continue
+            num_new = seq.num_tokens - seq.num_computed_tokens - num_hit_tokens
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not kv.allocate_slots(seq, num_new, hit_blocks or None):
+                break
+            del self.waiting[i]
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = num_hit_tokens
+            seq.num_computed_tokens += num_hit_tokens
+            seq.status = SequenceStatus.RUNNING
+            self._insert_running(seq)
+            steps.append((seq, num_new))
+            budget -= num_new
+            if in_flight is not None:
+                in_flight.update(kv.hashes_filled_by(seq, num_new))
+        return budget
 
     def update_after_step(self, output: SchedulerOutput) -> None:
         """Mark this step's tokens computed and publish blocks they filled to the prefix cache.
@@ -223,7 +333,12 @@ class Scheduler:
             raise ValueError(f"{status} is not a finished status")
         if seq.is_finished:
             return
-        if seq in self.running:
+        if seq.status == SequenceStatus.SWAPPED:
+            group = next(g for g in self.swapped if seq in g)
+            group.remove(seq)
+            if not group:
+                self.swapped.remove(group)
+        elif seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
@@ -246,7 +361,7 @@ class Scheduler:
     # ---- counts ---------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.swapped)
 
     @property
     def num_running(self) -> int:
@@ -255,6 +370,14 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        """Sequences whose blocks are in host memory now."""
+        return sum(len(g) for g in self.swapped)
+
+    def all_unfinished(self) -> list[Sequence]:
+        return self.running + list(self.waiting) + [s for g in self.swapped for s in g]
 
     def get_sequence_count(self) -> tuple[int, int]:
         """(running, waiting), like vLLM's `get_request_counts`."""

@@ -18,6 +18,13 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Sequence, SequenceStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.engine.beam_search import (
+    BeamSearch,
+    BeamSearchRequest,
+    beam_completions,
+    beam_params_from_sampling,
+    sampling_params_from_beam,
+)
 from pagedllm.engine.kv_stats import KVCacheStats, KVCacheStatsTracker
 from pagedllm.engine.request_state import RequestState, SeqState, sample_seed
 from pagedllm.engine.sequence_update import SequenceUpdater
@@ -25,7 +32,7 @@ from pagedllm.layers.sampler import Sampler
 from pagedllm.model.loader import load_model
 from pagedllm.model_source import ModelSource, load_hf_config, resolve_model
 from pagedllm.outputs import RequestMetrics, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.tokenizer import IncrementalDetokenizer, load_tokenizer
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.device import resolve_device, resolve_dtype
@@ -58,10 +65,14 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.block_size = config.block_size
         self.num_blocks = self._determine_num_blocks()
+        self.num_host_blocks = int(config.swap_space * (1 << 30)) // self._bytes_per_block()
         self._log_cache_size()
 
         self.kv_cache_manager = KVCacheManager(
-            self.num_blocks, self.block_size, enable_caching=config.enable_prefix_caching
+            self.num_blocks,
+            self.block_size,
+            enable_caching=config.enable_prefix_caching,
+            num_host_blocks=self.num_host_blocks,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -69,12 +80,14 @@ class LLMEngine:
                 max_num_batched_tokens=config.resolved_max_num_batched_tokens(self.max_model_len),
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                preemption_mode=config.preemption_mode,
             ),
             self.kv_cache_manager,
         )
         self.model_runner = ModelRunner(
             self.model, self.hf_config, self.num_blocks, self.block_size, self.dtype, self.device
         )
+        self.model_runner.cache_engine.allocate_host_pool(self.num_host_blocks)
         self.sampler = Sampler()
         self.updater = SequenceUpdater(self.tokenizer, self._eos_token_ids(), self.max_model_len)
         self.requests: dict[str, RequestState] = {}
@@ -144,9 +157,9 @@ class LLMEngine:
         concurrency = tokens / self.max_model_len
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB; maximum concurrency for "
-            "%d tokens per request: %.2fx",
+            "%d tokens per request: %.2fx; swap space: %d blocks",
             self.num_blocks, self.block_size, tokens, self.num_blocks * per_block / (1 << 30),
-            self.max_model_len, concurrency,
+            self.max_model_len, concurrency, self.num_host_blocks,
         )
 
     def _eos_token_ids(self) -> set[int]:
@@ -183,16 +196,29 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | BeamSearchParams | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
     ) -> None:
-        """Validate, tokenize and queue a request; a request that can never run is rejected here."""
+        """Validate, tokenize and queue a request; a request that can never run is rejected here.
+
+        `BeamSearchParams` (or `SamplingParams(use_beam_search=True, n=width)`) make it a beam
+        search. `cache_salt`, also accepted as a key of a prompt dict, isolates its prefix cache.
+        """
         if request_id in self.requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
+        beam_params = params if isinstance(params, BeamSearchParams) else None
+        if beam_params is not None:
+            params = sampling_params_from_beam(beam_params)
         params = params.clone() if params is not None else SamplingParams()
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            cache_salt = prompt["cache_salt"]
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}.")
         prompt_text, prompt_ids = self._tokenize_prompt(prompt)
         self._validate_prompt(prompt_ids, params)
+        if params.use_beam_search and beam_params is None:
+            beam_params = beam_params_from_sampling(params, params.max_tokens)
         now = time.time() if arrival_time is None else arrival_time
         state = RequestState(
             request_id=request_id,
@@ -202,12 +228,32 @@ class LLMEngine:
             metrics=RequestMetrics(arrival_time=now, num_prompt_tokens=len(prompt_ids)),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
-        seq = self._new_sequence(state, index=0, cache_salt=cache_salt)
+        if beam_params is not None:
+            seq = self._new_beam_sequence(state, cache_salt, [])
+            stop_ids = self.updater.eos_token_ids | set(params.stop_token_ids)
+            state.beam = BeamSearchRequest(BeamSearch(beam_params, stop_ids), running=[seq])
+        else:
+            seq = self._new_sequence(state, index=0, cache_salt=cache_salt)
         if params.prompt_logprobs is not None:
             seq.skip_prefix_cache = True
         state.seqs.append(seq)
         self.requests[request_id] = state
         self.scheduler.add_sequence(seq)
+
+    def _new_beam_sequence(
+        self, state: RequestState, cache_salt: str | None, output_token_ids: list[int]
+    ) -> Sequence:
+        """A beam: no sampler or detokenizer state (the text is decoded once, at the end)."""
+        seq = Sequence(
+            seq_id=next(self._seq_counter),
+            request_id=state.request_id,
+            prompt_token_ids=state.prompt_token_ids,
+            arrival_time=state.metrics.arrival_time,
+            cache_salt=cache_salt,
+            output_token_ids=list(output_token_ids),
+        )
+        seq.data["state"] = None
+        return seq
 
     def _new_sequence(self, state: RequestState, index: int, cache_salt: str | None) -> Sequence:
         params = state.params
@@ -280,6 +326,15 @@ class LLMEngine:
                 "in the completion). Please reduce the length of the messages or completion."
             )
         blocks = self.kv_cache_manager.num_blocks_needed(total)
+        if params.use_beam_search:
+            # The beams must fit side by side even unshared, or they could evict each other
+            # forever; the sharing then only makes room for other requests.
+            beam_params_from_sampling(params, params.max_tokens)  # rejects unsupported knobs
+            if blocks * params.n > self.num_blocks:
+                raise ValueError(
+                    f"Beam search with width {params.n} needs up to {blocks * params.n} KV cache "
+                    f"blocks but the pool has {self.num_blocks}; lower the width or max_tokens."
+                )
         if blocks > self.num_blocks:
             raise ValueError(
                 f"The request needs {blocks} KV cache blocks ({total} tokens at block_size="
@@ -298,7 +353,8 @@ class LLMEngine:
             for seq in state.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish_sequence(seq, SequenceStatus.FINISHED_ABORTED)
-                    seq.data["state"].finish_reason = "abort"
+                    if seq.data["state"] is not None:
+                        seq.data["state"].finish_reason = "abort"
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -312,6 +368,8 @@ class LLMEngine:
         """Run one scheduler step and return an output for every request that advanced."""
         sched_out = self.scheduler.schedule()
         if not sched_out.scheduled:
+            if sched_out.has_cache_ops:  # e.g. a step that only swapped a group out
+                self.model_runner.execute_model(sched_out)
             return []
         now = time.time()
         for item in sched_out.scheduled:
@@ -319,6 +377,7 @@ class LLMEngine:
             if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = now
                 state.metrics.time_in_queue = now - state.metrics.arrival_time
+                state.num_cached_tokens = item.seq.num_cached_tokens
             item.all_logits = state.prompt_logprobs is not None and not state.prompt_logprobs_done
         runner_out = self.model_runner.execute_model(sched_out)
         self.scheduler.update_after_step(sched_out)
@@ -346,6 +405,15 @@ class LLMEngine:
                 )
             if not item.sample:
                 continue
+            if state.beam is not None:
+                # A copy: a view would keep the step's whole logits tensor alive.
+                state.beam.add_logits(item.seq, runner_out.sample_logits[sample_i].clone())
+                sample_i += 1
+                if state.beam.ready():
+                    self._advance_beams(state, time.time())
+                    if state.finished:  # beam search reports once, at the end
+                        touched[state.request_id] = state
+                continue
             targets = [item.seq]
             if state.params.n > 1 and not state.forked:
                 # First sample of an n > 1 request: fork n - 1 children that share the
@@ -357,7 +425,7 @@ class LLMEngine:
                 row_logits.append(sample_i)
             sample_i += 1
         if not rows:
-            return []
+            return list(touched.values())
         logits = runner_out.sample_logits
         if len(row_logits) != logits.shape[0]:
             logits = logits.index_select(0, torch.tensor(row_logits, device=logits.device))
@@ -373,7 +441,8 @@ class LLMEngine:
                 state.metrics.first_token_time = now
             state.metrics.last_token_time = now
         for state in touched.values():
-            state.metrics.num_generation_tokens = sum(s.num_output_tokens for s in state.seqs)
+            if state.beam is None:
+                state.metrics.num_generation_tokens = sum(s.num_output_tokens for s in state.seqs)
         return list(touched.values())
 
     def _fork(self, state: RequestState, parent: Sequence, idx: int) -> Sequence:
@@ -385,19 +454,44 @@ class LLMEngine:
         state.seqs.append(child)
         return child
 
+    def _advance_beams(self, state: RequestState, now: float) -> None:
+        """One beam-search step for a request whose running beams all have their logits."""
+        beam = state.beam
+        assert beam is not None
+        done = beam.advance(
+            fork=lambda parent: self._fork_beam(state, parent),
+            drop=lambda seq: self.scheduler.finish_sequence(seq, SequenceStatus.FINISHED_ABORTED),
+        )
+        state.seqs = list(beam.running)
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+        state.metrics.last_token_time = now
+        state.metrics.num_generation_tokens = beam.search.num_generated
+        if done:
+            state.beam_outputs = beam_completions(
+                beam.search.results(), state, self.tokenizer, self.updater.eos_token_ids
+            )
+
+    def _fork_beam(self, state: RequestState, parent: Sequence) -> Sequence:
+        """A beam chosen twice: the copy shares every block of its parent (CoW on write)."""
+        child = self._new_beam_sequence(state, parent.cache_salt, parent.output_token_ids)
+        self.scheduler.fork_sequence(parent, child)
+        return child
+
     def _observe_kv_usage(self) -> None:
         kv = self.kv_cache_manager
         tokens = KVCacheStatsTracker.count_stored_tokens(
             self.scheduler.running, kv.get_block_ids, self.block_size
         )
-        self._kv_stats.observe(self.num_blocks - kv.num_free_blocks, tokens)
+        self._kv_stats.observe(self.num_blocks - kv.num_free_blocks, tokens, kv.num_shared_blocks)
 
     # ---- statistics -----------------------------------------------------------------------
 
     def kv_cache_stats(self) -> KVCacheStats:
         kv = self.kv_cache_manager
         return self._kv_stats.snapshot(
-            self.scheduler.num_preemptions, kv.prefix_cache_queries, kv.prefix_cache_hits
+            self.scheduler.num_preemptions, kv.prefix_cache_queries, kv.prefix_cache_hits,
+            kv.num_swapped_out, kv.num_swapped_in,
         )
 
     def reset_kv_cache_peak(self) -> None:

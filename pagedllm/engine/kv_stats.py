@@ -2,7 +2,8 @@
 
 `waste_at_peak` is the number that shows paging works: at the step with the most blocks in use,
 the fraction of allocated slots that hold no token (only the tail of each sequence's last
-block, so it stays small).
+block, so it stays small). `shared_blocks` counts blocks held by more than one sequence
+(parallel samples, beams, prefix hits): what sharing saves.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ class KVCacheStats:
     num_preemptions: int
     prefix_cache_queries: int  # tokens looked up in the prefix cache
     prefix_cache_hits: int  # tokens found there
+    shared_blocks: int = 0  # blocks with ref_count > 1 now
+    peak_shared_blocks: int = 0
+    num_swapped_out: int = 0  # blocks copied to host memory by swap preemption, cumulative
+    num_swapped_in: int = 0  # blocks copied back, cumulative
 
 
 class KVCacheStatsTracker:
@@ -37,6 +42,8 @@ class KVCacheStatsTracker:
         self.tokens_stored = 0
         self.peak_used_blocks = 0
         self.peak_tokens_stored = 0
+        self.shared_blocks = 0
+        self.peak_shared_blocks = 0
 
     @staticmethod
     def count_stored_tokens(
@@ -54,9 +61,11 @@ class KVCacheStatsTracker:
                     filled[block_id] = n
         return sum(filled.values())
 
-    def observe(self, used_blocks: int, tokens_stored: int) -> None:
+    def observe(self, used_blocks: int, tokens_stored: int, shared_blocks: int = 0) -> None:
         self.used_blocks = used_blocks
         self.tokens_stored = tokens_stored
+        self.shared_blocks = shared_blocks
+        self.peak_shared_blocks = max(self.peak_shared_blocks, shared_blocks)
         if used_blocks > self.peak_used_blocks or (
             used_blocks == self.peak_used_blocks and tokens_stored > self.peak_tokens_stored
         ):
@@ -66,8 +75,12 @@ class KVCacheStatsTracker:
     def reset_peak(self) -> None:
         self.peak_used_blocks = self.used_blocks
         self.peak_tokens_stored = self.tokens_stored
+        self.peak_shared_blocks = self.shared_blocks
 
-    def snapshot(self, num_preemptions: int, queries: int, hits: int) -> KVCacheStats:
+    def snapshot(
+        self, num_preemptions: int, queries: int, hits: int, swapped_out: int = 0,
+        swapped_in: int = 0,
+    ) -> KVCacheStats:
         slots = self.peak_used_blocks * self.block_size
         waste = 1.0 - self.peak_tokens_stored / slots if slots else 0.0
         return KVCacheStats(
@@ -81,4 +94,8 @@ class KVCacheStatsTracker:
             num_preemptions=num_preemptions,
             prefix_cache_queries=queries,
             prefix_cache_hits=hits,
+            shared_blocks=self.shared_blocks,
+            peak_shared_blocks=self.peak_shared_blocks,
+            num_swapped_out=swapped_out,
+            num_swapped_in=swapped_in,
         )

@@ -7,7 +7,7 @@ engine needs to turn sampled tokens into a `RequestOutput`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,9 @@ from pagedllm.core.request import Sequence
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from pagedllm.engine.beam_search import BeamSearchRequest
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 _SEED_MASK = (1 << 63) - 1
@@ -52,12 +55,20 @@ class RequestState:
     prompt_logprobs_done: bool = False
     forked: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    # Beam search: the running beams' state, and the final hypotheses once it is done.
+    beam: BeamSearchRequest | None = None
+    beam_outputs: list[CompletionOutput] | None = None
+    num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.search.done or all(s.is_finished for s in self.seqs)
         return all(s.is_finished for s in self.seqs) and (self.forked or self.params.n == 1)
 
     def to_output(self) -> RequestOutput:
+        if self.beam is not None:
+            return self._output(self.beam_outputs or [])
         completions = []
         for seq in sorted(self.seqs, key=lambda s: s.index):
             st: SeqState = seq.data["state"]
@@ -72,6 +83,9 @@ class RequestState:
                     stop_reason=st.stop_reason,
                 )
             )
+        return self._output(completions)
+
+    def _output(self, completions: list[CompletionOutput]) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -80,4 +94,5 @@ class RequestState:
             outputs=completions,
             finished=self.finished,
             metrics=self.metrics,
+            num_cached_tokens=self.num_cached_tokens,
         )

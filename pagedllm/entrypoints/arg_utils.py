@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pagedllm.config import SUPPORTED_BLOCK_SIZES, SUPPORTED_DEVICES, SUPPORTED_DTYPES, EngineConfig
+from pagedllm.config import (
+    SUPPORTED_BLOCK_SIZES,
+    SUPPORTED_DEVICES,
+    SUPPORTED_DTYPES,
+    SUPPORTED_PREEMPTION_MODES,
+    EngineConfig,
+)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
@@ -24,19 +30,43 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--kv-cache-space", type=float, default=4.0, help="GiB of KV cache (CPU)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV pool size")
-    g.add_argument("--swap-space", type=float, default=0.0, help="GiB of host swap space")
+    g.add_argument("--swap-space", type=float, default=EngineConfig.swap_space,
+                   help="GiB of host memory for swapped-out KV blocks (0: no swap)")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=True)
-    g.add_argument("--preemption-mode", default=None, choices=["recompute"])
+    g.add_argument("--preemption-mode", default=None, choices=list(SUPPORTED_PREEMPTION_MODES),
+                   help="force recompute or swap (default: swap groups, recompute singles)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--quantization", "-q", default=None)
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--chat-template", default=None, help="a Jinja template, or a file holding one")
+
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The HTTP server's flags (`pagedllm serve` and the api_server module)."""
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (also $PAGEDLLM_API_KEY); "
+                        "/health and /metrics stay open")
+    g.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
+
+
+def validate_server_args(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"port must be in [0, 65535], got {args.port}.")
+    if not args.host:
+        raise ValueError("host must not be empty.")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -1,4 +1,5 @@
-"""`pagedllm` command line: `generate` (offline completions) and `chat` (one conversation)."""
+"""`pagedllm` command line: `serve` (the OpenAI-compatible server) and `generate` (offline
+completions)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,12 @@ import argparse
 import logging
 import sys
 
-from pagedllm.entrypoints.arg_utils import add_engine_args, engine_config_from_args
+from pagedllm.entrypoints.arg_utils import (
+    add_engine_args,
+    add_server_args,
+    engine_config_from_args,
+    validate_server_args,
+)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -41,13 +47,37 @@ def sampling_params_from_args(args: argparse.Namespace):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="PagedAttention LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server",
+                           description="Start the OpenAI-compatible HTTP server (default model: "
+                                       "SmolLM2-135M-Instruct).")
+    add_server_args(serve)
+    add_engine_args(serve, model_positional=True)
     gen = sub.add_parser("generate", help="complete prompts offline and print the completions")
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.add_argument("--chat", action="store_true",
                      help="wrap each prompt as a user message in the model's chat template")
     gen.add_argument("prompts", nargs="+", help="prompt texts")
+    bench = sub.add_parser("bench", help="benchmarks (run from a source checkout)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    # Its flags are benchmarks/memory.py's own: main() hands them over unparsed.
+    bench_sub.add_parser("memory", help="KV memory: waste, concurrency, sharing, prefix caching")
     return parser
+
+
+def run_bench_memory(bench_args: list[str]) -> int:
+    """The benchmarks live in the repository's `benchmarks/` package, next to `pagedllm/`."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    if (root / "benchmarks" / "memory.py").is_file() and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        from benchmarks import memory
+    except ImportError as exc:
+        raise ValueError("`pagedllm bench` needs the source checkout (benchmarks/).") from exc
+    memory.main(bench_args)
+    return 0
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -74,10 +104,25 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["bench", "memory"]:
+        try:
+            return run_bench_memory(argv[2:])
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "serve":
+            # Bad flags fail here, before the server's heavy imports and the model load.
+            validate_server_args(args)
+            engine_config_from_args(args)
+            from pagedllm.entrypoints.openai.api_server import run_server
+
+            return run_server(args)
         if args.command == "generate":
             return run_generate(args)
+
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

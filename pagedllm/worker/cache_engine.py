@@ -1,6 +1,9 @@
 """The KV cache tensors: per layer a (key, value) pair of `[num_blocks, block_size, kv_heads,
 head_dim]`, carved out of one zero-initialised allocation so that block copies touch every layer in
-one indexing operation."""
+one indexing operation.
+
+Swap preemption adds a host pool of the same layout (`allocate_host_pool`): pinned CPU memory
+on a GPU; on CPU a separate tensor, so that the mechanism runs and is tested without a GPU."""
 
 from __future__ import annotations
 
@@ -35,6 +38,45 @@ class CacheEngine:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self._cache[layer, 0], self._cache[layer, 1]) for layer in range(num_layers)
         ]
+        self._host_cache: torch.Tensor | None = None
+
+    def allocate_host_pool(self, num_host_blocks: int) -> None:
+        """Host memory for `num_host_blocks` swapped-out blocks.
+
+        `torch.empty`, not zeros: a host block is always written by a swap-out before it is
+        read, and untouched pages of a large CPU allocation cost no resident memory.
+        """
+        if num_host_blocks <= 0:
+            self._host_cache = None
+            return
+        shape = list(self._cache.shape)
+        shape[2] = num_host_blocks
+        pin = self.device.type == "cuda"
+        self._host_cache = torch.empty(shape, dtype=self.dtype, device="cpu", pin_memory=pin)
+
+    @property
+    def num_host_blocks(self) -> int:
+        return 0 if self._host_cache is None else self._host_cache.shape[2]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device block `src` into host block `dst` for every `(src, dst)`."""
+        if not pairs:
+            return
+        if self._host_cache is None:
+            raise RuntimeError("swap_out without a host pool (swap_space is 0)")
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+        self._host_cache[:, :, dst] = self._cache[:, :, src].to("cpu")
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host block `src` into device block `dst` for every `(src, dst)`."""
+        if not pairs:
+            return
+        if self._host_cache is None:
+            raise RuntimeError("swap_in without a host pool (swap_space is 0)")
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
+        self._cache[:, :, dst] = self._host_cache[:, :, src].to(self.device)
 
     @staticmethod
     def bytes_per_block(

@@ -3,7 +3,8 @@
 Contract with the scheduler (duck-typed): `scheduler_output.scheduled` is a list of scheduled
 sequences with `.seq.seq_id`, `.token_ids` (run at positions `start_pos ..`), `.start_pos`,
 `.block_table` (covers every position up to `start_pos + len(token_ids) - 1`), `.sample` and
-`.all_logits`; `scheduler_output.block_copies` lists `(src, dst)` block copies to do first.
+`.all_logits`; `scheduler_output.block_copies` lists `(src, dst)` block copies to do first, after
+the optional `blocks_to_swap_out` (device, host) and `blocks_to_swap_in` (host, device) pairs.
 
 Inside a step the runner orders the batch decodes first (sequences with exactly one query token),
 then the rest (prefills), as `AttentionMetadata` requires; outputs come back in scheduled order.
@@ -162,6 +163,10 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
+        # Swaps before copies: a swap-out frees blocks a copy may fill; a copy may read a
+        # block that was just swapped in.
+        self.cache_engine.swap_out(list(getattr(scheduler_output, "blocks_to_swap_out", ())))
+        self.cache_engine.swap_in(list(getattr(scheduler_output, "blocks_to_swap_in", ())))
         copies = getattr(scheduler_output, "block_copies", None)
         if copies:
             self.cache_engine.copy_blocks(list(copies))

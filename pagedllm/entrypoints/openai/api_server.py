@@ -1,0 +1,224 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+    pagedllm serve [MODEL] [--host 127.0.0.1 --port 8000 --api-key KEY ...]
+    python -m pagedllm.entrypoints.openai.api_server --model MODEL [flags]
+
+Endpoints: GET /health, /version, /v1/models, /metrics; POST /v1/completions,
+/v1/chat/completions, /tokenize, /detokenize. Start-up: the flags are validated, the port is
+bound (a busy port fails before the model loads), the model and tokenizer are loaded, then
+uvicorn serves; the engine thread starts with the app (lifespan) and stops with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import socket
+import sys
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
+
+import pagedllm
+from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.entrypoints.openai.chat import ChatServer
+from pagedllm.entrypoints.openai.completions import CompletionServer
+from pagedllm.entrypoints.openai.errors import (
+    OpenAIError,
+    as_openai_error,
+    error_response,
+    install_error_handlers,
+)
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from pagedllm.entrypoints.openai.serving import ServingContext, with_cancellation
+from pagedllm.entrypoints.openai.tokenization import TokenizationServer
+
+logger = logging.getLogger("pagedllm.server")
+
+API_KEY_ENV = "PAGEDLLM_API_KEY"
+UNPROTECTED_PATHS = ("/health", "/metrics")
+
+
+class APIKeyMiddleware:
+    """401 unless `Authorization: Bearer <api key>` (health and metrics are open). Plain ASGI
+    (not BaseHTTPMiddleware), so that streaming and disconnect detection pass through as is."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (scope["type"] != "http" or scope.get("method") == "OPTIONS"
+                or scope.get("path") in UNPROTECTED_PATHS):
+            await self.app(scope, receive, send)
+            return
+        given = Headers(scope=scope).get("authorization", "").encode()
+        if not secrets.compare_digest(given, self.expected):
+            response = error_response("Invalid or missing API key: send "
+                                      "'Authorization: Bearer <api key>'.", 401)
+            response.headers["WWW-Authenticate"] = "Bearer"
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
+    engine = ctx.async_engine
+    completions = CompletionServer(ctx)
+    chat = ChatServer(ctx)
+    tokenization = TokenizationServer(ctx)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+            ctx.close()
+
+    app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__,
+                  lifespan=lifespan)
+    install_error_handlers(app)
+
+    @app.exception_handler(ValueError)
+    async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
+        return error_response(str(exc), 400)
+
+    @app.exception_handler(RuntimeError)
+    async def _runtime_error(_: Request, exc: RuntimeError) -> JSONResponse:
+        err = as_openai_error(exc)
+        return error_response(err.message, err.status, err.param)
+
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return error_response("The engine is not running.", 503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": pagedllm.__version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = ModelCard(id=ctx.model_name, root=ctx.model_root, max_model_len=ctx.max_model_len)
+        return ModelList(data=[card]).model_dump()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from pagedllm.metrics import CONTENT_TYPE
+
+        if engine.metrics is None:
+            raise OpenAIError("Metrics are off.", 404)
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    @with_cancellation
+    async def create_completion(request: CompletionRequest, raw_request: Request):
+        return await completions.create_completion(request, raw_request)
+
+    @app.post("/v1/chat/completions")
+    @with_cancellation
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        return await chat.create_chat_completion(request, raw_request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> dict:
+        return (await tokenization.tokenize(request)).model_dump()
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> dict:
+        return (await tokenization.detokenize(request)).model_dump()
+
+    return app
+
+
+# ------------------------------------------------------------------------------ start-up
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind (not yet listen) so that a busy port is an error before the model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Validate the flags, bind, load the engine and serve until interrupted."""
+    import uvicorn
+
+    from pagedllm.entrypoints.arg_utils import engine_config_from_args, validate_server_args
+
+    try:
+        validate_server_args(args)
+        config = engine_config_from_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        async_engine = AsyncLLMEngine.from_engine_config(config)
+    except ValueError as exc:
+        sock.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    ctx = ServingContext(async_engine)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    app = build_app(ctx, api_key)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    logger.info("Serving %s on http://%s:%d (OpenAI API under /v1)%s", ctx.model_name, shown,
+                port, "; API key required" if api_key else "")
+    server = uvicorn.Server(uvicorn.Config(
+        app, log_level=args.uvicorn_log_level, timeout_keep_alive=5,
+        timeout_graceful_shutdown=5,
+    ))
+    server.run(sockets=[sock])
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pagedllm.entrypoints.arg_utils import add_engine_args, add_server_args
+
+    parser = argparse.ArgumentParser(
+        prog="python -m pagedllm.entrypoints.openai.api_server",
+        description="OpenAI-compatible server for pagedllm",
+    )
+    add_server_args(parser)
+    add_engine_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return run_server(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

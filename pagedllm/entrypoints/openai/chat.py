@@ -1,0 +1,159 @@
+"""POST /v1/chat/completions: messages -> the model's chat template -> one engine request with
+`n` samples.
+
+The conversation is rendered with the model's template (or `--chat-template`, or the request's
+`chat_template`) and tokenized without adding special tokens again (the template has them).
+`max_completion_tokens` (or the older `max_tokens`) defaults to what is left of the context.
+A stream starts with one chunk per choice carrying `{"role": "assistant", "content": ""}`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+
+from pagedllm.engine.async_engine import RequestStream
+from pagedllm.entrypoints.openai.errors import as_openai_error, sse_error
+from pagedllm.entrypoints.openai.logprobs import chat_logprobs
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+    UsageInfo,
+    now_seconds,
+    random_uuid,
+)
+from pagedllm.entrypoints.openai.serving import ServingContext
+from pagedllm.entrypoints.openai.streaming import DONE, SSE_HEADERS, ChoiceStream, sse
+from pagedllm.outputs import RequestOutput
+
+ROLE = "assistant"
+
+
+def _token_text(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+class ChatServer:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
+        ctx = self.ctx
+        ctx.check_model(request.model)
+        conversation = request.conversation()  # ValueError (non-text parts) -> 400
+        params = request.to_sampling_params()
+        params.verify_token_ids(ctx.vocab_size)
+        prompt_text, prompt_ids = await ctx.run_tokenizer(self._render, request, conversation)
+        request_id = f"chatcmpl-{random_uuid()}"
+        created = now_seconds()
+        engine = ctx.async_engine
+        stream = await engine.add_request(
+            request_id, {"prompt": prompt_text, "prompt_token_ids": prompt_ids}, params
+        )
+        if request.stream:
+            body = self._stream(request, raw_request, request_id, created, stream)
+            return StreamingResponse(
+                body, media_type="text/event-stream", headers=SSE_HEADERS,
+                background=BackgroundTask(engine.abort_unfinished, [stream]),
+            )
+        final: RequestOutput | None = None
+        try:
+            async for out in engine.stream_outputs(stream):
+                final = out
+        finally:
+            engine.abort_unfinished([stream])
+        return JSONResponse(self._response(request, request_id, created, final).model_dump())
+
+    def _render(self, request: ChatCompletionRequest, conversation) -> tuple[str, list[int]]:
+        text = self.ctx.render_chat(
+            conversation, request.chat_template, request.add_generation_prompt,
+            request.continue_final_message, request.chat_template_kwargs,
+        )
+        return text, self.ctx.encode(text, add_special_tokens=False)
+
+    def _response(
+        self, request: ChatCompletionRequest, request_id: str, created: int, out: RequestOutput
+    ) -> ChatCompletionResponse:
+        choices = []
+        completion_tokens = 0
+        for c in out.outputs:
+            n_ids = len(c.token_ids)
+            completion_tokens += n_ids
+            logprobs = None
+            if request.logprobs and c.logprobs is not None:
+                logprobs = chat_logprobs(c.token_ids, c.logprobs[:n_ids],
+                                         request.top_logprobs or 0, _token_text)
+            choices.append(ChatCompletionResponseChoice(
+                index=c.index, message=ChatMessage(role=ROLE, content=c.text),
+                logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            ))
+        prompt_tokens = len(out.prompt_token_ids)
+        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                          total_tokens=prompt_tokens + completion_tokens)
+        return ChatCompletionResponse(id=request_id, created=created, model=self.ctx.model_name,
+                                      choices=choices, usage=usage)
+
+    async def _stream(
+        self,
+        request: ChatCompletionRequest,
+        raw_request: Request,
+        request_id: str,
+        created: int,
+        stream: RequestStream,
+    ) -> AsyncIterator[str]:
+        engine = self.ctx.async_engine
+        model = self.ctx.model_name
+        include_usage = request.include_usage
+        stop = request.to_sampling_params().stop
+        hold = bool(stop) and not request.include_stop_str_in_output
+        choices = [ChoiceStream(stop, hold) for _ in range(request.n)]
+
+        def chunk(choice: ChatCompletionStreamChoice) -> str:
+            return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
+                                                    choices=[choice]), include_usage)
+
+        try:
+            for i in range(request.n):
+                yield chunk(ChatCompletionStreamChoice(
+                    index=i, delta=DeltaMessage(role=ROLE, content=""), logprobs=None,
+                    finish_reason=None))
+            final: RequestOutput | None = None
+            async for out in engine.stream_outputs(stream):
+                if await raw_request.is_disconnected():
+                    return
+                final = out
+                for c in out.outputs:
+                    cs = choices[c.index]
+                    if cs.finished:
+                        continue
+                    text, ids, lps = cs.delta(c)
+                    logprobs = None
+                    if request.logprobs and lps:
+                        logprobs = chat_logprobs(ids, lps, request.top_logprobs or 0, _token_text)
+                    if not text and c.finish_reason is None and logprobs is None:
+                        continue
+                    yield chunk(ChatCompletionStreamChoice(
+                        index=c.index, delta=DeltaMessage(content=text), logprobs=logprobs,
+                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            if include_usage and final is not None:
+                prompt_tokens = len(final.prompt_token_ids)
+                completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+                usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                  total_tokens=prompt_tokens + completion_tokens)
+                yield sse(ChatCompletionStreamResponse(id=request_id, created=created,
+                                                       model=model, choices=[], usage=usage),
+                          include_usage=True)
+            yield DONE
+        except Exception as exc:  # the headers are sent: report in the stream
+            yield sse_error(as_openai_error(exc))
+            yield DONE
+        finally:
+            engine.abort_unfinished([stream])

@@ -1,0 +1,244 @@
+"""POST /v1/completions: prompts (string, strings, token ids, lists of token ids) to text.
+
+Each prompt is one engine request (`{id}-{i}`) with `n` samples; choice `i * n + k` is sample
+`k` of prompt `i`, as in vLLM. `echo` prepends the prompt (its text and, with `logprobs`, its
+token logprobs); `echo` with `max_tokens=0` returns the prompt alone (one token is generated
+and dropped). Usage counts each prompt once and every returned completion token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+
+from pagedllm.engine.async_engine import RequestStream
+from pagedllm.entrypoints.openai.errors import OpenAIError, as_openai_error, sse_error
+from pagedllm.entrypoints.openai.logprobs import completion_logprobs
+from pagedllm.entrypoints.openai.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+    now_seconds,
+    random_uuid,
+)
+from pagedllm.entrypoints.openai.serving import ServingContext
+from pagedllm.entrypoints.openai.streaming import (
+    DONE,
+    SSE_HEADERS,
+    ChoiceStream,
+    merge_async_iterators,
+    sse,
+)
+from pagedllm.outputs import CompletionOutput, RequestOutput
+
+
+@dataclass
+class _Prompt:
+    text: str | None  # the prompt's text (decoded from the ids when given as ids and echoed)
+    token_ids: list[int]
+    first_token_text: str = ""  # for echo + logprobs: position 0 has no engine logprob entry
+
+
+class CompletionServer:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create_completion(self, request: CompletionRequest, raw_request: Request):
+        ctx = self.ctx
+        ctx.check_model(request.model)
+        if request.suffix:
+            raise OpenAIError("suffix is not supported by this server.", 400, param="suffix")
+        params = request.to_sampling_params()  # ValueError -> 400
+        params.verify_token_ids(ctx.vocab_size)
+        prompts = await ctx.run_tokenizer(self._prepare_prompts, request)
+        request_id = f"cmpl-{random_uuid()}"
+        created = now_seconds()
+        engine = ctx.async_engine
+        streams = await engine.add_requests(
+            [(f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids})
+             for i, p in enumerate(prompts)],
+            params,
+        )
+        if request.stream:
+            body = self._stream(request, raw_request, request_id, created, prompts, streams)
+            return StreamingResponse(
+                body, media_type="text/event-stream", headers=SSE_HEADERS,
+                background=BackgroundTask(engine.abort_unfinished, streams),
+            )
+        try:
+            finals: list[RequestOutput | None] = [None] * len(streams)
+            iterators = [engine.stream_outputs(s) for s in streams]
+            async for i, out in merge_async_iterators(*iterators):
+                finals[i] = out
+        finally:
+            engine.abort_unfinished(streams)
+        response = self._response(request, request_id, created, prompts, finals)
+        return JSONResponse(response.model_dump())
+
+    # ---- prompts (tokenizer thread) -------------------------------------------------------
+
+    def _prepare_prompts(self, request: CompletionRequest) -> list[_Prompt]:
+        ctx = self.ctx
+        raw = request.prompt
+        if isinstance(raw, str):
+            items: list[str | list[int]] = [raw]
+        elif not raw:
+            raise OpenAIError("prompt must not be empty.", 400, param="prompt")
+        elif isinstance(raw[0], int):
+            items = [list(raw)]
+        else:
+            items = list(raw)
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                ids = ctx.encode(item, add_special_tokens=request.add_special_tokens)
+                text = item
+            else:
+                ids = list(item)
+                ctx.check_token_ids(ids)
+                text = ctx.decode(ids) if request.echo else None
+            first = ctx.decode(ids[:1]) if request.echo and ids else ""
+            prompts.append(_Prompt(text, ids, first))
+        return prompts
+
+    # ---- one choice -----------------------------------------------------------------------
+
+    @staticmethod
+    def _token_text(prompt: _Prompt):
+        first = prompt.token_ids[0] if prompt.token_ids else None
+        return lambda t: prompt.first_token_text if t == first else f"token_id:{t}"
+
+    def _choice_parts(
+        self, request: CompletionRequest, prompt: _Prompt, out: RequestOutput, c: CompletionOutput
+    ) -> tuple[str, list[int], list | None]:
+        """(text, token ids, logprobs) of a finished choice, the prompt prepended for echo."""
+        n_ids = len(c.token_ids)
+        lps = list(c.logprobs[:n_ids]) if c.logprobs is not None else None
+        if request.echo_without_generation:
+            text, ids, lps = "", [], []
+        else:
+            text, ids = c.text, list(c.token_ids)
+        if request.echo:
+            text = (prompt.text or "") + text
+            ids = list(prompt.token_ids) + ids
+            if request.logprobs is not None:
+                prompt_lps = list(out.prompt_logprobs or [None])
+                lps = prompt_lps + (lps or [])
+        return text, ids, lps
+
+    def _response(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        created: int,
+        prompts: list[_Prompt],
+        finals: list[RequestOutput | None],
+    ) -> CompletionResponse:
+        choices = []
+        usage = UsageInfo()
+        n = request.n
+        for i, (prompt, out) in enumerate(zip(prompts, finals)):
+            assert out is not None and out.finished
+            usage.prompt_tokens += len(out.prompt_token_ids)
+            for c in out.outputs:
+                text, ids, lps = self._choice_parts(request, prompt, out, c)
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = completion_logprobs(ids, lps or [], self._token_text(prompt))
+                finish, stop_reason = c.finish_reason, c.stop_reason
+                if request.echo_without_generation:
+                    finish, stop_reason = "length", None
+                else:
+                    usage.completion_tokens += len(c.token_ids)
+                choices.append(CompletionResponseChoice(
+                    index=i * n + c.index, text=text, logprobs=logprobs,
+                    finish_reason=finish, stop_reason=stop_reason,
+                ))
+        choices.sort(key=lambda ch: ch.index)
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        return CompletionResponse(id=request_id, created=created, model=self.ctx.model_name,
+                                  choices=choices, usage=usage)
+
+    # ---- streaming ------------------------------------------------------------------------
+
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        raw_request: Request,
+        request_id: str,
+        created: int,
+        prompts: list[_Prompt],
+        streams: list[RequestStream],
+    ) -> AsyncIterator[str]:
+        engine = self.ctx.async_engine
+        model = self.ctx.model_name
+        n = request.n
+        params_stop = request.to_sampling_params().stop  # normalised list
+        hold = bool(params_stop) and not request.include_stop_str_in_output
+        choice_state = [[ChoiceStream(params_stop, hold) for _ in range(n)] for _ in prompts]
+        echoed = [[False] * n for _ in prompts]
+        usage = UsageInfo()
+        try:
+            iterators = [engine.stream_outputs(s) for s in streams]
+            async for i, out in merge_async_iterators(*iterators):
+                if await raw_request.is_disconnected():
+                    break
+                prompt = prompts[i]
+                for c in out.outputs:
+                    cs = choice_state[i][c.index]
+                    if cs.finished:
+                        continue
+                    chars_before = cs.sent_chars
+                    text, ids, lps = cs.delta(c)
+                    finish, stop_reason = c.finish_reason, c.stop_reason
+                    if request.echo_without_generation:
+                        text, ids, lps = "", [], []
+                        if finish is not None:
+                            finish, stop_reason = "length", None
+                    offset = chars_before
+                    if request.echo:
+                        offset += len(prompt.text or "")
+                        if not echoed[i][c.index]:
+                            echoed[i][c.index] = True
+                            offset = 0
+                            text = (prompt.text or "") + text
+                            ids = list(prompt.token_ids) + ids
+                            if request.logprobs is not None:
+                                lps = list(out.prompt_logprobs or [None]) + (lps or [])
+                    logprobs = None
+                    if request.logprobs is not None:
+                        logprobs = completion_logprobs(ids, lps or [], self._token_text(prompt),
+                                                       initial_text_offset=offset)
+                    if not text and finish is None and not (logprobs and logprobs.tokens):
+                        continue
+                    chunk = CompletionStreamResponse(
+                        id=request_id, created=created, model=model,
+                        choices=[CompletionStreamChoice(
+                            index=i * n + c.index, text=text, logprobs=logprobs,
+                            finish_reason=finish, stop_reason=stop_reason,
+                        )],
+                    )
+                    yield sse(chunk, request.include_usage)
+                if out.finished:
+                    usage.prompt_tokens += len(out.prompt_token_ids)
+                    if not request.echo_without_generation:
+                        usage.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+            else:
+                if request.include_usage:
+                    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                    yield sse(CompletionStreamResponse(id=request_id, created=created,
+                                                       model=model, choices=[], usage=usage),
+                              include_usage=True)
+                yield DONE
+        except Exception as exc:  # the headers are sent: report in the stream
+            yield sse_error(as_openai_error(exc))
+            yield DONE
+        finally:
+            engine.abort_unfinished(streams)

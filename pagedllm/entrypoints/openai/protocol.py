@@ -1,0 +1,373 @@
+"""The OpenAI API's request and response bodies (pydantic), with vLLM's extra fields.
+
+Requests accept unknown fields (they are ignored, as vLLM and many OpenAI-compatible servers
+do), so that clients that send newer OpenAI fields keep working. Responses follow OpenAI's
+shapes field for field; `stop_reason` is vLLM's addition (the stop string or token id that
+ended a choice).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pagedllm.sampling_params import SamplingParams
+
+# torch.Generator seeds are 64-bit; vLLM bounds them the same way.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
+# Most top log-probabilities a request may ask for, per token (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+
+
+def random_uuid() -> str:
+    return uuid.uuid4().hex
+
+
+def now_seconds() -> int:
+    return int(time.time())
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = True
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: int | None = 0
+
+
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+# ------------------------------------------------------------------------------ sampling
+
+
+class _SamplingFields(OpenAIBaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's)."""
+
+    model: str | None = None
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    n: int = 1
+    seed: int | None = Field(default=None, ge=_SEED_MIN, le=_SEED_MAX)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    # vLLM's extra sampling parameters
+    best_of: int | None = None
+    use_beam_search: bool = False
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    length_penalty: float = 1.0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _check_stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_kwargs(self) -> dict[str, Any]:
+        return dict(
+            n=self.n,
+            best_of=self.best_of,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self.logit_bias,
+            use_beam_search=self.use_beam_search,
+            length_penalty=self.length_penalty,
+        )
+
+
+# ----------------------------------------------------------------------------- completions
+
+
+class CompletionRequest(_SamplingFields):
+    # https://platform.openai.com/docs/api-reference/completions/create
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = 16
+    suffix: str | None = None
+    # vLLM extra
+    add_special_tokens: bool = True
+
+    @property
+    def echo_without_generation(self) -> bool:
+        """echo with max_tokens=0: return the prompt (and its logprobs) only."""
+        return self.echo and self.max_tokens == 0
+
+    def to_sampling_params(self) -> SamplingParams:
+        # echo + logprobs: the prompt's tokens get logprobs too.
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return SamplingParams(
+            **self._sampling_kwargs(),
+            max_tokens=1 if self.echo_without_generation else self.max_tokens,
+            logprobs=self.logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"cmpl-{random_uuid()}")
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now_seconds)
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class CompletionStreamChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ------------------------------------------------------------------------------------ chat
+
+
+class ChatContentPart(OpenAIBaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageParam(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ChatContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message's text; content parts other than text are a 400."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ValueError(
+                    f"Content parts of type {part.type!r} are not supported: this model takes "
+                    "text only (parts of type 'text')."
+                )
+            texts.append(part.text)
+        return "\n".join(texts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    # https://platform.openai.com/docs/api-reference/chat/create
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=0, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    # vLLM extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
+        return self
+
+    def conversation(self) -> list[dict[str, str]]:
+        conv = []
+        for m in self.messages:
+            role = "system" if m.role == "developer" else m.role
+            conv.append({"role": role, "content": m.text()})
+        return conv
+
+    def to_sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens  # None: up to the context length
+        return SamplingParams(
+            **self._sampling_kwargs(),
+            max_tokens=max_tokens,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+        )
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | None = None
+
+
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"chatcmpl-{random_uuid()}")
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now_seconds)
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ------------------------------------------------------------------------- models, tokens
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now_seconds)
+    owned_by: str = "pagedllm"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """vLLM's /tokenize: either `prompt` (completion style) or `messages` (chat style)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("Give exactly one of `prompt` or `messages`.")
+        return self
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

@@ -1,0 +1,127 @@
+"""What every endpoint shares: the engine, the served model's name, and a tokenizer of the
+server's own.
+
+The server renders chat templates, tokenizes prompts and decodes token ids on a tokenizer
+*copy* in a single worker thread: the event loop never does that CPU work, the engine thread's
+tokenizer is never used from two threads at once, and prompts reach the engine already
+tokenized (the engine thread only schedules and runs the model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
+
+from fastapi import Request
+
+from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.tokenizer import apply_chat_template
+
+T = TypeVar("T")
+
+
+class ServingContext:
+    def __init__(self, async_engine: AsyncLLMEngine, chat_template: str | None = None) -> None:
+        engine = async_engine.engine
+        self.async_engine = async_engine
+        self.model_name: str = engine.model_name
+        src = engine.source
+        self.model_root: str = os.path.join(src.path, src.gguf_file) if src.gguf_file else src.path
+        self.max_model_len: int = engine.max_model_len
+        self.vocab_size: int = int(engine.hf_config.vocab_size)
+        self.chat_template = chat_template or engine.config.chat_template
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self._tok_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tok")
+
+    def close(self) -> None:
+        self._tok_executor.shutdown(wait=False, cancel_futures=True)
+
+    async def run_tokenizer(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run `fn(*args, **kwargs)` (which uses `self.tokenizer`) in the tokenizer thread."""
+        loop = asyncio.get_running_loop()
+        call = functools.partial(fn, *args, **kwargs)
+        return await loop.run_in_executor(self._tok_executor, call)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise OpenAIError(f"The model `{model}` does not exist.", 404, param="model")
+
+    # ---- tokenizer work (runs in the tokenizer thread) ------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([t]) for t in ids]
+
+    def check_token_ids(self, ids: list[int]) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise OpenAIError(
+                f"Token id(s) {bad[:8]} are out of vocabulary (size {self.vocab_size}).", 400
+            )
+
+    def render_chat(
+        self,
+        conversation: list[dict[str, Any]],
+        chat_template: str | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        template_kwargs: dict[str, Any] | None,
+    ) -> str:
+        try:
+            return apply_chat_template(
+                self.tokenizer, conversation,
+                chat_template=chat_template or self.chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **(template_kwargs or {}),
+            )
+        except ValueError:
+            raise
+        except Exception as exc:  # a template that fails to render is the request's problem
+            raise OpenAIError(f"Could not apply the chat template: {exc}", 400) from exc
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def with_cancellation(handler):
+    """Run the endpoint as a task and cancel it when the client disconnects first.
+
+    FastAPI has read the body before the handler runs, so the next message on the connection
+    is `http.disconnect`. Cancelling the handler cancels the engine request it is waiting on
+    (AsyncLLMEngine.generate aborts it). Streaming responses return at once; their own
+    disconnect handling is in the response (see streaming.py)."""
+
+    @functools.wraps(handler)
+    async def wrapper(*args: Any, **kwargs: Any):
+        request: Request = kwargs["raw_request"]
+        handler_task = asyncio.ensure_future(handler(*args, **kwargs))
+        disconnect_task = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            done, _ = await asyncio.wait([handler_task, disconnect_task],
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            disconnect_task.cancel()
+            if not handler_task.done():
+                handler_task.cancel()
+        if handler_task in done:
+            return handler_task.result()
+        # Let the handler's cleanup (the abort) run before returning.
+        await asyncio.gather(handler_task, return_exceptions=True)
+        return None  # nobody is listening any more
+
+    return wrapper

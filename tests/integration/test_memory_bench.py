@@ -1,0 +1,33 @@
+"""Smoke test of benchmarks/memory.py on a tiny workload (the real run is in the README)."""
+
+from __future__ import annotations
+
+import json
+
+TINY = ["--workload", "tiny", "--pool-blocks", "128", "--budget-blocks", "4",
+        "--sample-max-tokens", "20", "--beam-width", "3", "--beam-max-tokens", "20",
+        "--prefix-requests", "4", "--system-len", "64", "--question-len", "8",
+        "--prefix-max-tokens", "4"]
+
+
+def test_memory_benchmark_tiny(smollm2_gguf, tmp_path, capsys):
+    from benchmarks import memory
+
+    out = tmp_path / "memory.json"
+    rows = memory.main(TINY + ["--model", smollm2_gguf, "--json-out", str(out)])
+    waste, conc, n4, n8, beam, prefix = rows
+    assert 0 <= waste["paged_waste"] < waste["reserve_prompt_plus_max_tokens_waste"] \
+        < waste["reserve_max_model_len_waste"]
+    # 4 blocks of 16 (64 tokens): no 2048-token reservation fits; the paged pool runs them all.
+    assert conc["reserve_max_model_len"] == 0 and conc["paged_peak"] == 4
+    assert conc["num_preemptions"] > 0
+    # Prompts of 8-16 tokens + 20 generated: the full first blocks are shared by the samples.
+    for row in (n4, n8, beam):
+        assert row["shared_peak_blocks"] < row["independent_peak_blocks"]
+    assert n8["ratio"] < n4["ratio"]
+    assert prefix["outputs_identical"]
+    assert prefix["prefix_served_from_cache"] == 3 / 4  # the first request computes it
+    assert prefix["prefill_tokens_on"] == 4 * 72 - 3 * 64 and prefix["prefill_tokens_off"] == 4 * 72
+    saved = json.loads(out.read_text())
+    assert len(saved["rows"]) == 6 and saved["args"]["workload"] == "tiny"
+    assert "| 5 | prefix caching" in capsys.readouterr().out
