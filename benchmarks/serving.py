@@ -124,6 +124,7 @@ def summarize(results: list[RequestResult], duration: float, rate: float) -> dic
         "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:3],
         "duration_s": round(duration, 2),
+        "output_tokens": out_tokens,
         "requests_per_s": round(len(ok) / duration, 3),
         "output_tokens_per_s": round(out_tokens / duration, 2),
         "total_tokens_per_s": round((out_tokens + sum(r.prompt_len for r in ok)) / duration, 2),
@@ -200,7 +201,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
     model = args.model
     if model is None:
-        models = httpx.get(args.base_url.rstrip("/") + "/v1/models", timeout=30).json()
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        models = httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers,
+                           timeout=30).json()
         model = models["data"][0]["id"]
     reqs = (load_dataset(args.dataset) if args.dataset
             else load_workload(args.workload, args.vocab_size, seed=args.seed))

@@ -145,14 +145,16 @@ def run_openai_server(args, model: str | None) -> dict:
 
     if not args.base_url:
         raise SystemExit("--base-url is required for the llamacpp/openai backend")
-    name = httpx.get(args.base_url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    name = httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers,
+                     timeout=30).json()["data"][0]["id"]
     reqs = _requests(args, None, args.vocab_size)
     row = asyncio.run(run_rate(args.base_url, name, reqs, float("inf"), args.max_num_seqs,
-                               args.seed, None))
+                               args.seed, args.api_key))
     if row["failed"]:
         raise SystemExit(f"{row['failed']} requests failed: {row['errors']}")
     elapsed = row["duration_s"]
-    out_tokens = round(row["output_tokens_per_s"] * elapsed)
+    out_tokens = row["output_tokens"]
     return _result(f"{args.backend}({name})", reqs, elapsed, out_tokens, 0.0)
 
 
@@ -187,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--base-url", default=None, help="server URL for llamacpp/openai backends")
+    p.add_argument("--api-key", default=None, help="bearer key of that server")
     p.add_argument("--vocab-size", type=int, default=49152,
                    help="random-token workloads against a server (no local tokenizer)")
     p.add_argument("--repeats", type=int, default=1,
