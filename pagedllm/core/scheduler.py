@@ -242,33 +242,36 @@ class Scheduler:
         )
 
     def _swap_in(self, steps: list[tuple[Sequence, int]], budget: int) -> int:
-        """Bring back swapped groups, oldest first, while their blocks, tokens and seats fit.
+        """Bring back swapped groups, oldest first, while their blocks and seats fit.
 
-        Room is kept for one more block per sequence (its next token may need a new block or a
-        copy-on-write). A group that cannot fit even in an empty pool is recomputed instead.
+        A group comes back whole when the pool holds its blocks plus room for all its
+        uncomputed tokens and one copy-on-write per sequence; its tokens are scheduled from
+        what is left of the budget (a long rest of a prefill continues in later steps). A group
+        that could not fit even in an empty pool is recomputed instead.
         """
         kv = self.kv_cache_manager
-        while self.swapped:
+        while self.swapped and budget > 0:
             group = self.swapped[0]
-            num_new = [s.num_tokens - s.num_computed_tokens for s in group]
-            blocks = kv.num_swap_in_blocks(group) + len(group)
+            blocks = kv.num_swap_in_blocks(group) + sum(
+                kv.num_blocks_needed(s.num_tokens) - len(kv.swapped_tables[s.seq_id]) + 1
+                for s in group
+            )
             if blocks > kv.num_blocks:  # could never come back: recompute it instead
                 self.swapped.pop(0)
                 for seq in group:
                     kv.free(seq)
                     self._requeue_for_recompute(seq)
                 continue
-            if (
-                blocks > kv.num_free_blocks
-                or sum(num_new) > budget
-                or len(self.running) + len(group) > self.config.max_num_seqs
+            if blocks > kv.num_free_blocks or (
+                self.running and len(self.running) + len(group) > self.config.max_num_seqs
             ):
                 break
             self.swapped.pop(0)
             assert kv.swap_in(group)
-            for seq, n in zip(group, num_new):
+            for seq in group:
                 seq.status = SequenceStatus.RUNNING
                 self._insert_running(seq)
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 if n > 0:
                     assert kv.allocate_slots(seq, n)
                     steps.append((seq, n))

@@ -60,23 +60,33 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompts", nargs="+", help="prompt texts")
     bench = sub.add_parser("bench", help="benchmarks (run from a source checkout)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    # Its flags are benchmarks/memory.py's own: main() hands them over unparsed.
-    bench_sub.add_parser("memory", help="KV memory: waste, concurrency, sharing, prefix caching")
+    # Their flags are the benchmark modules' own: main() hands them over unparsed.
+    for name, help_text in BENCHMARKS.items():
+        bench_sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
-def run_bench_memory(bench_args: list[str]) -> int:
+BENCHMARKS = {
+    "memory": "KV memory: waste, concurrency, sharing, prefix caching",
+    "throughput": "offline throughput, pagedllm vs transformers / vLLM / a server",
+    "serving": "online serving latency and throughput against an OpenAI-compatible URL",
+    "latency": "one batch: prefill and decode step times",
+}
+
+
+def run_bench(name: str, bench_args: list[str]) -> int:
     """The benchmarks live in the repository's `benchmarks/` package, next to `pagedllm/`."""
+    import importlib
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    if (root / "benchmarks" / "memory.py").is_file() and str(root) not in sys.path:
+    if (root / "benchmarks" / f"{name}.py").is_file() and str(root) not in sys.path:
         sys.path.insert(0, str(root))
     try:
-        from benchmarks import memory
+        module = importlib.import_module(f"benchmarks.{name}")
     except ImportError as exc:
         raise ValueError("`pagedllm bench` needs the source checkout (benchmarks/).") from exc
-    memory.main(bench_args)
+    module.main(bench_args)
     return 0
 
 
@@ -105,9 +115,9 @@ def run_generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:2] == ["bench", "memory"]:
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:
         try:
-            return run_bench_memory(argv[2:])
+            return run_bench(argv[1], argv[2:])
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -38,3 +38,14 @@ def test_unit_engine_config_rejects_unknown_kwarg():
         EngineConfig(block_size=12)
     with pytest.raises(ValueError, match="quantization='awq' is not supported"):
         EngineConfig(quantization="awq")
+
+
+def test_bench_subcommand_runs_a_benchmark(smollm2_gguf):
+    proc = _run("bench", "latency", "--model", smollm2_gguf, "--batch-size", "1",
+                "--input-len", "4", "--output-len", "3", "--num-iters", "1",
+                "--kv-cache-space", "0.05")
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["batch_size"] == 1 and result["decode_step_ms"] > 0

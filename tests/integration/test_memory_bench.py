@@ -16,15 +16,15 @@ def test_memory_benchmark_tiny(smollm2_gguf, tmp_path, capsys):
     out = tmp_path / "memory.json"
     rows = memory.main(TINY + ["--model", smollm2_gguf, "--json-out", str(out)])
     waste, conc, n4, n8, beam, prefix = rows
-    assert 0 <= waste["paged_waste"] < waste["reserve_prompt_plus_max_tokens_waste"] \
-        < waste["reserve_max_model_len_waste"]
+    # Tiny requests (8-16 + 4-8 tokens) waste much of one block each; still far from 2048.
+    assert 0 < waste["paged_waste"] < waste["reserve_max_model_len_waste"] < 1
     # 4 blocks of 16 (64 tokens): no 2048-token reservation fits; the paged pool runs them all.
     assert conc["reserve_max_model_len"] == 0 and conc["paged_peak"] == 4
     assert conc["num_preemptions"] > 0
-    # Prompts of 8-16 tokens + 20 generated: the full first blocks are shared by the samples.
-    for row in (n4, n8, beam):
-        assert row["shared_peak_blocks"] < row["independent_peak_blocks"]
-    assert n8["ratio"] < n4["ratio"]
+    # Prompts shorter than a block: the samples copy their only prompt block on the first
+    # write, so at the peak they share nothing; beams share the blocks of common ancestors.
+    assert n4["ratio"] == 1.0 == n8["ratio"]
+    assert beam["shared_peak_blocks"] < beam["independent_peak_blocks"]
     assert prefix["outputs_identical"]
     assert prefix["prefix_served_from_cache"] == 3 / 4  # the first request computes it
     assert prefix["prefill_tokens_on"] == 4 * 72 - 3 * 64 and prefix["prefill_tokens_off"] == 4 * 72
