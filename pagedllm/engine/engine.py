@@ -25,6 +25,7 @@ from pagedllm.engine.beam_search import (
     beam_params_from_sampling,
     sampling_params_from_beam,
 )
+from pagedllm.engine.input_processing import InputProcessor, PromptType
 from pagedllm.engine.kv_stats import KVCacheStats, KVCacheStatsTracker
 from pagedllm.engine.request_state import RequestState, SeqState, sample_seed
 from pagedllm.engine.sequence_update import SequenceUpdater
@@ -40,7 +41,6 @@ from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-PromptType = str | list[int] | dict[str, Any]
 
 
 class LLMEngine:
@@ -89,6 +89,8 @@ class LLMEngine:
         )
         self.model_runner.cache_engine.allocate_host_pool(self.num_host_blocks)
         self.sampler = Sampler()
+        self.inputs = InputProcessor(self.tokenizer, int(self.hf_config.vocab_size),
+                                     self.max_model_len, self.block_size, self.num_blocks)
         self.updater = SequenceUpdater(self.tokenizer, self._eos_token_ids(), self.max_model_len)
         self.requests: dict[str, RequestState] = {}
         self._seq_counter = itertools.count()
@@ -211,12 +213,9 @@ class LLMEngine:
         if beam_params is not None:
             params = sampling_params_from_beam(beam_params)
         params = params.clone() if params is not None else SamplingParams()
-        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
-            cache_salt = prompt["cache_salt"]
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}.")
-        prompt_text, prompt_ids = self._tokenize_prompt(prompt)
-        self._validate_prompt(prompt_ids, params)
+        cache_salt = self.inputs.cache_salt(prompt, cache_salt)
+        prompt_text, prompt_ids = self.inputs.tokenize(prompt)
+        self.inputs.validate(prompt_ids, params)
         if params.use_beam_search and beam_params is None:
             beam_params = beam_params_from_sampling(params, params.max_tokens)
         now = time.time() if arrival_time is None else arrival_time
@@ -281,68 +280,6 @@ class LLMEngine:
         )
         return seq
 
-    def _tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                return prompt.get("prompt"), self._check_token_ids(ids)
-            if "prompt" in prompt:
-                return self._tokenize_prompt(prompt["prompt"])
-            raise ValueError("A prompt dict needs a 'prompt' or 'prompt_token_ids' key.")
-        if isinstance(prompt, (list, tuple)):
-            return None, self._check_token_ids(prompt)
-        raise ValueError(
-            f"A prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}."
-        )
-
-    def _check_token_ids(self, ids: Iterable[Any]) -> list[int]:
-        ids = list(ids)
-        vocab = int(self.hf_config.vocab_size)
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise ValueError(f"Prompt token ids must be integers, got {t!r}.")
-            if not 0 <= t < vocab:
-                raise ValueError(f"Token id {t} is out of vocabulary (size {vocab}).")
-        return ids
-
-    def _validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        n_prompt = len(prompt_ids)
-        if n_prompt == 0:
-            raise ValueError("The prompt is empty: at least one token is needed.")
-        if params.max_tokens is None:
-            params.max_tokens = self.max_model_len - n_prompt
-            if params.max_tokens < 1:
-                raise ValueError(
-                    f"This model's maximum context length is {self.max_model_len} tokens. "
-                    f"However, the prompt has {n_prompt} tokens, which leaves no room to generate."
-                )
-        total = n_prompt + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {total} tokens ({n_prompt} in the messages, {params.max_tokens} "
-                "in the completion). Please reduce the length of the messages or completion."
-            )
-        blocks = self.kv_cache_manager.num_blocks_needed(total)
-        if params.use_beam_search:
-            # The beams must fit side by side even unshared, or they could evict each other
-            # forever; the sharing then only makes room for other requests.
-            beam_params_from_sampling(params, params.max_tokens)  # rejects unsupported knobs
-            if blocks * params.n > self.num_blocks:
-                raise ValueError(
-                    f"Beam search with width {params.n} needs up to {blocks * params.n} KV cache "
-                    f"blocks but the pool has {self.num_blocks}; lower the width or max_tokens."
-                )
-        if blocks > self.num_blocks:
-            raise ValueError(
-                f"The request needs {blocks} KV cache blocks ({total} tokens at block_size="
-                f"{self.block_size}) but the whole pool has {self.num_blocks} blocks "
-                f"({self.num_blocks * self.block_size} tokens); raise kv_cache_space or lower "
-                "max_tokens."
-            )
-
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Drop requests wherever they are; their blocks return to the pool at once."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -355,6 +292,7 @@ class LLMEngine:
                     self.scheduler.finish_sequence(seq, SequenceStatus.FINISHED_ABORTED)
                     if seq.data["state"] is not None:
                         seq.data["state"].finish_reason = "abort"
+        self._observe_kv_usage()  # kv_cache_stats() shows the freed blocks at once
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -91,3 +91,16 @@ def test_beam_search_rejections(smollm2_llm):
     with pytest.raises(ValueError, match="early_stopping must be"):
         BeamSearchParams(beam_width=2, max_tokens=4, early_stopping="sometimes")
     assert smollm2_llm.kv_cache_stats().used_blocks == 0
+
+
+def test_abort_mid_search_frees_every_beam(smollm2_llm):
+    engine = smollm2_llm.llm_engine
+    engine.add_request("beam-abort", PROMPTS[-1], BeamSearchParams(beam_width=4, max_tokens=30))
+    for _ in range(4):  # prefill, then a few beam steps: 4 beams sharing the prompt's blocks
+        assert engine.step() == []  # a beam search reports only when it is done
+    running = engine.requests["beam-abort"].seqs
+    assert len(running) == 4 and engine.kv_cache_manager.num_shared_blocks >= 32
+    engine.abort_request("beam-abort")
+    assert not engine.has_unfinished_requests() and all(s.is_finished for s in running)
+    assert smollm2_llm.kv_cache_stats().used_blocks == 0
+    engine.kv_cache_manager.check_invariants([])

@@ -116,21 +116,26 @@ def test_leaving_early_aborts_the_request():
 
 def test_cancelled_consumer_aborts_the_request():
     async def body(fake, engine):
+        got_first = asyncio.Event()
+        fake.step_gate = threading.Event()  # steps wait (up to 5 s each) until released
+
         async def consume():
             async for _ in engine.generate("p", SamplingParams(max_tokens=1000), "c"):
-                pass
+                got_first.set()
 
         task = asyncio.create_task(consume())
-        while "c" not in fake.requests:
-            await asyncio.sleep(0.005)
+        fake.step_gate.set()
+        await asyncio.wait_for(got_first.wait(), timeout=10)
+        fake.step_gate.clear()  # hold the engine so "c" cannot finish before the cancel
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(100):
+        fake.step_gate.set()
+        for _ in range(500):
             if "c" in fake.aborted:
                 break
             await asyncio.sleep(0.01)
-        assert fake.aborted == ["c"]
+        assert fake.aborted == ["c"] and "c" not in fake.requests
 
     run(_with_engine(body))
 

@@ -274,6 +274,33 @@ def test_group_that_can_never_come_back_is_recomputed():
     kv.check_invariants(sched.all_unfinished())
 
 
+def test_forced_swap_mid_prefill_comes_back_in_budget_sized_chunks():
+    sched, kv = make(num_blocks=12, max_num_batched_tokens=8, preemption_mode="swap")
+    b = seq(0, range(30), "b")
+    sched.add_sequence(b)
+    step(sched, sched.schedule())  # first chunk: 8 tokens, blocks 0 1
+    sched._preempt_by_swap([b])  # as a preemption in the middle of its prefill would
+    assert b.status == SWAPPED and kv.take_pending_swaps()[0] == [(0, 0), (1, 1)]
+    # Back when its 2 blocks + the 6 its remaining 22 tokens need + 1 fit; 8 tokens a step.
+    out = sched.schedule()
+    assert len(out.blocks_to_swap_in) == 2
+    assert [(s.start_pos, len(s.token_ids), s.sample) for s in out.scheduled] == [(8, 8, False)]
+    step(sched, out)
+    out = sched.schedule()
+    assert [(s.start_pos, len(s.token_ids), s.sample) for s in out.scheduled] == [(16, 8, False)]
+    kv.check_invariants(sched.all_unfinished())
+
+
+def test_group_larger_than_max_num_seqs_comes_back_when_alone():
+    sched, kv = make(num_blocks=8, max_num_seqs=2)
+    p, c = group_of_two(sched, kv, 0, 4, arrival=0.0, rid="g")
+    c2 = seq(2, p.prompt_token_ids, "g", output=[3], arrival=0.0, index=2)
+    sched.fork_sequence(p, c2)  # forks may exceed max_num_seqs
+    sched._preempt_by_swap([p, c, c2])
+    out = sched.schedule()
+    assert sched.num_running == 3 and len(out.scheduled) == 3 and out.blocks_to_swap_in
+
+
 def test_abort_of_a_swapped_group_frees_its_host_blocks():
     sched, kv, a, p, c = full_pool()
     step(sched, sched.schedule())

@@ -1,0 +1,96 @@
+"""A request's input, checked before it enters the engine: prompt -> token ids, cache salt,
+and the limits that would make it fail later (context length, pool size, beam width).
+
+Rejecting here, at add_request, is what keeps a bad request from ever holding blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from pagedllm.engine.beam_search import beam_params_from_sampling
+from pagedllm.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class InputProcessor:
+    def __init__(
+        self, tokenizer, vocab_size: int, max_model_len: int, block_size: int, num_blocks: int
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) of a string, a token id list or a prompt dict."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+            raise ValueError("A prompt dict needs a 'prompt' or 'prompt_token_ids' key.")
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_token_ids(prompt)
+        raise ValueError(
+            f"A prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}."
+        )
+
+    @staticmethod
+    def cache_salt(prompt: PromptType, cache_salt: str | None) -> str | None:
+        """The request's salt: the prompt dict's `cache_salt` key wins over the argument."""
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            cache_salt = prompt["cache_salt"]
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}.")
+        return cache_salt
+
+    def _check_token_ids(self, ids: Iterable[Any]) -> list[int]:
+        ids = list(ids)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ValueError(f"Prompt token ids must be integers, got {t!r}.")
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"Token id {t} is out of vocabulary (size {self.vocab_size}).")
+        return ids
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Check the limits; fills `params.max_tokens` when it is None (what is left)."""
+        n_prompt = len(prompt_ids)
+        if n_prompt == 0:
+            raise ValueError("The prompt is empty: at least one token is needed.")
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - n_prompt
+            if params.max_tokens < 1:
+                raise ValueError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, the prompt has {n_prompt} tokens, which leaves no room to generate."
+                )
+        total = n_prompt + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {total} tokens ({n_prompt} in the messages, {params.max_tokens} "
+                "in the completion). Please reduce the length of the messages or completion."
+            )
+        blocks = -(-total // self.block_size)
+        if params.use_beam_search:
+            # The beams must fit side by side even unshared, or they could evict each other
+            # forever; the sharing then only makes room for other requests.
+            beam_params_from_sampling(params, params.max_tokens)  # rejects unsupported knobs
+            if blocks * params.n > self.num_blocks:
+                raise ValueError(
+                    f"Beam search with width {params.n} needs up to {blocks * params.n} KV cache "
+                    f"blocks but the pool has {self.num_blocks}; lower the width or max_tokens."
+                )
+        if blocks > self.num_blocks:
+            raise ValueError(
+                f"The request needs {blocks} KV cache blocks ({total} tokens at block_size="
+                f"{self.block_size}) but the whole pool has {self.num_blocks} blocks "
+                f"({self.num_blocks * self.block_size} tokens); raise kv_cache_space or lower "
+                "max_tokens."
+            )
