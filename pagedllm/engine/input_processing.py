@@ -63,6 +63,14 @@ class InputProcessor:
         n_prompt = len(prompt_ids)
         if n_prompt == 0:
             raise ValueError("The prompt is empty: at least one token is needed.")
+        # Token ids inside the params (logit_bias, stop ids) must exist in this vocabulary,
+        # or the sampler would fail for every request batched with this one.
+        params.verify_token_ids(self.vocab_size)
+        bad_stop = sorted(t for t in params.stop_token_ids if not 0 <= t < self.vocab_size)
+        if bad_stop:
+            raise ValueError(
+                f"stop_token_ids {bad_stop} are out of vocabulary (size {self.vocab_size})."
+            )
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - n_prompt
             if params.max_tokens < 1:

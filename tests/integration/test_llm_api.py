@@ -189,3 +189,14 @@ def test_kv_cache_stats(smollm2_llm):
     assert s.peak_used_blocks > 0 and s.peak_tokens_stored > 0
     assert 0.0 <= s.waste_at_peak < 1.0
     assert s.peak_tokens_stored <= s.peak_used_blocks * s.block_size
+
+
+def test_out_of_vocab_ids_in_params_are_rejected(smollm2_llm):
+    with pytest.raises(ValueError, match="out-of-vocab"):
+        smollm2_llm.generate("hi", SamplingParams(max_tokens=2, logit_bias={10**6: 1.0}),
+                             use_tqdm=False)
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        smollm2_llm.generate("hi", SamplingParams(max_tokens=2, stop_token_ids=[10**6]),
+                             use_tqdm=False)
+    assert smollm2_llm.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True),
+                                use_tqdm=False)[0].finished
