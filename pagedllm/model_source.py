@@ -94,12 +94,31 @@ def resolve_model(model: str | None) -> ModelSource:
 
 
 def load_hf_config(source: ModelSource):
-    """The model's transformers config (from config.json, or from the GGUF's metadata)."""
+    """The model's transformers config (from config.json, or from the GGUF's metadata).
+
+    Deriving it from a GGUF parses the whole file (seconds), so the result is cached as a
+    config.json under `$PAGEDLLM_CACHE_DIR/configs`, keyed by the file's name, size and mtime.
+    """
     from transformers import AutoConfig
 
-    if source.is_gguf:
-        return AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
-    return AutoConfig.from_pretrained(source.path)
+    if not source.is_gguf:
+        return AutoConfig.from_pretrained(source.path)
+    gguf_path = Path(source.path) / source.gguf_file
+    st = gguf_path.stat()
+    cached = cache_dir() / "configs" / f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}"
+    if (cached / "config.json").exists():
+        try:
+            return AutoConfig.from_pretrained(cached)
+        except (OSError, ValueError):
+            logger.warning("Ignoring an unreadable cached config at %s", cached)
+    config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+    try:
+        partial = cached.with_name(cached.name + f".tmp{os.getpid()}")
+        config.save_pretrained(partial)
+        partial.replace(cached)
+    except OSError:  # a read-only cache only costs time
+        logger.warning("Could not cache the GGUF config under %s", cached)
+    return config
 
 
 if __name__ == "__main__":  # `python -m pagedllm.model_source` prefetches the default model
