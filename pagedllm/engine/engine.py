@@ -243,27 +243,27 @@ class LLMEngine:
         self, state: RequestState, cache_salt: str | None, output_token_ids: list[int]
     ) -> Sequence:
         """A beam: no sampler or detokenizer state (the text is decoded once, at the end)."""
-        seq = Sequence(
-            seq_id=next(self._seq_counter),
-            request_id=state.request_id,
-            prompt_token_ids=state.prompt_token_ids,
-            arrival_time=state.metrics.arrival_time,
-            cache_salt=cache_salt,
-            output_token_ids=list(output_token_ids),
-        )
+        seq = self._make_sequence(state, 0, cache_salt, output_token_ids)
         seq.data["state"] = None
         return seq
 
-    def _new_sequence(self, state: RequestState, index: int, cache_salt: str | None) -> Sequence:
-        params = state.params
-        seq = Sequence(
+    def _make_sequence(
+        self, state: RequestState, index: int, cache_salt: str | None,
+        output_token_ids: list[int] = (),
+    ) -> Sequence:
+        return Sequence(
             seq_id=next(self._seq_counter),
             request_id=state.request_id,
             prompt_token_ids=state.prompt_token_ids,
             arrival_time=state.metrics.arrival_time,
             index=index,
             cache_salt=cache_salt,
+            output_token_ids=list(output_token_ids),
         )
+
+    def _new_sequence(self, state: RequestState, index: int, cache_salt: str | None) -> Sequence:
+        params = state.params
+        seq = self._make_sequence(state, index, cache_salt)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device="cpu")
