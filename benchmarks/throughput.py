@@ -33,7 +33,7 @@ def run_pagedllm(args, model: str | None) -> dict:
 
     t0 = time.perf_counter()
     kwargs = dict(kv_cache_space=args.kv_cache_space, block_size=args.block_size,
-                  max_num_seqs=args.max_num_seqs)
+                  max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager)
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(model, **kwargs)
@@ -43,6 +43,9 @@ def run_pagedllm(args, model: str | None) -> dict:
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
               for r in reqs]
     llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    t = time.perf_counter()
+    compiled = llm.wait_for_compilation()  # opt-in decode graphs compile in the background
+    compile_s = time.perf_counter() - t
     llm.llm_engine.reset_kv_cache_peak()
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -51,7 +54,8 @@ def run_pagedllm(args, model: str | None) -> dict:
     assert out_tokens == sum(r.max_tokens for r in reqs), "every request must run to max_tokens"
     stats = llm.kv_cache_stats()
     return _result("pagedllm", reqs, elapsed, out_tokens, startup,
-                   extra={"waste_at_peak": round(stats.waste_at_peak, 4),
+                   extra={"compiled": compiled, "compile_wait_s": round(compile_s, 1),
+                          "waste_at_peak": round(stats.waste_at_peak, 4),
                           "peak_used_blocks": stats.peak_used_blocks,
                           "num_preemptions": stats.num_preemptions})
 
@@ -188,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="pagedllm: no compiled decode graphs (default: wait for them, then time)")
     p.add_argument("--base-url", default=None, help="server URL for llamacpp/openai backends")
     p.add_argument("--api-key", default=None, help="bearer key of that server")
     p.add_argument("--vocab-size", type=int, default=49152,

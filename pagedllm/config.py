@@ -43,7 +43,12 @@ class EngineConfig:
     preemption_mode: str | None = None
     tensor_parallel_size: int = 1
     quantization: str | None = None
+    # True: never compile (overrides compile_batch_sizes).
     enforce_eager: bool = False
+    # Opt-in (CPU): decode-only steps of up to these padded batch sizes run torch.compile'd graphs,
+    # compiled in the background (eager until ready). Off by default: with the C kernels the
+    # eager step is as fast here (benchmarks/NOTES.md) and compiling costs ~40 s and ~0.7 GB per size.
+    compile_batch_sizes: list[int] | None = None
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
     served_model_name: str | None = None
     chat_template: str | None = None
@@ -95,6 +100,12 @@ class EngineConfig:
                 f"quantization={self.quantization!r} is not supported yet. Supported: "
                 f"{list(SUPPORTED_QUANTIZATION)} (GGUF files are dequantized at load)."
             )
+        if self.compile_batch_sizes is not None:
+            if not self.compile_batch_sizes or any(int(b) < 1 for b in self.compile_batch_sizes):
+                raise ValueError(
+                    f"compile_batch_sizes must be a non-empty list of positive batch sizes, "
+                    f"got {self.compile_batch_sizes!r}."
+                )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}.")
 

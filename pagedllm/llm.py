@@ -42,6 +42,12 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    def wait_for_compilation(self, timeout: float | None = None) -> bool:
+        """Block until every compiled decode graph is ready (they compile in the background;
+        steps run eager meanwhile). True if all compiled; False with `enforce_eager`, off CPU,
+        on timeout, or if a compilation failed (those batch sizes stay eager)."""
+        return self.llm_engine.model_runner.wait_for_compilation(timeout=timeout)
+
     def generate(
         self,
         prompts: PromptType | SequenceT[PromptType],

@@ -85,8 +85,11 @@ class LLMEngine:
             self.kv_cache_manager,
         )
         self.model_runner = ModelRunner(
-            self.model, self.hf_config, self.num_blocks, self.block_size, self.dtype, self.device
+            self.model, self.hf_config, self.num_blocks, self.block_size, self.dtype, self.device,
+            max_model_len=self.max_model_len, compile_batch_sizes=self._compile_batch_sizes(),
         )
+        if self.model_runner.decode_graphs is not None:
+            self.model_runner.decode_graphs.request_all()  # in the background, smallest first
         self.model_runner.cache_engine.allocate_host_pool(self.num_host_blocks)
         self.sampler = Sampler()
         self.inputs = InputProcessor(self.tokenizer, int(self.hf_config.vocab_size),
@@ -152,6 +155,13 @@ class LLMEngine:
         peak = torch.cuda.max_memory_allocated()
         _, total = torch.cuda.mem_get_info()
         return int(total * self.config.gpu_memory_utilization) - peak
+
+    def _compile_batch_sizes(self) -> list[int] | None:
+        """The compiled decode graphs' batch sizes; None (eager only) unless asked for, with
+        enforce_eager, or off CPU (the GPU path is not compiled yet)."""
+        if self.config.enforce_eager or self.device.type != "cpu" or not self.config.compile_batch_sizes:
+            return None
+        return sorted(set(self.config.compile_batch_sizes))
 
     def _log_cache_size(self) -> None:
         per_block = self._bytes_per_block()

@@ -41,7 +41,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                    help="force recompute or swap (default: swap groups, recompute singles)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--quantization", "-q", default=None)
-    g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="never compile, even with --compile-batch-sizes")
+    g.add_argument("--compile-batch-sizes", default=None,
+                   type=lambda s: [int(x) for x in s.split(",") if x.strip()],
+                   help="opt-in: comma-separated padded batch sizes of torch.compile'd decode "
+                        "steps, e.g. 1,2,4,8 (default: none, every step eager)")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--chat-template", default=None, help="a Jinja template, or a file holding one")
@@ -77,7 +82,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "gpu_memory_utilization", "num_kv_blocks", "swap_space", "max_num_seqs",
         "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill",
         "preemption_mode", "tensor_parallel_size", "quantization", "enforce_eager",
-        "num_threads", "served_model_name", "chat_template",
+        "compile_batch_sizes", "num_threads", "served_model_name", "chat_template",
     ):
         kwargs[name] = getattr(args, name)
     model = getattr(args, "model_tag", None) or args.model

@@ -56,7 +56,7 @@ class Attention(nn.Module):
     """Multi-head / grouped-query attention over a paged KV cache.
 
     `forward(q [T, Hq, D], k [T, Hk, D], v [T, Hk, D], kv_cache, attn_metadata) -> [T, Hq * D]`.
-    `kv_cache` is this layer's `(key_cache, value_cache)`, each `[num_blocks, block_size, Hk, D]`.
+    `kv_cache` is this layer's cache `[2, num_blocks, block_size, Hk, D]` (keys, values).
     """
 
     def __init__(
@@ -82,15 +82,14 @@ class Attention(nn.Module):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         out = self.backend.forward(
             query,
             key,
             value,
-            kv_cache[0],
-            kv_cache[1],
+            kv_cache,
             attn_metadata,
             scale=self.scale,
             sliding_window=self.sliding_window,

@@ -16,16 +16,15 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.activation import get_act_and_mul
 from pagedllm.layers.attention import Attention, AttentionMetadata
-from pagedllm.layers.linear import Linear, MergedLinear, VocabEmbedding
+from pagedllm.layers.linear import Linear, MergedLinear, VocabEmbedding, linear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary_emb, head_dim_of
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+KVCache = torch.Tensor  # one layer's cache: [2 (keys, values), num_blocks, block_size, Hk, D]
 
 # checkpoint projection name -> (our fused module name, shard index)
 _STACKED_PARAMS = {
@@ -194,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     # ---- weights -------------------------------------------------------------------------
     def _expected_weights(self) -> set[tuple[str, int | None]]:

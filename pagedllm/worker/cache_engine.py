@@ -1,6 +1,10 @@
-"""The KV cache tensors: per layer a (key, value) pair of `[num_blocks, block_size, kv_heads,
-head_dim]`, carved out of one zero-initialised allocation so that block copies touch every layer in
-one indexing operation.
+"""The KV cache tensors: per layer one zero-initialised tensor `[2, num_blocks, block_size,
+kv_heads, head_dim]` (index 0: keys, 1: values).
+
+Why one allocation per layer and not one for all layers: a compiled decode graph takes every
+layer's cache as an input that its attention op mutates in place, and inductor can only do that
+in place (instead of cloning the cache every step) when the inputs do not alias each other.
+Block copies and swaps therefore loop over the layers.
 
 Swap preemption adds a host pool of the same layout (`allocate_host_pool`): pinned CPU memory
 on a GPU; on CPU a separate tensor, so that the mechanism runs and is tested without a GPU."""
@@ -32,11 +36,9 @@ class CacheEngine:
         self.device = torch.device(device)
         # Zeros, not empty: padded reads of unused slots are masked out, but a NaN in garbage
         # memory would still poison `softmax @ V` (0 * NaN = NaN).
-        self._cache = torch.zeros(
-            num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=self.device
-        )
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (self._cache[layer, 0], self._cache[layer, 1]) for layer in range(num_layers)
+        self.kv_caches: list[torch.Tensor] = [
+            torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=self.device)
+            for _ in range(num_layers)
         ]
         self._host_cache: torch.Tensor | None = None
 
@@ -49,7 +51,7 @@ class CacheEngine:
         if num_host_blocks <= 0:
             self._host_cache = None
             return
-        shape = list(self._cache.shape)
+        shape = [self.num_layers, *self.kv_caches[0].shape]
         shape[2] = num_host_blocks
         pin = self.device.type == "cuda"
         self._host_cache = torch.empty(shape, dtype=self.dtype, device="cpu", pin_memory=pin)
@@ -66,7 +68,8 @@ class CacheEngine:
             raise RuntimeError("swap_out without a host pool (swap_space is 0)")
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
-        self._host_cache[:, :, dst] = self._cache[:, :, src].to("cpu")
+        for layer, cache in enumerate(self.kv_caches):
+            self._host_cache[layer][:, dst] = cache[:, src].to("cpu")
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy host block `src` into device block `dst` for every `(src, dst)`."""
@@ -76,7 +79,8 @@ class CacheEngine:
             raise RuntimeError("swap_in without a host pool (swap_space is 0)")
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
-        self._cache[:, :, dst] = self._host_cache[:, :, src].to(self.device)
+        for layer, cache in enumerate(self.kv_caches):
+            cache[:, dst] = self._host_cache[layer][:, src].to(self.device)
 
     @staticmethod
     def bytes_per_block(
@@ -88,7 +92,7 @@ class CacheEngine:
 
     @property
     def total_bytes(self) -> int:
-        return self._cache.numel() * self._cache.element_size()
+        return sum(c.numel() * c.element_size() for c in self.kv_caches)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy the contents of block `src` into block `dst` for every `(src, dst)`, all layers,
@@ -97,4 +101,5 @@ class CacheEngine:
             return
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
-        self._cache[:, :, dst] = self._cache[:, :, src]
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]  # advanced indexing reads all sources first

@@ -8,6 +8,11 @@ the optional `blocks_to_swap_out` (device, host) and `blocks_to_swap_in` (host, 
 
 Inside a step the runner orders the batch decodes first (sequences with exactly one query token),
 then the rest (prefills), as `AttentionMetadata` requires; outputs come back in scheduled order.
+
+With `compile_batch_sizes`, decode-only steps run in compiled graphs (worker/decode_graphs.py)
+once the graph of their padded batch size is ready; every other step, and every step before
+that, runs the eager model. The cache then has one extra *scratch* block past `num_blocks`
+that the block pool never hands out: padded rows write there.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from torch import nn
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.rotary import head_dim_of
 from pagedllm.worker.cache_engine import CacheEngine
+from pagedllm.worker.decode_graphs import DecodeGraphs
 
 
 @dataclass
@@ -41,6 +47,8 @@ class ModelInput:
     logits_rows: list[int]  # hidden rows to project to logits
     sample_indices: list[int]  # per sampled sequence (scheduled order): its row in the logits
     all_logits_slices: list[tuple[int, int, int]]  # (seq_id, first logits row, number of rows)
+    # A decode-only step whose every sequence samples one row: it may run a compiled graph.
+    decode_only: bool = False
 
 
 class ModelRunner:
@@ -52,6 +60,8 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        max_model_len: int | None = None,
+        compile_batch_sizes: list[int] | None = None,
     ) -> None:
         self.model = model
         self.hf_config = hf_config
@@ -63,14 +73,25 @@ class ModelRunner:
             num_layers=hf_config.num_hidden_layers,
             num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
             head_dim=head_dim_of(hf_config),
-            num_blocks=num_blocks,
+            num_blocks=num_blocks + (1 if compile_batch_sizes else 0),  # + the scratch block
             block_size=block_size,
             dtype=dtype,
             device=self.device,
         )
+        self.decode_graphs: DecodeGraphs | None = None
+        if compile_batch_sizes:
+            self.decode_graphs = DecodeGraphs(
+                model,
+                self.kv_caches,
+                block_size,
+                max_model_len or int(hf_config.max_position_embeddings),
+                scratch_block=num_blocks,
+                batch_sizes=compile_batch_sizes,
+                device=self.device,
+            )
 
     @property
-    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def kv_caches(self) -> list[torch.Tensor]:
         return self.cache_engine.kv_caches
 
     def prepare_input(self, scheduled: list[Any]) -> ModelInput:
@@ -159,6 +180,7 @@ class ModelRunner:
             logits_rows=logits_rows,
             sample_indices=sample_indices,
             all_logits_slices=all_logits_slices,
+            decode_only=num_decodes == len(order) and not all_logits_slices and len(sample_indices) == len(order),
         )
 
     @torch.no_grad()
@@ -174,25 +196,45 @@ class ModelRunner:
         if not scheduled:
             return ModelRunnerOutput(torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device))
         inp = self.prepare_input(scheduled)
-        with torch.inference_mode():
-            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)
-
-        if not inp.logits_rows:
-            return ModelRunnerOutput(torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device))
-        if inp.logits_rows == list(range(hidden.shape[0])):
-            selected = hidden
-        else:
-            selected = hidden[torch.tensor(inp.logits_rows, dtype=torch.long, device=self.device)]
-        # Outside inference mode, so that the logits are ordinary tensors that the sampler may
-        # modify in place.
-        logits = self.model.compute_logits(selected)
-
+        logits = self.run_model(inp)
+        if logits.shape[0] == 0:
+            return ModelRunnerOutput(logits)
         if inp.sample_indices == list(range(logits.shape[0])):
             sample_logits = logits
         else:
             sample_logits = logits[torch.tensor(inp.sample_indices, dtype=torch.long, device=self.device)]
         all_logits = {seq_id: logits[at : at + n] for seq_id, at, n in inp.all_logits_slices}
         return ModelRunnerOutput(sample_logits=sample_logits, all_logits=all_logits)
+
+    def run_model(self, inp: ModelInput) -> torch.Tensor:
+        """float32 logits of the rows `inp.logits_rows`: from a compiled decode graph where one
+        is ready for this step, else from the eager model."""
+        if inp.decode_only and self.decode_graphs is not None:
+            md = inp.attn_metadata
+            logits = self.decode_graphs.run(
+                inp.input_ids, inp.positions, md.slot_mapping, md.decode_block_tables, md.decode_context_lens
+            )
+            if logits is not None:
+                return logits  # decode-only: row i is sequence i, in scheduled order
+        with torch.inference_mode():
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)
+        if not inp.logits_rows:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        if inp.logits_rows == list(range(hidden.shape[0])):
+            selected = hidden
+        else:
+            selected = hidden[torch.tensor(inp.logits_rows, dtype=torch.long, device=self.device)]
+        # Outside inference mode, so that the logits are ordinary tensors that the sampler may
+        # modify in place.
+        return self.model.compute_logits(selected)
+
+    def wait_for_compilation(self, *batch_sizes: int, timeout: float | None = None) -> bool:
+        """Block until the decode graphs for these batch sizes (default: every bucket) are
+        compiled; True if they all are. False without compilation (`enforce_eager`)."""
+        if self.decode_graphs is None:
+            return False
+        buckets = [b for b in (self.decode_graphs.bucket_for(n) for n in batch_sizes) if b is not None]
+        return self.decode_graphs.wait(buckets or None, timeout=timeout)
 
     @torch.no_grad()
     def profile_run(self, num_tokens: int, num_logit_rows: int = 1) -> None:

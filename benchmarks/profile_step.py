@@ -1,0 +1,97 @@
+"""Where a decode step's time goes: torch.profiler over steady-state decode steps.
+
+    python -m benchmarks.profile_step --batch-size 20 --input-len 128 --context 256
+
+Admits `--batch-size` random-token prompts, decodes until the contexts reach `--context` tokens,
+then profiles `--steps` decode steps. Prints the step time split into the model forward (with the
+LM head) and everything else (scheduling, input preparation, sampling, detokenization: the engine
+overhead), and the top operators by self CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--batch-size", type=int, default=20)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--context", type=int, default=256, help="context length when profiling starts")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--compile", action="store_true",
+                   help="profile the opt-in torch.compile'd decode graph of this batch size")
+    p.add_argument("--top", type=int, default=12)
+    args = p.parse_args(argv)
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from pagedllm import SamplingParams
+    from pagedllm.engine.engine import LLMEngine
+
+    engine = LLMEngine.from_kwargs(
+        model=args.model, kv_cache_space=2.0,
+        max_num_seqs=args.batch_size, enable_prefix_caching=False,
+        max_num_batched_tokens=max(2048, args.batch_size * args.input_len),
+        compile_batch_sizes=[args.batch_size] if args.compile else None,
+    )
+    runner = engine.model_runner
+    compile_s = None
+    if args.compile:
+        t = time.perf_counter()
+        runner.wait_for_compilation()
+        compile_s = round(time.perf_counter() - t, 1)
+    rng = random.Random(0)
+    vocab = engine.hf_config.vocab_size
+    total = args.context + args.steps + 4
+    params = SamplingParams(temperature=0.0, max_tokens=total - args.input_len, ignore_eos=True)
+    for i in range(args.batch_size):
+        ids = [rng.randrange(100, vocab) for _ in range(args.input_len)]
+        engine.add_request(f"prof-{i}", {"prompt_token_ids": ids}, params)
+    for _ in range(args.context - args.input_len):
+        engine.step()
+
+    forward_s: list[float] = []
+    orig = runner.run_model
+
+    def timed_run_model(*a, **kw):
+        t = time.perf_counter()
+        with record_function("model_forward_and_logits"):
+            out = orig(*a, **kw)
+        forward_s.append(time.perf_counter() - t)
+        return out
+
+    runner.run_model = timed_run_model
+    step_s = []
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            with record_function("engine_step"):
+                engine.step()
+            step_s.append(time.perf_counter() - t)
+    runner.run_model = orig
+    step, fwd = statistics.median(step_s), statistics.median(forward_s)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    result = {
+        "batch_size": args.batch_size, "context": args.context, "compiled": args.compile,
+        "step_ms": round(step * 1e3, 2), "model_forward_ms": round(fwd * 1e3, 2),
+        "overhead_ms": round((step - fwd) * 1e3, 2),
+        "overhead_share": round((step - fwd) / step, 4),
+        "threads": torch.get_num_threads(), "compile_s": compile_s,
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

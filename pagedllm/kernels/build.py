@@ -1,0 +1,116 @@
+"""Build a C kernel into a shared library once per source and machine, then load it with ctypes.
+
+Why C and ctypes rather than a torch C++ extension: the file compiles in about a second with
+plain gcc (no torch headers, no ninja), and the call costs microseconds. The library links
+`libgomp.so.1`, the soname torch itself ships and has already loaded, so the kernel's OpenMP
+threads are torch's own pool (no second pool competing for the cores).
+
+Libraries are cached under `$PAGEDLLM_CACHE_DIR/kernels`, keyed by a hash of the source, the
+flags and the CPU, and written atomically so that concurrent processes can share the cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from pagedllm.model_source import cache_dir
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "PAGEDLLM_DISABLE_C_KERNELS"
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+_SOURCE_DIR = Path(__file__).parent
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def _cpu_signature() -> str:
+    """The CPU model and flags: `-march=native` code is valid only where they match."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def build_library(source_name: str) -> ctypes.CDLL | None:
+    """Compile (if not cached) and load `kernels/<source_name>`; None if that is impossible."""
+    with _lock:
+        if source_name in _loaded:
+            return _loaded[source_name]
+        _loaded[source_name] = lib = _build(source_name)
+        return lib
+
+
+def _build(source_name: str) -> ctypes.CDLL | None:
+    if os.environ.get(DISABLE_ENV, "0") not in ("", "0"):
+        return None
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        logger.warning("No C compiler found: %s falls back to plain torch", source_name)
+        return None
+    source = (_SOURCE_DIR / source_name).read_bytes()
+    key = hashlib.sha256(
+        source + " ".join(_CFLAGS).encode() + _cpu_signature().encode() + compiler.encode()
+    ).hexdigest()[:16]
+    out_dir = cache_dir() / "kernels"
+    target = out_dir / f"{Path(source_name).stem}-{key}.so"
+    if not target.exists():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        cmd = [compiler, *_CFLAGS, str(_SOURCE_DIR / source_name), "-o", tmp, "-lm"]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            error = proc.stderr if proc.returncode != 0 else None
+        except OSError as exc:  # the compiler cannot be run
+            error = str(exc)
+        if error is not None:
+            os.unlink(tmp)
+            logger.warning("Building %s failed, falling back to plain torch:\n%s", source_name, error)
+            return None
+        os.replace(tmp, target)
+    try:
+        import torch  # noqa: F401  (loads torch's libgomp first, so that the kernel shares it)
+
+        return ctypes.CDLL(str(target))
+    except OSError as exc:
+        logger.warning("Loading %s failed, falling back to plain torch: %s", target, exc)
+        return None
+
+
+@functools.cache
+def _kernel_function(source_name: str, symbol: str, argtypes: tuple, restype=ctypes.c_int):
+    lib = build_library(source_name)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    fn.argtypes = list(argtypes)
+    fn.restype = restype
+    return fn
+
+
+_PTR, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+
+
+def decode_attention_kernel():
+    """The `paged_decode_attention_f32` C function (built and loaded once), or None."""
+    return _kernel_function(
+        "paged_decode_attention.c", "paged_decode_attention_f32", (_PTR,) * 6 + (_I32,) * 6 + (ctypes.c_float, _I32, _I32)
+    )
+
+
+def small_gemm_kernel():
+    """The `small_gemm_f32` C function (built and loaded once), or None."""
+    return _kernel_function("small_gemm.c", "small_gemm_f32", (_PTR,) * 3 + (_I64,) * 3 + (_I32,))

@@ -1,0 +1,113 @@
+"""Decode attention as one opaque torch operator: `torch.ops.pagedllm.paged_decode_attention`.
+
+It writes the decode tokens' K/V into the paged cache and attends each one-token query over its
+sequence's context. Being a registered custom op (with its cache mutation declared), it is a
+single node to `torch.compile`: the compiled decode step (worker/decode_graphs.py) traces the
+model around it, while the op's own data-dependent work (context lengths, block tables) stays
+eager. The eager path uses the same op, so both paths run one implementation.
+
+On CPU with float32 the attention runs in the C kernel (kernels/paged_decode_attention.c), which
+reads K/V in place from their blocks; otherwise (other dtypes, GPU, no compiler) the torch path
+gathers the used blocks and calls SDPA with an additive mask.
+
+No `from __future__ import annotations` here: `custom_op` reads the signature's real types.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.kernels import decode_attention_kernel
+from pagedllm.layers.backends.paged_ops import decode_mask, gather_blocks, write_to_kv_cache
+
+_c_kernel = decode_attention_kernel
+
+
+def decode_attention_torch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int],
+) -> torch.Tensor:
+    """Portable decode attention: gather the used blocks, mask, SDPA. `query [D, Hq, dh]`."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    max_blocks = -(-int(context_lens.max()) // block_size)
+    tables = block_tables[:, :max_blocks]
+    mask = decode_mask(context_lens, max_blocks * block_size, sliding_window, query.dtype)
+    k = gather_blocks(key_cache, tables).transpose(1, 2)  # [D, Hk, L, dh]
+    v = gather_blocks(value_cache, tables).transpose(1, 2)
+    q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # grouped by KV head
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return o.reshape(num_seqs, num_heads, head_dim)
+
+
+def decode_attention_c(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int],
+) -> Optional[torch.Tensor]:
+    """The C kernel's decode attention, or None where it does not apply."""
+    kernel = _c_kernel()
+    if (
+        kernel is None
+        or query.device.type != "cpu"
+        or not (query.dtype == key_cache.dtype == value_cache.dtype == torch.float32)
+    ):
+        return None
+    query = query.contiguous()
+    block_tables = block_tables.to(torch.int64).contiguous()
+    context_lens = context_lens.to(torch.int64).contiguous()
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        return None
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    out = torch.empty_like(query)
+    failed = kernel(
+        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+        block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
+        num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
+        scale, sliding_window or 0, torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise ValueError("paged decode attention: a context length is 0 or exceeds its block table")
+    return out
+
+
+def paged_decode_attention_eager(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int],
+) -> torch.Tensor:
+    """Write `key/value [D, Hk, dh]` at `slot_mapping` of `kv_cache [2, blocks, block_size, Hk,
+    dh]`, then attend `query [D, Hq, dh]` over the first `context_lens[i]` positions of block
+    table row `i` -> `[D, Hq, dh]`."""
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    write_to_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    args = (query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window)
+    out = decode_attention_c(*args)
+    return out if out is not None else decode_attention_torch(*args)
+
+
+paged_decode_attention = torch.library.custom_op(
+    "pagedllm::paged_decode_attention", paged_decode_attention_eager, mutates_args=("kv_cache",)
+)
+
+
+@paged_decode_attention.register_fake
+def _(query, key, value, kv_cache, slot_mapping, block_tables, context_lens, scale, sliding_window):
+    return torch.empty_like(query)

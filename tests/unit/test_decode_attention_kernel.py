@@ -1,0 +1,84 @@
+"""The C paged decode-attention kernel against the portable torch path, and the op around both."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.kernels import build as kernel_build
+from pagedllm.layers.backends import decode_op
+from pagedllm.layers.backends.decode_op import decode_attention_c, decode_attention_torch
+
+
+def _case(num_seqs, num_heads, num_kv_heads, head_dim, block_size, seed=0, num_blocks=48, width=10):
+    g = torch.Generator().manual_seed(seed)
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in range(num_seqs)])
+    ctx = torch.randint(1, width * block_size + 1, (num_seqs,), generator=g)
+    query = torch.randn(num_seqs, num_heads, head_dim, generator=g)
+    return query, key_cache, value_cache, tables, ctx
+
+
+needs_kernel = pytest.mark.skipif(decode_op._c_kernel() is None, reason="no C compiler: torch path only")
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "num_seqs,num_heads,num_kv_heads,head_dim,block_size,window",
+    [
+        (6, 9, 3, 64, 16, None),  # SmolLM2's grouped-query shape
+        (3, 4, 4, 32, 8, None),  # multi-head
+        (5, 8, 2, 64, 32, 20),  # sliding window shorter than most contexts
+        (1, 9, 3, 64, 16, None),  # single sequence
+        (4, 6, 1, 16, 1, 7),  # block size 1, multi-query
+    ],
+)
+def test_c_kernel_matches_torch(num_seqs, num_heads, num_kv_heads, head_dim, block_size, window):
+    q, kc, vc, tables, ctx = _case(num_seqs, num_heads, num_kv_heads, head_dim, block_size)
+    got = decode_attention_c(q, kc, vc, tables, ctx, head_dim**-0.5, window)
+    want = decode_attention_torch(q, kc, vc, tables, ctx, head_dim**-0.5, window)
+    assert got is not None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+@needs_kernel
+def test_c_kernel_context_past_table_is_an_error():
+    q, kc, vc, tables, ctx = _case(2, 4, 2, 16, 8, width=2)
+    ctx[1] = 3 * 8  # needs 3 blocks, the table has 2
+    with pytest.raises(ValueError, match="exceeds its block table"):
+        decode_attention_c(q, kc, vc, tables, ctx, 0.25, None)
+
+
+def test_c_kernel_declines_other_dtypes():
+    q, kc, vc, tables, ctx = _case(2, 4, 2, 16, 8)
+    args = (q.bfloat16(), kc.bfloat16(), vc.bfloat16(), tables, ctx, 0.25, None)
+    assert decode_attention_c(*args) is None
+
+
+def test_op_writes_kv_then_attends_over_it():
+    """The op stores the new token's K/V at its slot first, so the token attends to itself."""
+    q, kc, vc, tables, ctx = _case(3, 4, 2, 16, 8)
+    key = torch.randn(3, 2, 16)
+    value = torch.randn(3, 2, 16)
+    last = ctx - 1
+    slots = tables[torch.arange(3), last // 8] * 8 + last % 8
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    kv_cache = torch.stack([kc, vc])
+    out = torch.ops.pagedllm.paged_decode_attention(q, key, value, kv_cache, slots, tables, ctx, 0.25, None)
+    kc, vc = kv_cache[0], kv_cache[1]
+    kc_ref.view(-1, 2, 16)[slots] = key
+    vc_ref.view(-1, 2, 16)[slots] = value
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    torch.testing.assert_close(out, decode_attention_torch(q, kc_ref, vc_ref, tables, ctx, 0.25, None))
+
+
+def test_disabled_kernels_build_nothing(monkeypatch):
+    monkeypatch.setenv(kernel_build.DISABLE_ENV, "1")
+    assert kernel_build._build("paged_decode_attention.c") is None
+
+
+def test_missing_compiler_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    assert kernel_build._build("paged_decode_attention.c") is None
