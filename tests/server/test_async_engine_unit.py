@@ -24,6 +24,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.fail_next_step = False
         self.step_gate: threading.Event | None = None  # a step waits for it when set
+        self.step_permits: threading.Semaphore | None = None  # a step takes one permit when set
 
     def add_request(self, request_id, prompt, params, arrival_time=None):
         if prompt == "bad":
@@ -42,6 +43,8 @@ class FakeEngine:
         self.step_threads.add(threading.get_ident())
         if self.step_gate is not None:
             self.step_gate.wait(5)
+        if self.step_permits is not None:
+            self.step_permits.acquire(timeout=5)
         if self.fail_next_step:
             self.fail_next_step = False
             raise RuntimeError("kernel exploded")
@@ -117,20 +120,20 @@ def test_leaving_early_aborts_the_request():
 def test_cancelled_consumer_aborts_the_request():
     async def body(fake, engine):
         got_first = asyncio.Event()
-        fake.step_gate = threading.Event()  # steps wait (up to 5 s each) until released
+        # Exactly one step may run before the cancel, however slow the event loop is, so
+        # "c" cannot finish first; a step without a permit waits up to 5 s.
+        fake.step_permits = threading.Semaphore(1)
 
         async def consume():
             async for _ in engine.generate("p", SamplingParams(max_tokens=1000), "c"):
                 got_first.set()
 
         task = asyncio.create_task(consume())
-        fake.step_gate.set()
         await asyncio.wait_for(got_first.wait(), timeout=10)
-        fake.step_gate.clear()  # hold the engine so "c" cannot finish before the cancel
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        fake.step_gate.set()
+        fake.step_permits.release(1000)
         for _ in range(500):
             if "c" in fake.aborted:
                 break
