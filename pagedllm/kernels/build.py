@@ -21,7 +21,9 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from pagedllm.model_source import cache_dir
 
@@ -111,6 +113,20 @@ def decode_attention_kernel():
     )
 
 
-def small_gemm_kernel():
-    """The `small_gemm_f32` C function (built and loaded once), or None."""
-    return _kernel_function("small_gemm.c", "small_gemm_f32", (_PTR,) * 3 + (_I64,) * 3 + (_I32,))
+class PackedGemm(NamedTuple):
+    """The three functions of `packed_gemm.c` (see there for the packed layout)."""
+
+    packed_size: Callable[..., int]  # (N, K) -> floats in the packed weight
+    pack: Callable[..., None]  # (w, wp, N, K)
+    gemm: Callable[..., int]  # (x, wp, y, scratch, M, N, K, threads) -> 0 on success
+
+
+@functools.cache
+def packed_gemm_kernel() -> PackedGemm | None:
+    """The packed-weight GEMM of `packed_gemm.c` (built and loaded once), or None."""
+    size = _kernel_function("packed_gemm.c", "packed_weight_size", (_I64, _I64), _I64)
+    if size is None:
+        return None
+    pack = _kernel_function("packed_gemm.c", "pack_weight_f32", (_PTR, _PTR, _I64, _I64), None)
+    gemm = _kernel_function("packed_gemm.c", "packed_gemm_f32", (_PTR,) * 4 + (_I64,) * 3 + (_I32,))
+    return PackedGemm(size, pack, gemm)

@@ -4,10 +4,14 @@
 input (q/k/v, gate/up) into one matrix product; the checkpoint's separate matrices are copied into
 row slices of the fused weight at load time.
 
-Every projection goes through `linear`: on CPU in float32 with at most `SMALL_GEMM_MAX_ROWS`
-rows (decode steps) it runs the hand-written C kernel (kernels/small_gemm.c), which beats MKL
-2x to 2.4x at 1 to 4 rows and 1.2x to 1.4x at 20 to 128 (benchmarks/NOTES.md); otherwise (prefill,
-other dtypes, GPU, under torch.compile, no compiler) `F.linear`.
+Every projection goes through `linear`: on CPU in float32 it runs the hand-written C kernel
+(kernels/packed_gemm.c) against a copy of the weight packed once into 32-column panels, which
+beats MKL 2.6x at 1 row, 2.3x at 20, 1.6x at 64 and 1.1-1.2x at 512-2048 (benchmarks/NOTES.md);
+otherwise (other dtypes, GPU, under torch.compile, no compiler) `F.linear`.
+
+The packed copy is made on first use and kept on the weight tensor itself, tagged with the
+tensor's version counter, so that an in-place change of the weight (loading) repacks it. It
+costs as much memory again as the float32 weights it packs.
 """
 
 from __future__ import annotations
@@ -18,31 +22,47 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels import small_gemm_kernel
+from pagedllm.kernels import packed_gemm_kernel
 
-SMALL_GEMM_MAX_ROWS = 128  # measured: ahead of MKL up to 128 rows, behind at 256
-_kernel = small_gemm_kernel
+_kernel = packed_gemm_kernel
+_PACKED_ATTR = "_pagedllm_packed"
+_X_CHUNK_ROWS = 144  # packed_gemm.c's M_CHUNK: the scratch holds one chunk of packed activations
+
+
+def _packed(weight: torch.Tensor, kernel) -> torch.Tensor:
+    """The packed copy of `weight`, made now if it is missing or stale."""
+    key = (weight.data_ptr(), weight._version)
+    cached = getattr(weight, _PACKED_ATTR, None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    n, k = weight.shape
+    source = weight.detach().contiguous()
+    packed = torch.empty(kernel.packed_size(n, k), dtype=torch.float32)
+    kernel.pack(source.data_ptr(), packed.data_ptr(), n, k)
+    setattr(weight, _PACKED_ATTR, (key, packed))
+    return packed
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for `x [M, K]`, `weight [N, K]`: the C kernel where it applies."""
     if (
         x.dim() == 2
-        and x.shape[0] <= SMALL_GEMM_MAX_ROWS
+        and x.shape[0] > 0
         and x.device.type == "cpu"
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
-        and x.shape[1] % 16 == 0
-        and weight.shape[0] % 4 == 0
+        and weight.dim() == 2
         and not torch.compiler.is_compiling()
     ):
         kernel = _kernel()
-        if kernel is not None and x.shape[0] > 0:
+        if kernel is not None:
+            m, k = x.shape
+            n = weight.shape[0]
             x = x.contiguous()
-            weight = weight.contiguous()
-            out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-            kernel(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1],
-                   torch.get_num_threads())  # fmt: skip
+            out = torch.empty(m, n, dtype=torch.float32)
+            scratch = torch.empty(min(m, _X_CHUNK_ROWS) * k, dtype=torch.float32)
+            kernel.gemm(x.data_ptr(), _packed(weight, kernel).data_ptr(), out.data_ptr(), scratch.data_ptr(), m, n, k,
+                        torch.get_num_threads())  # fmt: skip
             return out if bias is None else out.add_(bias)
     return F.linear(x, weight, bias)
 

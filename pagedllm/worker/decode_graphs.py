@@ -3,7 +3,7 @@
 Opt-in (`compile_batch_sizes`). Why it exists: eager float32 GEMMs through MKL are slow at
 decode batch sizes, and inductor's GEMM choices on frozen weights (max-autotune: its C++ GEMM
 templates or prepacked MKL) beat them on AVX2 machines (../shared/PERF-NOTES.md). Why it is off
-by default: the hand-written kernels (kernels/small_gemm.c, paged_decode_attention.c) made the
+by default: the hand-written kernels (kernels/packed_gemm.c, paged_decode_attention.c) made the
 eager step as fast as these graphs on this project's machines, without ~40 s of compilation and
 ~0.7 GB of repacked weights per batch size (benchmarks/NOTES.md). Under torch.compile the
 projections take inductor's path, not the C GEMM. Shapes must be static, so a decode-only step

@@ -1,4 +1,4 @@
-"""The C small-batch GEMM behind every projection (`layers.linear.linear`) against `F.linear`."""
+"""The C packed-weight GEMM behind every projection (`layers.linear.linear`) against `F.linear`."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers import linear as linear_mod
-from pagedllm.layers.linear import SMALL_GEMM_MAX_ROWS, linear
+from pagedllm.layers.linear import linear
 
 needs_kernel = pytest.mark.skipif(linear_mod._kernel() is None, reason="no C compiler: F.linear only")
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 20, 33, SMALL_GEMM_MAX_ROWS])
-@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (8, 64)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 12, 13, 20, 33, 144, 145, 300])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (8, 64), (37, 5), (33, 40)])
 def test_matches_f_linear(rows, out_features, in_features):
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=g)
@@ -25,31 +25,38 @@ def test_matches_f_linear(rows, out_features, in_features):
 
 
 @needs_kernel
-def test_kernel_is_used_for_decode_shapes(monkeypatch):
+def test_kernel_is_used_and_weight_packed_once(monkeypatch):
     calls = []
     real = linear_mod._kernel()
-    monkeypatch.setattr(linear_mod, "_kernel", lambda: lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(linear_mod, "_kernel", lambda: real._replace(pack=lambda *a: calls.append(a) or real.pack(*a)))
     x, w = torch.randn(4, 64), torch.randn(8, 64)
-    torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    for _ in range(3):
+        torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
     assert len(calls) == 1
+
+
+@needs_kernel
+def test_in_place_weight_change_repacks():
+    x, w = torch.randn(3, 32), torch.randn(16, 32)
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    w.copy_(torch.randn(16, 32))  # as loading a checkpoint into the parameter does
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize(
     "x,w",
     [
-        (torch.randn(4, 40), torch.randn(8, 40)),  # K not a multiple of 16
-        (torch.randn(4, 64), torch.randn(6, 64)),  # N not a multiple of 4
-        (torch.randn(SMALL_GEMM_MAX_ROWS + 1, 64), torch.randn(8, 64)),  # prefill-sized
         (torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)),
         (torch.randn(2, 3, 64), torch.randn(8, 64)),  # not 2-D
+        (torch.randn(0, 64), torch.randn(8, 64)),  # no rows
     ],
 )
-def test_other_shapes_fall_back_to_torch(monkeypatch, x, w):
+def test_other_inputs_fall_back_to_torch(monkeypatch, x, w):
     monkeypatch.setattr(linear_mod, "_kernel", lambda: pytest.fail("the C kernel must not be used"))
     torch.testing.assert_close(linear(x, w), F.linear(x, w))
 
 
-def test_non_contiguous_input(monkeypatch):
+def test_non_contiguous_input_and_weight():
     x = torch.randn(64, 6)[:, :4].t()  # [4, 64], not contiguous
-    w = torch.randn(8, 64)
+    w = torch.randn(64, 8).t()  # [8, 64], not contiguous
     torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
