@@ -2,12 +2,14 @@
 
 - `paged_decode_attention.c`: decode attention reading K/V blocks in place (layers/backends/decode_op.py);
 - `packed_gemm.c`: `x @ W^T` against weights packed once into 32-column panels (layers/linear.py
-  `linear`), every projection on CPU in float32.
+  `linear`), every projection on CPU in float32;
+- `block_gemm.c`: the same product for 1-16 rows against weights kept as exact 4-bit / 8-bit
+  blocks (layers/block_formats.py), a quarter of the memory traffic of float32.
 
 Each has a portable torch fallback; the loaders return None when a kernel cannot be built (no
 compiler) or kernels are disabled with `PAGEDLLM_DISABLE_C_KERNELS=1`.
 """
 
-from pagedllm.kernels.build import decode_attention_kernel, packed_gemm_kernel
+from pagedllm.kernels.build import block_gemm_kernel, decode_attention_kernel, packed_gemm_kernel
 
-__all__ = ["decode_attention_kernel", "packed_gemm_kernel"]
+__all__ = ["block_gemm_kernel", "decode_attention_kernel", "packed_gemm_kernel"]

@@ -4,65 +4,103 @@
 input (q/k/v, gate/up) into one matrix product; the checkpoint's separate matrices are copied into
 row slices of the fused weight at load time.
 
-Every projection goes through `linear`: on CPU in float32 it runs the hand-written C kernel
-(kernels/packed_gemm.c) against a copy of the weight packed once into 32-column panels, which
-beats MKL 2.6x at 1 row, 2.3x at 20, 1.6x at 64 and 1.1-1.2x at 512-2048 (benchmarks/NOTES.md);
-otherwise (other dtypes, GPU, under torch.compile, no compiler) `F.linear`.
+Every projection goes through `linear`. On CPU in float32 it runs hand-written C kernels against
+forms of the weight prepared once (`prepare_weight`, at load time, or on first use):
+- up to `BLOCK_GEMM_MAX_ROWS` rows, when the weight is exactly a grid of 4-bit or 8-bit blocks
+  (a GGUF model's weights are; layers/block_formats.py checks it bit for bit):
+  kernels/block_gemm.c on that compact form (0.75-1.1 bytes a weight instead of 4: decode at
+  small batch is bound by memory bandwidth);
+- otherwise kernels/packed_gemm.c on a copy packed into 32-column panels, which beats MKL
+  2.6x at 1 row, 2.3x at 20, 1.6x at 64 and 1.1-1.2x at 512-2048 (benchmarks/NOTES.md).
+Elsewhere (other dtypes, GPU, under torch.compile, no compiler) `F.linear`.
 
-The packed copy is made on first use and kept on the weight tensor itself, tagged with the
-tensor's version counter, so that an in-place change of the weight (loading) repacks it. It
-costs as much memory again as the float32 weights it packs.
+The prepared forms live on the weight tensor itself, tagged with its data pointer and version
+counter, so an in-place change of the weight (loading) prepares them again. The packed copy
+costs as much memory again as the float32 weight; the block form a fifth to a quarter of it.
+Setting `PAGEDLLM_BLOCK_WEIGHTS=0` turns the block form off (for A/B measurements).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels import packed_gemm_kernel
+from pagedllm.kernels import block_gemm_kernel, packed_gemm_kernel
+from pagedllm.layers.block_formats import find_block_encoding
 
+BLOCK_GEMM_MAX_ROWS = 16  # measured: the block kernel leads up to 16 rows, the packed one from 20
 _kernel = packed_gemm_kernel
-_PACKED_ATTR = "_pagedllm_packed"
+_block_kernel = block_gemm_kernel
+_PREPARED_ATTR = "_pagedllm_prepared"
 _X_CHUNK_ROWS = 144  # packed_gemm.c's M_CHUNK: the scratch holds one chunk of packed activations
 
 
-def _packed(weight: torch.Tensor, kernel) -> torch.Tensor:
-    """The packed copy of `weight`, made now if it is missing or stale."""
+def _block_weights_enabled() -> bool:
+    return os.environ.get("PAGEDLLM_BLOCK_WEIGHTS", "1") not in ("0", "")
+
+
+class PreparedWeight(NamedTuple):
+    key: tuple[int, int]  # (data pointer, version) of the weight these were made from
+    packed: torch.Tensor  # float32 panels for packed_gemm.c
+    block_format: int | None  # block_gemm.c's format id, None when the weight has no exact one
+    blocks: torch.Tensor | None  # uint8, the weight in that format
+
+
+def prepare_weight(weight: torch.Tensor) -> PreparedWeight | None:
+    """The kernel-ready forms of a 2-D float32 CPU weight (made now if missing or stale), or
+    None where the C kernels are unavailable."""
+    kernel = _kernel()
+    if kernel is None or weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
     key = (weight.data_ptr(), weight._version)
-    cached = getattr(weight, _PACKED_ATTR, None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    cached = getattr(weight, _PREPARED_ATTR, None)
+    if cached is not None and cached.key == key:
+        return cached
     n, k = weight.shape
     source = weight.detach().contiguous()
     packed = torch.empty(kernel.packed_size(n, k), dtype=torch.float32)
     kernel.pack(source.data_ptr(), packed.data_ptr(), n, k)
-    setattr(weight, _PACKED_ATTR, (key, packed))
-    return packed
+    block_format, blocks = None, None
+    block_kernel = _block_kernel()
+    encoding = find_block_encoding(source) if block_kernel is not None else None
+    if encoding is not None:
+        block_format = encoding.format
+        blocks = torch.empty(block_kernel.packed_size(block_format, n, k), dtype=torch.uint8)
+        block_kernel.pack(block_format, encoding.codes.data_ptr(), encoding.scales.data_ptr(),
+                          encoding.offsets.data_ptr(), blocks.data_ptr(), n, k)  # fmt: skip
+    prepared = PreparedWeight(key, packed, block_format, blocks)
+    setattr(weight, _PREPARED_ATTR, prepared)
+    return prepared
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ weight.T (+ bias)` for `x [M, K]`, `weight [N, K]`: the C kernel where it applies."""
+    """`x @ weight.T (+ bias)` for `x [M, K]`, `weight [N, K]`: the C kernels where they apply."""
     if (
         x.dim() == 2
         and x.shape[0] > 0
         and x.device.type == "cpu"
         and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and weight.dim() == 2
         and not torch.compiler.is_compiling()
     ):
-        kernel = _kernel()
-        if kernel is not None:
+        prepared = prepare_weight(weight)
+        if prepared is not None:
             m, k = x.shape
             n = weight.shape[0]
             x = x.contiguous()
             out = torch.empty(m, n, dtype=torch.float32)
-            scratch = torch.empty(min(m, _X_CHUNK_ROWS) * k, dtype=torch.float32)
-            kernel.gemm(x.data_ptr(), _packed(weight, kernel).data_ptr(), out.data_ptr(), scratch.data_ptr(), m, n, k,
-                        torch.get_num_threads())  # fmt: skip
+            threads = torch.get_num_threads()
+            if prepared.blocks is not None and m <= BLOCK_GEMM_MAX_ROWS and _block_weights_enabled():
+                _block_kernel().gemm(prepared.block_format, x.data_ptr(), prepared.blocks.data_ptr(), out.data_ptr(),
+                                     m, n, k, threads)  # fmt: skip
+            else:
+                scratch = torch.empty(min(m, _X_CHUNK_ROWS) * k, dtype=torch.float32)
+                _kernel().gemm(x.data_ptr(), prepared.packed.data_ptr(), out.data_ptr(), scratch.data_ptr(), m, n, k,
+                               threads)  # fmt: skip
             return out if bias is None else out.add_(bias)
     return F.linear(x, weight, bias)
 

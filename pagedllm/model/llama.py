@@ -192,8 +192,15 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        return linear(hidden, self._head_weight()).float()
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def projection_weights(self) -> list[torch.Tensor]:
+        """Every weight that goes through `linear` (the projections and the LM head)."""
+        weights = [m.weight for m in self.modules() if isinstance(m, Linear)]
+        return weights + [self._head_weight()]
 
     # ---- weights -------------------------------------------------------------------------
     def _expected_weights(self) -> set[tuple[str, int | None]]:

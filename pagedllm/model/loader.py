@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.layers.linear import prepare_weight
 from pagedllm.model.gguf_loader import iter_gguf_weights, resolve_gguf_path
 from pagedllm.model.registry import get_model_class
 
@@ -61,4 +62,6 @@ def load_model(
     else:
         weights = iter_safetensors_weights(model_path)
     model.load_weights(weights)
+    for weight in model.projection_weights():
+        prepare_weight(weight)  # the C kernels' forms now, not in the first request
     return model.eval()
