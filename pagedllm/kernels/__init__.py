@@ -4,12 +4,19 @@
 - `packed_gemm.c`: `x @ W^T` against weights packed once into 32-column panels (layers/linear.py
   `linear`), every projection on CPU in float32;
 - `block_gemm.c`: the same product for 1-16 rows against weights kept as exact 4-bit / 8-bit
-  blocks (layers/block_formats.py), a quarter of the memory traffic of float32.
+  blocks (layers/block_formats.py), a quarter of the memory traffic of float32;
+- `fused_ops.c`: residual add + RMSNorm, SiLU-and-mul, rotary embedding in place, one call each
+  (layers/norm.py, activation.py, rotary.py).
 
 Each has a portable torch fallback; the loaders return None when a kernel cannot be built (no
 compiler) or kernels are disabled with `PAGEDLLM_DISABLE_C_KERNELS=1`.
 """
 
-from pagedllm.kernels.build import block_gemm_kernel, decode_attention_kernel, packed_gemm_kernel
+from pagedllm.kernels.build import (
+    block_gemm_kernel,
+    decode_attention_kernel,
+    fused_ops_kernel,
+    packed_gemm_kernel,
+)
 
-__all__ = ["block_gemm_kernel", "decode_attention_kernel", "packed_gemm_kernel"]
+__all__ = ["block_gemm_kernel", "decode_attention_kernel", "fused_ops_kernel", "packed_gemm_kernel"]

@@ -149,3 +149,22 @@ def block_gemm_kernel() -> BlockGemm | None:
     pack = _kernel_function("block_gemm.c", "block_pack", (_I32,) + (_PTR,) * 4 + (_I64, _I64), None)
     gemm = _kernel_function("block_gemm.c", "block_gemm_f32", (_I32,) + (_PTR,) * 3 + (_I64,) * 3 + (_I32,))
     return BlockGemm(size, pack, gemm)
+
+
+class FusedOps(NamedTuple):
+    """The functions of `fused_ops.c`."""
+
+    add_rms_norm: Callable[..., None]  # (x, residual, weight, out, M, H, eps, add, threads)
+    silu_mul: Callable[..., None]  # (gate_up, out, M, I, threads)
+    rotary: Callable[..., None]  # (qkv, cos, sin, T, row_stride, heads, D, threads)
+
+
+@functools.cache
+def fused_ops_kernel() -> FusedOps | None:
+    """The fused per-layer operations of `fused_ops.c` (built and loaded once), or None."""
+    norm = _kernel_function("fused_ops.c", "add_rms_norm_f32", (_PTR,) * 4 + (_I64, _I64, ctypes.c_float, _I32, _I32), None)
+    if norm is None:
+        return None
+    silu = _kernel_function("fused_ops.c", "silu_mul_f32", (_PTR, _PTR, _I64, _I64, _I32), None)
+    rotary = _kernel_function("fused_ops.c", "rotary_f32", (_PTR,) * 3 + (_I64,) * 4 + (_I32,), None)
+    return FusedOps(norm, silu, rotary)

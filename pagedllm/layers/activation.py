@@ -6,12 +6,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.fused import fused_kernel_for
+
 
 class SiluAndMul(nn.Module):
     """`silu(gate) * up` where the input is the fused projection `[..., gate | up]`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
+        kernel = fused_kernel_for(x) if x.dim() == 2 else None
+        if kernel is not None:
+            out = torch.empty(x.shape[0], d, dtype=x.dtype)
+            kernel.silu_mul(x.data_ptr(), out.data_ptr(), x.shape[0], d, torch.get_num_threads())
+            return out
         return F.silu(x[..., :d]) * x[..., d:]
 
 

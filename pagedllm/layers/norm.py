@@ -5,12 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.layers.fused import fused_kernel_for
+
 
 class RMSNorm(nn.Module):
     """`weight * x / sqrt(mean(x^2) + eps)`, the statistics taken in float32.
 
     The order of operations follows transformers' `LlamaRMSNorm` exactly (upcast, mean of squares,
-    rsqrt, downcast, then scale), so that float32 outputs agree to the last bit or two.
+    rsqrt, downcast, then scale), so that float32 outputs agree to the last bit or two. On CPU in
+    float32 the residual add and the norm run as one C kernel (kernels/fused_ops.c).
     """
 
     def __init__(
@@ -24,7 +27,23 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.variance_epsilon = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """`norm(x)`; with `residual`, `(norm(x + residual), x + residual)`, the sum written into
+        `residual` in place where the fused kernel runs (callers own that buffer)."""
+        kernel = fused_kernel_for(x, self.weight) if x.dim() == 2 else None
+        if kernel is not None and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype)):
+            out = torch.empty_like(x)
+            rows, hidden = x.shape
+            kernel.add_rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else 0,
+                                self.weight.data_ptr(), out.data_ptr(), rows, hidden, self.variance_epsilon,
+                                int(residual is not None), torch.get_num_threads())  # fmt: skip
+            return out if residual is None else (out, residual)
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
         h = x.to(torch.float32)
         variance = h.pow(2).mean(-1, keepdim=True)

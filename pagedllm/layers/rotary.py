@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.layers.fused import fused_kernel_for
+
 
 def _rope_params(hf_config: Any) -> tuple[float, dict[str, Any]]:
     """(rope_theta, scaling dict with a `rope_type` key) from a transformers 5 or 4 config."""
@@ -101,3 +103,24 @@ def apply_rotary_emb(
     cos = cos.to(q.dtype).unsqueeze(1)
     sin = sin.to(q.dtype).unsqueeze(1)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rotate_qkv(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split the fused projection `qkv [T, (Hq + 2 Hk) * D]` into q `[T, Hq, D]`, k, v `[T, Hk, D]`
+    with q and k rotated: in place in `qkv` by the C kernel where it applies (the caller's fresh
+    projection output), else with `apply_rotary_emb`."""
+    tokens = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    kernel = fused_kernel_for(qkv, cos, sin) if qkv.dim() == 2 else None
+    if kernel is not None:
+        kernel.rotary(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, qkv.shape[1], num_heads + num_kv_heads,
+                      head_dim, torch.get_num_threads())  # fmt: skip
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(tokens, num_heads, head_dim)
+    k = k.view(tokens, num_kv_heads, head_dim)
+    v = v.view(tokens, num_kv_heads, head_dim)
+    if kernel is None:
+        q, k = apply_rotary_emb(q, k, cos, sin)
+    return q, k, v

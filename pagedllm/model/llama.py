@@ -22,7 +22,7 @@ from pagedllm.layers.activation import get_act_and_mul
 from pagedllm.layers.attention import Attention, AttentionMetadata
 from pagedllm.layers.linear import Linear, MergedLinear, VocabEmbedding, linear
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary_emb, head_dim_of
+from pagedllm.layers.rotary import RotaryEmbedding, head_dim_of, rotate_qkv
 
 KVCache = torch.Tensor  # one layer's cache: [2 (keys, values), num_blocks, block_size, Hk, D]
 
@@ -84,12 +84,7 @@ class LlamaAttention(nn.Module):
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary_emb(q, k, cos, sin)
+        q, k, v = rotate_qkv(self.qkv_proj(hidden), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
 
 
@@ -118,17 +113,22 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        residual = hidden
-        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
-        hidden = residual + hidden
-        residual = hidden
-        hidden = self.mlp(self.post_attention_layernorm(hidden))
-        return residual + hidden
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(output, residual)`: the layer's output is `output + residual`; the sum is left to the
+        next norm, which fuses it (the first layer gets `residual=None`)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -187,9 +187,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn_metadata)
+        return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self._head_weight()).float()

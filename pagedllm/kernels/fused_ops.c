@@ -1,0 +1,65 @@
+/* The small per-layer operations of a Llama layer, fused, float32, on CPU:
+ *   add_rms_norm_f32: residual += x (optional), out = weight * (residual * rsqrt(mean(residual^2) + eps))
+ *   silu_mul_f32:     out = silu(gate) * up, from the fused [gate | up] projection
+ *   rotary_f32:       rotate the q and k heads of the fused qkv projection in place
+ *
+ * Why: in eager torch each of these is 3-8 separate operators (pow, mean, add, rsqrt, mul, cat,
+ * neg, slice...), each a dispatch of a few microseconds plus a pass over memory; at decode batch
+ * sizes that is ~20 operators a layer and about a tenth to a fifth of a step
+ * (benchmarks/NOTES.md). Each kernel here is one call and one pass. The order of the arithmetic
+ * follows transformers' Llama (RMSNorm: scale the input by the reciprocal root, then multiply by
+ * the weight; rotary: x * cos + rotate_half(x) * sin), so results differ from torch only in
+ * the last bits (summation order, fused multiply-adds). Rows are split across threads only when
+ * there is enough work to pay for it. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PAR_MIN_ELEMS 65536
+
+void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out, int64_t M,
+                      int64_t H, float eps, int add, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * H >= PAR_MIN_ELEMS)
+    for (int64_t m = 0; m < M; ++m) {
+        const float *xr = x + m * H;
+        float *rr = residual + m * H;
+        float *o = out + m * H;
+        const float *h = xr;
+        if (add) {
+            for (int64_t j = 0; j < H; ++j) rr[j] += xr[j];
+            h = rr;
+        }
+        float ss = 0.0f;
+        for (int64_t j = 0; j < H; ++j) ss += h[j] * h[j];
+        const float r = 1.0f / sqrtf(ss / (float)H + eps);
+        for (int64_t j = 0; j < H; ++j) o[j] = weight[j] * (h[j] * r);
+    }
+}
+
+void silu_mul_f32(const float *gate_up, float *out, int64_t M, int64_t I, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * I >= PAR_MIN_ELEMS)
+    for (int64_t m = 0; m < M; ++m) {
+        const float *g = gate_up + m * 2 * I, *u = g + I;
+        float *o = out + m * I;
+        for (int64_t j = 0; j < I; ++j) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+}
+
+/* qkv rows of `row_stride` floats; the first `heads` heads of `D` floats each (q's, then k's)
+ * are rotated by cos/sin [T, D] (the two halves of each row of cos/sin are equal). */
+void rotary_f32(float *qkv, const float *cos_t, const float *sin_t, int64_t T, int64_t row_stride,
+                int64_t heads, int64_t D, int num_threads) {
+    const int64_t half = D / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * heads * D >= PAR_MIN_ELEMS)
+    for (int64_t t = 0; t < T; ++t) {
+        const float *c = cos_t + t * D, *s = sin_t + t * D;
+        for (int64_t h = 0; h < heads; ++h) {
+            float *v = qkv + t * row_stride + h * D;
+            for (int64_t i = 0; i < half; ++i) {
+                const float a = v[i], b = v[i + half];
+                v[i] = a * c[i] - b * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
