@@ -109,7 +109,9 @@ _PTR, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 def decode_attention_kernel():
     """The `paged_decode_attention_f32` C function (built and loaded once), or None."""
     return _kernel_function(
-        "paged_decode_attention.c", "paged_decode_attention_f32", (_PTR,) * 6 + (_I32,) * 6 + (ctypes.c_float, _I32, _I32)
+        "paged_decode_attention.c",
+        "paged_decode_attention_f32",
+        (_PTR, _I64, _PTR, _PTR, _I64) + (_PTR,) * 6 + (_I32,) * 6 + (_I64, ctypes.c_float, _I32, _I32),
     )
 
 

@@ -150,13 +150,27 @@ static int attend(const float *query, const float *key_cache, const float *value
     return 0;
 }
 
-int paged_decode_attention_f32(const float *query, const float *key_cache, const float *value_cache,
-                               const int64_t *block_tables, const int64_t *context_lens, float *out,
-                               int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                               int block_size, int table_width, float scale, int window,
+/* Rows of query/key/value are `q_stride` / `kv_stride` floats apart (views into the fused qkv
+ * projection need no copy). When `key` is not NULL, each sequence's new K/V row is first stored
+ * at its flat cache slot `slots[s]`: one call instead of two scatter operators a layer. */
+int paged_decode_attention_f32(const float *query, int64_t q_stride, const float *key,
+                               const float *value, int64_t kv_stride, const int64_t *slots,
+                               float *key_cache, float *value_cache, const int64_t *block_tables,
+                               const int64_t *context_lens, float *out, int num_seqs,
+                               int num_heads, int num_kv_heads, int head_dim, int block_size,
+                               int table_width, int64_t num_blocks, float scale, int window,
                                int num_threads) {
     const int split = num_seqs >= 2 * num_threads ? 1 : num_kv_heads;
     const int per = num_kv_heads / split;
+    const int64_t row = (int64_t)num_kv_heads * head_dim;
+    if (key != NULL) { /* all writes before any read: another sequence may see a written slot */
+        for (int s = 0; s < num_seqs; ++s)
+            if (slots[s] < 0 || slots[s] >= num_blocks * block_size) return 2;
+        for (int s = 0; s < num_seqs; ++s) {
+            memcpy(key_cache + slots[s] * row, key + s * kv_stride, sizeof(float) * row);
+            memcpy(value_cache + slots[s] * row, value + s * kv_stride, sizeof(float) * row);
+        }
+    }
     /* A small step (one short sequence) is cheaper on one thread than a fork and join. */
     int64_t total = 0;
     for (int s = 0; s < num_seqs; ++s) total += context_lens[s];
@@ -165,10 +179,11 @@ int paged_decode_attention_f32(const float *query, const float *key_cache, const
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed) if (parallel)
     for (int item = 0; item < num_seqs * split; ++item) {
         const int s = item / split, part = item % split;
-        failed |= attend(query + (int64_t)s * num_heads * head_dim, key_cache, value_cache,
+        const int h0 = part * per, h1 = (part + 1) * per;
+        failed |= attend(query + s * q_stride, key_cache, value_cache,
                          block_tables + (int64_t)s * table_width, context_lens[s],
                          out + (int64_t)s * num_heads * head_dim, num_heads, num_kv_heads, head_dim,
-                         block_size, table_width, scale, window, part * per, (part + 1) * per);
+                         block_size, table_width, scale, window, h0, h1);
     }
     return failed;
 }

@@ -40,8 +40,7 @@ _PREPARED_ATTR = "_pagedllm_prepared"
 _X_CHUNK_ROWS = 144  # packed_gemm.c's M_CHUNK: the scratch holds one chunk of packed activations
 
 
-def _block_weights_enabled() -> bool:
-    return os.environ.get("PAGEDLLM_BLOCK_WEIGHTS", "1") not in ("0", "")
+USE_BLOCK_WEIGHTS = os.environ.get("PAGEDLLM_BLOCK_WEIGHTS", "1") not in ("0", "")  # read once
 
 
 class PreparedWeight(NamedTuple):
@@ -94,7 +93,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             x = x.contiguous()
             out = torch.empty(m, n, dtype=torch.float32)
             threads = torch.get_num_threads()
-            if prepared.blocks is not None and m <= BLOCK_GEMM_MAX_ROWS and _block_weights_enabled():
+            if prepared.blocks is not None and m <= BLOCK_GEMM_MAX_ROWS and USE_BLOCK_WEIGHTS:
                 _block_kernel().gemm(prepared.block_format, x.data_ptr(), prepared.blocks.data_ptr(), out.data_ptr(),
                                      m, n, k, threads)  # fmt: skip
             else:

@@ -140,7 +140,7 @@ class ModelRunner:
         decode_block_tables = decode_context_lens = None
         if num_decodes:
             max_decode_blocks = -(-max(ctx_lens[:num_decodes]) // B)
-            decode_block_tables = block_tables[:num_decodes, :max_decode_blocks].to(dev)
+            decode_block_tables = block_tables[:num_decodes, :max_decode_blocks].to(dev).contiguous()
             decode_context_lens = torch.tensor(ctx_lens[:num_decodes], dtype=torch.long, device=dev)
         prefill_tables = [
             block_tables[j, : len(tables[j])].to(dev) for j in range(num_decodes, len(order))

@@ -80,5 +80,5 @@ def test_larger_batches_and_disabled_blocks_use_the_packed_kernel(monkeypatch):
     monkeypatch.setattr(linear_mod, "_block_kernel", lambda: real._replace(gemm=lambda *a: pytest.fail("block gemm")))
     x = torch.randn(BLOCK_GEMM_MAX_ROWS + 1, 64)
     torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
-    monkeypatch.setenv("PAGEDLLM_BLOCK_WEIGHTS", "0")
+    monkeypatch.setattr(linear_mod, "USE_BLOCK_WEIGHTS", False)  # PAGEDLLM_BLOCK_WEIGHTS=0
     torch.testing.assert_close(linear(x[:2], w), F.linear(x[:2], w), rtol=1e-5, atol=1e-4)

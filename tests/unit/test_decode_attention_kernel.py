@@ -82,3 +82,22 @@ def test_missing_compiler_falls_back(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     assert kernel_build._build("paged_decode_attention.c") is None
+
+
+@needs_kernel
+def test_c_kernel_writes_strided_rows_and_rejects_bad_slots():
+    """K/V/query as views into one fused projection (rows apart), written by the kernel itself."""
+    q, kc, vc, tables, ctx = _case(4, 6, 2, 16, 8)
+    qkv = torch.randn(4, (6 + 2 + 2) * 16)
+    query, key, value = (t.view(4, -1, 16) for t in qkv.split([96, 32, 32], dim=-1))
+    last = ctx - 1
+    slots = tables[torch.arange(4), last // 8] * 8 + last % 8
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    kc_ref.view(-1, 2, 16)[slots] = key
+    vc_ref.view(-1, 2, 16)[slots] = value
+    out = decode_attention_c(query, kc, vc, tables, ctx, 0.25, None, new_kv=(key, value, slots))
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    torch.testing.assert_close(out, decode_attention_torch(query.contiguous(), kc_ref, vc_ref, tables, ctx, 0.25, None))
+    slots[0] = kc.shape[0] * 8  # one past the last slot
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        decode_attention_c(query, kc, vc, tables, ctx, 0.25, None, new_kv=(key, value, slots))

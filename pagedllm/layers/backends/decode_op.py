@@ -47,6 +47,12 @@ def decode_attention_torch(
     return o.reshape(num_seqs, num_heads, head_dim)
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """`t [S, H, D]` with unit strides inside a row (rows may be apart, as views into the fused
+    qkv projection are); copied only if it is not."""
+    return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
+
+
 def decode_attention_c(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -55,29 +61,43 @@ def decode_attention_c(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: Optional[int],
+    new_kv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
 ) -> Optional[torch.Tensor]:
-    """The C kernel's decode attention, or None where it does not apply."""
+    """The C kernel's decode attention, or None where it does not apply. With `new_kv = (key,
+    value, slot_mapping)` the kernel first stores the new K/V rows at their slots."""
     kernel = _c_kernel()
     if (
         kernel is None
         or query.device.type != "cpu"
         or not (query.dtype == key_cache.dtype == value_cache.dtype == torch.float32)
+        or not (key_cache.is_contiguous() and value_cache.is_contiguous())
     ):
         return None
-    query = query.contiguous()
+    query = _rows(query)
     block_tables = block_tables.to(torch.int64).contiguous()
     context_lens = context_lens.to(torch.int64).contiguous()
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        return None
     num_seqs, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    out = torch.empty_like(query)
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    key_ptr = value_ptr = slots_ptr = None
+    kv_stride = 0
+    if new_kv is not None:
+        key, value, slots = new_kv
+        if key.dtype != torch.float32 or value.dtype != torch.float32:
+            return None
+        key, value = _rows(key), _rows(value)
+        if key.stride(0) != value.stride(0):
+            key, value = key.contiguous(), value.contiguous()
+        slots = slots.to(torch.int64).contiguous()
+        key_ptr, value_ptr, slots_ptr, kv_stride = key.data_ptr(), value.data_ptr(), slots.data_ptr(), key.stride(0)
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
     failed = kernel(
-        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-        block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
-        num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
-        scale, sliding_window or 0, torch.get_num_threads(),
+        query.data_ptr(), query.stride(0), key_ptr, value_ptr, kv_stride, slots_ptr,
+        key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
+        out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
+        num_blocks, scale, sliding_window or 0, torch.get_num_threads(),
     )  # fmt: skip
+    if failed == 2:
+        raise ValueError("paged decode attention: a slot is outside the KV cache")
     if failed:
         raise ValueError("paged decode attention: a context length is 0 or exceeds its block table")
     return out
@@ -98,10 +118,12 @@ def paged_decode_attention_eager(
     dh]`, then attend `query [D, Hq, dh]` over the first `context_lens[i]` positions of block
     table row `i` -> `[D, Hq, dh]`."""
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    write_to_kv_cache(key, value, key_cache, value_cache, slot_mapping)
     args = (query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window)
-    out = decode_attention_c(*args)
-    return out if out is not None else decode_attention_torch(*args)
+    out = decode_attention_c(*args, new_kv=(key, value, slot_mapping))
+    if out is not None:
+        return out
+    write_to_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    return decode_attention_torch(*args)
 
 
 paged_decode_attention = torch.library.custom_op(
