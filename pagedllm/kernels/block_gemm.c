@@ -14,14 +14,14 @@
  *   Q8S: float d[32], int8 q[32 k][32]
  * so the inner loop dequantizes two 16-float weight vectors per k in registers and broadcasts
  * up to MRQ activation rows against them. Threads split the panels. Requires K % 32 == 0. */
-#include <stdint.h>
-#include <string.h>
+#include <stdlib.h>
 
-#define NR 32
+#include "packed_gemm.c" /* the float32 panel kernel: v16, NR, MR, M_CHUNK, pack_rows, ... */
+
 #define KB 32
 #define MRQ 8
+#define PANEL_MIN_ROWS 17 /* from here on: dequantize each panel once, then the float32 kernel */
 
-typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 enum { FORMAT_Q4A = 0, FORMAT_Q8S = 1 };
@@ -67,12 +67,6 @@ static inline i32x16 widen_s8(const uint8_t *p) {
 }
 #endif
 
-static inline v16 load16(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
-
 static int64_t block_bytes(int format) {
     return format == FORMAT_Q4A ? 2 * NR * 4 + KB * NR / 2 : NR * 4 + KB * NR;
 }
@@ -112,9 +106,37 @@ void block_pack(int format, const uint8_t *q, const float *d, const float *m, ui
         }
 }
 
+/* The 32 weights of row k (0..31) of a block: exactly d * q (+ m). */
+static inline __attribute__((always_inline)) void dequant_k(const int format, const uint8_t *qq,
+                                                            int kk, v16 d0, v16 d1, v16 m0,
+                                                            v16 m1, v16 *w0, v16 *w1) {
+    if (format == FORMAT_Q4A) {
+        const i32x16 v = widen_u8(qq + kk * 16);
+        *w0 = __builtin_convertvector(v & 15, v16) * d0 + m0;
+        *w1 = __builtin_convertvector(v >> 4, v16) * d1 + m1;
+    } else {
+        *w0 = __builtin_convertvector(widen_s8(qq + kk * NR), v16) * d0;
+        *w1 = __builtin_convertvector(widen_s8(qq + kk * NR + 16), v16) * d1;
+    }
+}
+
+/* The block's scales (and offsets) and where its codes start. */
+static inline __attribute__((always_inline)) const uint8_t *block_header(
+    const int format, const uint8_t *blk, v16 *d0, v16 *d1, v16 *m0, v16 *m1) {
+    *d0 = load16((const float *)blk);
+    *d1 = load16((const float *)blk + 16);
+    if (format == FORMAT_Q4A) {
+        *m0 = load16((const float *)blk + 32);
+        *m1 = load16((const float *)blk + 48);
+        return blk + 2 * NR * 4;
+    }
+    *m0 = *m1 = (v16){0};
+    return blk + NR * 4;
+}
+
 /* mr activation rows x one panel over all of K; for mr <= 4 two accumulator sets (even and odd
  * k) hide the FMA latency. */
-static inline __attribute__((always_inline)) void micro(const float *x, int64_t ldx,
+static inline __attribute__((always_inline)) void micro_q(const float *x, int64_t ldx,
                                                         const uint8_t *panel, float *y,
                                                         int64_t ldy, int64_t K, int64_t ncols,
                                                         const int format, const int mr) {
@@ -124,26 +146,13 @@ static inline __attribute__((always_inline)) void micro(const float *x, int64_t 
     const int64_t bb = block_bytes(format);
     for (int64_t b = 0; b < K / KB; ++b) {
         const uint8_t *blk = panel + b * bb;
-        const v16 d0 = load16((const float *)blk), d1 = load16((const float *)blk + 16);
-        v16 m0 = (v16){0}, m1 = (v16){0};
-        const uint8_t *qq = blk + NR * 4;
-        if (format == FORMAT_Q4A) {
-            m0 = load16((const float *)blk + 32);
-            m1 = load16((const float *)blk + 48);
-            qq = blk + 2 * NR * 4;
-        }
+        v16 d0, d1, m0, m1;
+        const uint8_t *qq = block_header(format, blk, &d0, &d1, &m0, &m1);
         const float *xb = x + b * KB;
 #pragma GCC unroll 2
         for (int kk = 0; kk < KB; ++kk) {
             v16 w0, w1;
-            if (format == FORMAT_Q4A) {
-                const i32x16 v = widen_u8(qq + kk * 16);
-                w0 = __builtin_convertvector(v & 15, v16) * d0 + m0;
-                w1 = __builtin_convertvector(v >> 4, v16) * d1 + m1;
-            } else {
-                w0 = __builtin_convertvector(widen_s8(qq + kk * NR), v16) * d0;
-                w1 = __builtin_convertvector(widen_s8(qq + kk * NR + 16), v16) * d1;
-            }
+            dequant_k(format, qq, kk, d0, d1, m0, m1, &w0, &w1);
             const int s = mr <= 4 ? (kk & 1) : 0; /* two sets would not fit the registers */
 #pragma GCC unroll 8
             for (int i = 0; i < mr; ++i) {
@@ -164,14 +173,14 @@ static inline __attribute__((always_inline)) void micro(const float *x, int64_t 
 
 #define DISPATCH_MR(FMT)                                                     \
     switch (mr) {                                                            \
-        case 8: micro(x, K, panel, y, N, K, ncols, FMT, 8); break;           \
-        case 7: micro(x, K, panel, y, N, K, ncols, FMT, 7); break;           \
-        case 6: micro(x, K, panel, y, N, K, ncols, FMT, 6); break;           \
-        case 5: micro(x, K, panel, y, N, K, ncols, FMT, 5); break;           \
-        case 4: micro(x, K, panel, y, N, K, ncols, FMT, 4); break;           \
-        case 3: micro(x, K, panel, y, N, K, ncols, FMT, 3); break;           \
-        case 2: micro(x, K, panel, y, N, K, ncols, FMT, 2); break;           \
-        default: micro(x, K, panel, y, N, K, ncols, FMT, 1); break;          \
+        case 8: micro_q(x, K, panel, y, N, K, ncols, FMT, 8); break;           \
+        case 7: micro_q(x, K, panel, y, N, K, ncols, FMT, 7); break;           \
+        case 6: micro_q(x, K, panel, y, N, K, ncols, FMT, 6); break;           \
+        case 5: micro_q(x, K, panel, y, N, K, ncols, FMT, 5); break;           \
+        case 4: micro_q(x, K, panel, y, N, K, ncols, FMT, 4); break;           \
+        case 3: micro_q(x, K, panel, y, N, K, ncols, FMT, 3); break;           \
+        case 2: micro_q(x, K, panel, y, N, K, ncols, FMT, 2); break;           \
+        default: micro_q(x, K, panel, y, N, K, ncols, FMT, 1); break;          \
     }
 
 static void run_rows(int format, const float *x, const uint8_t *panel, float *y, int64_t N,
@@ -183,21 +192,63 @@ static void run_rows(int format, const float *x, const uint8_t *panel, float *y,
     }
 }
 
-/* y = x @ w^T with w packed by block_pack; rows in balanced groups of up to 8, each group over
- * every panel (the panel is re-read from cache, not memory, for later groups). */
-int block_gemm_f32(int format, const float *x, const uint8_t *wp, float *y, int64_t M, int64_t N,
-                   int64_t K, int num_threads) {
-    if (M < 1 || N < 1 || K < KB || K % KB != 0) return 1;
-    const int64_t panels = (N + NR - 1) / NR, panel_bytes = (K / KB) * block_bytes(format);
-    const int64_t groups = (M + MRQ - 1) / MRQ, group = (M + groups - 1) / groups; /* balanced */
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * N * K >= 32768)
-    for (int64_t p = 0; p < panels; ++p) {
-        const uint8_t *panel = wp + p * panel_bytes;
-        const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
-        for (int64_t r = 0; r < M; r += group) {
-            const int mr = (int)(M - r < group ? M - r : group);
-            run_rows(format, x + r * K, panel, y + r * N + p * NR, N, K, ncols, mr);
+/* The float32 panel [K][32] of one block-format panel. */
+static void dequant_panel(const int format, const uint8_t *panel, float *out, int64_t K) {
+    const int64_t bb = block_bytes(format);
+    for (int64_t b = 0; b < K / KB; ++b) {
+        v16 d0, d1, m0, m1, w0, w1;
+        const uint8_t *qq = block_header(format, panel + b * bb, &d0, &d1, &m0, &m1);
+        for (int kk = 0; kk < KB; ++kk) {
+            dequant_k(format, qq, kk, d0, d1, m0, m1, &w0, &w1);
+            store16(out + (b * KB + kk) * NR, w0);
+            store16(out + (b * KB + kk) * NR + 16, w1);
         }
     }
-    return 0;
+}
+
+/* y = x @ w^T with w packed by block_pack; xp_buf as for packed_gemm_f32 (used from
+ * PANEL_MIN_ROWS rows on).
+ * - Up to 16 rows: rows in balanced groups of up to 8, each group over every panel,
+ *   dequantizing in registers (the panel is re-read from cache, not memory, for later groups).
+ * - More rows: each panel is dequantized once per chunk of rows into a per-thread float32 panel
+ *   and the float32 kernel runs every row block against it: float32 speed, with the weights
+ *   read from memory at 0.75-1.1 bytes each instead of 4. */
+int block_gemm_f32(int format, const float *x, const uint8_t *wp, float *y, float *xp_buf,
+                   int64_t M, int64_t N, int64_t K, int num_threads) {
+    if (M < 1 || N < 1 || K < KB || K % KB != 0) return 1;
+    const int64_t panels = (N + NR - 1) / NR, panel_bytes = (K / KB) * block_bytes(format);
+    if (M < PANEL_MIN_ROWS) {
+        const int64_t groups = (M + MRQ - 1) / MRQ, group = (M + groups - 1) / groups;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * N * K >= 32768)
+        for (int64_t p = 0; p < panels; ++p) {
+            const uint8_t *panel = wp + p * panel_bytes;
+            const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
+            for (int64_t r = 0; r < M; r += group) {
+                const int mr = (int)(M - r < group ? M - r : group);
+                run_rows(format, x + r * K, panel, y + r * N + p * NR, N, K, ncols, mr);
+            }
+        }
+        return 0;
+    }
+    int failed = 0;
+    for (int64_t m0 = 0; m0 < M && !failed; m0 += M_CHUNK) {
+        const int64_t mc = M - m0 < M_CHUNK ? M - m0 : M_CHUNK;
+        pack_rows(x, xp_buf, m0, mc, K, num_threads);
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+        {
+            float *fp = (float *)malloc(sizeof(float) * K * NR);
+            if (fp == NULL) {
+                failed = 1;
+            } else {
+#pragma omp for schedule(static)
+                for (int64_t p = 0; p < panels; ++p) {
+                    const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
+                    dequant_panel(format, wp + p * panel_bytes, fp, K);
+                    chunk_times_panel(xp_buf, fp, y + m0 * N + p * NR, mc, N, K, ncols);
+                }
+                free(fp);
+            }
+        }
+    }
+    return failed;
 }

@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 DISABLE_ENV = "PAGEDLLM_DISABLE_C_KERNELS"
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _SOURCE_DIR = Path(__file__).parent
+_LOCAL_INCLUDE = re.compile(rb'^#include "([^"]+)"', re.MULTILINE)  # part of the cache key
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
@@ -63,8 +65,9 @@ def _build(source_name: str) -> ctypes.CDLL | None:
         logger.warning("No C compiler found: %s falls back to plain torch", source_name)
         return None
     source = (_SOURCE_DIR / source_name).read_bytes()
+    included = b"".join((_SOURCE_DIR / name.decode()).read_bytes() for name in _LOCAL_INCLUDE.findall(source))
     key = hashlib.sha256(
-        source + " ".join(_CFLAGS).encode() + _cpu_signature().encode() + compiler.encode()
+        source + included + " ".join(_CFLAGS).encode() + _cpu_signature().encode() + compiler.encode()
     ).hexdigest()[:16]
     out_dir = cache_dir() / "kernels"
     target = out_dir / f"{Path(source_name).stem}-{key}.so"
@@ -139,7 +142,7 @@ class BlockGemm(NamedTuple):
 
     packed_size: Callable[..., int]  # (format, N, K) -> bytes of the packed weight
     pack: Callable[..., None]  # (format, codes, scales, offsets, out, N, K)
-    gemm: Callable[..., int]  # (format, x, packed, y, M, N, K, threads) -> 0 on success
+    gemm: Callable[..., int]  # (format, x, packed, y, scratch, M, N, K, threads) -> 0 on success
 
 
 @functools.cache
@@ -149,7 +152,7 @@ def block_gemm_kernel() -> BlockGemm | None:
     if size is None:
         return None
     pack = _kernel_function("block_gemm.c", "block_pack", (_I32,) + (_PTR,) * 4 + (_I64, _I64), None)
-    gemm = _kernel_function("block_gemm.c", "block_gemm_f32", (_I32,) + (_PTR,) * 3 + (_I64,) * 3 + (_I32,))
+    gemm = _kernel_function("block_gemm.c", "block_gemm_f32", (_I32,) + (_PTR,) * 4 + (_I64,) * 3 + (_I32,))
     return BlockGemm(size, pack, gemm)
 
 

@@ -139,30 +139,40 @@ static void run_block(const float *xp, const float *wp, float *y, int64_t K, int
 
 /* y = x @ w^T with wp from pack_weight_f32; xp_buf is caller scratch of at least
  * min(M, M_CHUNK) * K floats (the packed activations of one chunk). */
+/* Pack rows [m0, m0 + mc) of x into xp_buf: row block b (12 rows, fewer in the last) as [K][mr]. */
+static void pack_rows(const float *x, float *xp_buf, int64_t m0, int64_t mc, int64_t K,
+                      int num_threads) {
+    const int64_t blocks = (mc + MR - 1) / MR;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (mc * K >= 65536)
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t r0 = b * MR, mr = mc - r0 < MR ? mc - r0 : MR;
+        const float *src = x + (m0 + r0) * K;
+        float *dst = xp_buf + r0 * K;
+        for (int64_t k = 0; k < K; ++k)
+            for (int64_t i = 0; i < mr; ++i) dst[k * mr + i] = src[i * K + k];
+    }
+}
+
+/* Every row block of one packed chunk against one float32 panel. */
+static void chunk_times_panel(const float *xp_buf, const float *panel, float *y, int64_t mc,
+                              int64_t N, int64_t K, int64_t ncols) {
+    for (int64_t r0 = 0; r0 < mc; r0 += MR) {
+        const int64_t mr = mc - r0 < MR ? mc - r0 : MR;
+        run_block(xp_buf + r0 * K, panel, y + r0 * N, K, N, ncols, (int)mr);
+    }
+}
+
 int packed_gemm_f32(const float *x, const float *wp, float *y, float *xp_buf, int64_t M,
                     int64_t N, int64_t K, int num_threads) {
     if (M < 1 || N < 1 || K < 1) return 1;
     const int64_t panels = (N + NR - 1) / NR;
     for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
         const int64_t mc = M - m0 < M_CHUNK ? M - m0 : M_CHUNK;
-        const int64_t blocks = (mc + MR - 1) / MR;
-        /* Pack this chunk's activations: block b holds rows [12b, 12b + mr) as [K][mr]. */
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (mc * K >= 65536)
-        for (int64_t b = 0; b < blocks; ++b) {
-            const int64_t r0 = b * MR, mr = mc - r0 < MR ? mc - r0 : MR;
-            const float *src = x + (m0 + r0) * K;
-            float *dst = xp_buf + r0 * K;
-            for (int64_t k = 0; k < K; ++k)
-                for (int64_t i = 0; i < mr; ++i) dst[k * mr + i] = src[i * K + k];
-        }
+        pack_rows(x, xp_buf, m0, mc, K, num_threads);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (mc * N * K >= 32768)
         for (int64_t p = 0; p < panels; ++p) {
-            const float *wpp = wp + p * K * NR;
             const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t r0 = b * MR, mr = mc - r0 < MR ? mc - r0 : MR;
-                run_block(xp_buf + r0 * K, wpp, y + (m0 + r0) * N + p * NR, K, N, ncols, (int)mr);
-            }
+            chunk_times_panel(xp_buf, wp + p * K * NR, y + m0 * N + p * NR, mc, N, K, ncols);
         }
     }
     return 0;

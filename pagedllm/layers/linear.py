@@ -5,18 +5,20 @@ input (q/k/v, gate/up) into one matrix product; the checkpoint's separate matric
 row slices of the fused weight at load time.
 
 Every projection goes through `linear`. On CPU in float32 it runs hand-written C kernels against
-forms of the weight prepared once (`prepare_weight`, at load time, or on first use):
-- up to `BLOCK_GEMM_MAX_ROWS` rows, when the weight is exactly a grid of 4-bit or 8-bit blocks
-  (a GGUF model's weights are; layers/block_formats.py checks it bit for bit):
-  kernels/block_gemm.c on that compact form (0.75-1.1 bytes a weight instead of 4: decode at
-  small batch is bound by memory bandwidth);
+a form of the weight prepared once (`prepare_weight`, at load time, or on first use):
+- when the weight is exactly a grid of 4-bit or 8-bit blocks (a GGUF model's weights are;
+  layers/block_formats.py checks it bit for bit), kernels/block_gemm.c on that compact form
+  (0.75-1.1 bytes a weight instead of 4): up to 16 rows it dequantizes in registers (decode at
+  small batch is bound by memory bandwidth: 3x faster than float32 at 1 row), from 17 rows it
+  dequantizes each 32-column panel once and runs the float32 panel kernel (as fast as float32
+  panels, measured, with a fifth of the memory);
 - otherwise kernels/packed_gemm.c on a copy packed into 32-column panels, which beats MKL
   2.6x at 1 row, 2.3x at 20, 1.6x at 64 and 1.1-1.2x at 512-2048 (benchmarks/NOTES.md).
 Elsewhere (other dtypes, GPU, under torch.compile, no compiler) `F.linear`.
 
-The prepared forms live on the weight tensor itself, tagged with its data pointer and version
-counter, so an in-place change of the weight (loading) prepares them again. The packed copy
-costs as much memory again as the float32 weight; the block form a fifth to a quarter of it.
+The prepared form lives on the weight tensor itself, tagged with its data pointer and version
+counter, so an in-place change of the weight (loading) prepares it again. It costs a fifth to a
+quarter of the float32 weight's memory (block form) or as much again (float32 panels).
 Setting `PAGEDLLM_BLOCK_WEIGHTS=0` turns the block form off (for A/B measurements).
 """
 
@@ -33,46 +35,43 @@ from torch import nn
 from pagedllm.kernels import block_gemm_kernel, packed_gemm_kernel
 from pagedllm.layers.block_formats import find_block_encoding
 
-BLOCK_GEMM_MAX_ROWS = 16  # measured: the block kernel leads up to 16 rows, the packed one from 20
+USE_BLOCK_WEIGHTS = os.environ.get("PAGEDLLM_BLOCK_WEIGHTS", "1") not in ("0", "")  # read once
 _kernel = packed_gemm_kernel
 _block_kernel = block_gemm_kernel
 _PREPARED_ATTR = "_pagedllm_prepared"
 _X_CHUNK_ROWS = 144  # packed_gemm.c's M_CHUNK: the scratch holds one chunk of packed activations
 
 
-USE_BLOCK_WEIGHTS = os.environ.get("PAGEDLLM_BLOCK_WEIGHTS", "1") not in ("0", "")  # read once
-
-
 class PreparedWeight(NamedTuple):
-    key: tuple[int, int]  # (data pointer, version) of the weight these were made from
-    packed: torch.Tensor  # float32 panels for packed_gemm.c
-    block_format: int | None  # block_gemm.c's format id, None when the weight has no exact one
-    blocks: torch.Tensor | None  # uint8, the weight in that format
+    key: tuple[int, int, bool]  # (data pointer, version, block form allowed) it was made for
+    block_format: int | None  # block_gemm.c's format id, when the weight has an exact one
+    blocks: torch.Tensor | None  # uint8: the weight in that format
+    packed: torch.Tensor | None  # float32 panels for packed_gemm.c, when it has none
 
 
 def prepare_weight(weight: torch.Tensor) -> PreparedWeight | None:
-    """The kernel-ready forms of a 2-D float32 CPU weight (made now if missing or stale), or
-    None where the C kernels are unavailable."""
+    """The kernel-ready form of a 2-D float32 CPU weight (made now if missing or stale), or None
+    where the C kernels are unavailable."""
     kernel = _kernel()
     if kernel is None or weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
         return None
-    key = (weight.data_ptr(), weight._version)
+    key = (weight.data_ptr(), weight._version, USE_BLOCK_WEIGHTS)
     cached = getattr(weight, _PREPARED_ATTR, None)
     if cached is not None and cached.key == key:
         return cached
     n, k = weight.shape
     source = weight.detach().contiguous()
-    packed = torch.empty(kernel.packed_size(n, k), dtype=torch.float32)
-    kernel.pack(source.data_ptr(), packed.data_ptr(), n, k)
-    block_format, blocks = None, None
-    block_kernel = _block_kernel()
+    block_kernel = _block_kernel() if USE_BLOCK_WEIGHTS else None
     encoding = find_block_encoding(source) if block_kernel is not None else None
     if encoding is not None:
-        block_format = encoding.format
-        blocks = torch.empty(block_kernel.packed_size(block_format, n, k), dtype=torch.uint8)
-        block_kernel.pack(block_format, encoding.codes.data_ptr(), encoding.scales.data_ptr(),
+        blocks = torch.empty(block_kernel.packed_size(encoding.format, n, k), dtype=torch.uint8)
+        block_kernel.pack(encoding.format, encoding.codes.data_ptr(), encoding.scales.data_ptr(),
                           encoding.offsets.data_ptr(), blocks.data_ptr(), n, k)  # fmt: skip
-    prepared = PreparedWeight(key, packed, block_format, blocks)
+        prepared = PreparedWeight(key, encoding.format, blocks, None)
+    else:
+        packed = torch.empty(kernel.packed_size(n, k), dtype=torch.float32)
+        kernel.pack(source.data_ptr(), packed.data_ptr(), n, k)
+        prepared = PreparedWeight(key, None, None, packed)
     setattr(weight, _PREPARED_ATTR, prepared)
     return prepared
 
@@ -92,14 +91,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             n = weight.shape[0]
             x = x.contiguous()
             out = torch.empty(m, n, dtype=torch.float32)
+            scratch = torch.empty(min(m, _X_CHUNK_ROWS) * k, dtype=torch.float32)
             threads = torch.get_num_threads()
-            if prepared.blocks is not None and m <= BLOCK_GEMM_MAX_ROWS and USE_BLOCK_WEIGHTS:
-                _block_kernel().gemm(prepared.block_format, x.data_ptr(), prepared.blocks.data_ptr(), out.data_ptr(),
-                                     m, n, k, threads)  # fmt: skip
+            if prepared.blocks is not None:
+                failed = _block_kernel().gemm(prepared.block_format, x.data_ptr(), prepared.blocks.data_ptr(),
+                                              out.data_ptr(), scratch.data_ptr(), m, n, k, threads)  # fmt: skip
             else:
-                scratch = torch.empty(min(m, _X_CHUNK_ROWS) * k, dtype=torch.float32)
-                _kernel().gemm(x.data_ptr(), prepared.packed.data_ptr(), out.data_ptr(), scratch.data_ptr(), m, n, k,
-                               threads)  # fmt: skip
+                failed = _kernel().gemm(x.data_ptr(), prepared.packed.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+                                        m, n, k, threads)  # fmt: skip
+            if failed:
+                raise MemoryError("linear: the C GEMM kernel could not allocate its panel buffer")
             return out if bias is None else out.add_(bias)
     return F.linear(x, weight, bias)
 
