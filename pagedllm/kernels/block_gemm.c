@@ -192,6 +192,42 @@ static void run_rows(int format, const float *x, const uint8_t *panel, float *y,
     }
 }
 
+/* The first row block of a chunk against a block-format panel: dequantizes each k's weights in
+ * registers for its own FMAs and stores them into the float32 panel `fp` for the later row
+ * blocks (one dequantization per weight per chunk, no reload for the first block). */
+static inline __attribute__((always_inline)) void micro_dq(const int format, const float *xp,
+                                                           const uint8_t *panel, float *fp,
+                                                           float *y, int64_t K, int64_t ldy,
+                                                           int64_t ncols, const int mr) {
+    v16 acc[MR][2];
+    for (int i = 0; i < mr; ++i) acc[i][0] = acc[i][1] = (v16){0};
+    const int64_t bb = block_bytes(format);
+    for (int64_t b = 0; b < K / KB; ++b) {
+        v16 d0, d1, m0, m1;
+        const uint8_t *qq = block_header(format, panel + b * bb, &d0, &d1, &m0, &m1);
+        for (int kk = 0; kk < KB; ++kk) {
+            const int64_t k = b * KB + kk;
+            v16 w0, w1;
+            dequant_k(format, qq, kk, d0, d1, m0, m1, &w0, &w1);
+            store16(fp + k * NR, w0);
+            store16(fp + k * NR + 16, w1);
+            const float *xk = xp + k * mr;
+#pragma GCC unroll 12
+            for (int i = 0; i < mr; ++i) {
+                const v16 xi = (v16){0} + xk[i];
+                acc[i][0] += xi * w0;
+                acc[i][1] += xi * w1;
+            }
+        }
+    }
+    for (int i = 0; i < mr; ++i) {
+        float tmp[NR];
+        store16(tmp, acc[i][0]);
+        store16(tmp + 16, acc[i][1]);
+        memcpy(y + i * ldy, tmp, (size_t)ncols * sizeof(float));
+    }
+}
+
 /* The float32 panel [K][32] of one block-format panel. */
 static void dequant_panel(const int format, const uint8_t *panel, float *out, int64_t K) {
     const int64_t bb = block_bytes(format);
@@ -243,8 +279,18 @@ int block_gemm_f32(int format, const float *x, const uint8_t *wp, float *y, floa
 #pragma omp for schedule(static)
                 for (int64_t p = 0; p < panels; ++p) {
                     const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
-                    dequant_panel(format, wp + p * panel_bytes, fp, K);
-                    chunk_times_panel(xp_buf, fp, y + m0 * N + p * NR, mc, N, K, ncols);
+                    float *yp = y + m0 * N + p * NR;
+                    const uint8_t *panel = wp + p * panel_bytes;
+                    if (mc >= MR) { /* the first full row block dequantizes as it goes */
+                        if (format == FORMAT_Q4A)
+                            micro_dq(FORMAT_Q4A, xp_buf, panel, fp, yp, K, N, ncols, MR);
+                        else
+                            micro_dq(FORMAT_Q8S, xp_buf, panel, fp, yp, K, N, ncols, MR);
+                        chunk_times_panel(xp_buf + MR * K, fp, yp + MR * N, mc - MR, N, K, ncols);
+                    } else {
+                        dequant_panel(format, panel, fp, K);
+                        chunk_times_panel(xp_buf, fp, yp, mc, N, K, ncols);
+                    }
                 }
                 free(fp);
             }
