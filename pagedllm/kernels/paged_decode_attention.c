@@ -36,6 +36,9 @@
 #ifndef PF_LOC
 #define PF_LOC 1 /* into the outer caches: the L1 is busy with this block */
 #endif
+#ifndef PARALLEL_MIN
+#define PARALLEL_MIN 256 /* cached rows x KV heads: below this one thread beats a fork and join */
+#endif
 #define MAX_BLOCK 64   /* block sizes above this take the portable path below in 64-token steps */
 #define STACK_FLOATS 8192
 
@@ -174,7 +177,7 @@ int paged_decode_attention_f32(const float *query, int64_t q_stride, const float
     /* A small step (one short sequence) is cheaper on one thread than a fork and join. */
     int64_t total = 0;
     for (int s = 0; s < num_seqs; ++s) total += context_lens[s];
-    const int parallel = total * num_kv_heads >= 4096;
+    const int parallel = total * num_kv_heads >= PARALLEL_MIN;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed) if (parallel)
     for (int item = 0; item < num_seqs * split; ++item) {
