@@ -13,9 +13,18 @@ from pagedllm.worker.cache_engine import CacheEngine, _zeros_on_huge_pages
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def _anon_huge_kb() -> int:
-    text = Path("/proc/self/smaps_rollup").read_text()
-    return int(re.search(r"AnonHugePages:\s+(\d+) kB", text).group(1))
+def _vm_flags_of(t: torch.Tensor) -> set[str]:
+    """The VmFlags of every mapping that holds part of `t`'s memory (from /proc/self/smaps)."""
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    flags: set[str] = set()
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if head:
+            inside = int(head.group(1), 16) < hi and int(head.group(2), 16) > lo
+        elif inside and line.startswith("VmFlags:"):
+            flags.update(line.split()[1:])
+    return flags
 
 
 def test_cache_is_zeroed_with_the_right_shape():
@@ -26,11 +35,12 @@ def test_cache_is_zeroed_with_the_right_shape():
         assert not cache.any()
 
 
-@pytest.mark.skipif(not _THP.exists() or "[never]" in _THP.read_text() or not Path("/proc/self/smaps_rollup").exists(),
+@pytest.mark.skipif(not _THP.exists() or "[never]" in _THP.read_text() or not Path("/proc/self/smaps").exists(),
                     reason="no transparent huge pages here")  # fmt: skip
-def test_large_cache_lands_on_huge_pages():
-    before = _anon_huge_kb()
+def test_large_cache_is_advised_onto_huge_pages():
+    """The cache's memory carries the huge-page advice (smaps flag `hg`) before it is touched;
+    whether the kernel then finds free 2 MB pages depends on the machine's fragmentation."""
     t = _zeros_on_huge_pages((64, 1024, 1024), torch.float32, torch.device("cpu"))  # 256 MB
-    gained_mb = (_anon_huge_kb() - before) / 1024
     assert not t.any()
-    assert gained_mb >= 128, f"only {gained_mb:.0f} MB of the 256 MB cache is on huge pages"
+    assert "hg" in _vm_flags_of(t)
+    assert "hg" not in _vm_flags_of(torch.zeros(64, 1024, 1024))  # plain torch memory: no advice
