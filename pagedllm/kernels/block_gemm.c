@@ -211,21 +211,10 @@ static inline __attribute__((always_inline)) void micro_dq(const int format, con
             dequant_k(format, qq, kk, d0, d1, m0, m1, &w0, &w1);
             store16(fp + k * NR, w0);
             store16(fp + k * NR + 16, w1);
-            const float *xk = xp + k * mr;
-#pragma GCC unroll 12
-            for (int i = 0; i < mr; ++i) {
-                const v16 xi = (v16){0} + xk[i];
-                acc[i][0] += xi * w0;
-                acc[i][1] += xi * w1;
-            }
+            fma_rows(acc, xp + k * mr, w0, w1, mr);
         }
     }
-    for (int i = 0; i < mr; ++i) {
-        float tmp[NR];
-        store16(tmp, acc[i][0]);
-        store16(tmp + 16, acc[i][1]);
-        memcpy(y + i * ldy, tmp, (size_t)ncols * sizeof(float));
-    }
+    store_rows(y, ldy, acc, mr, ncols);
 }
 
 /* The float32 panel [K][32] of one block-format panel. */

@@ -48,6 +48,27 @@ void pack_weight_f32(const float *w, float *wp, int64_t N, int64_t K) {
     }
 }
 
+/* acc[i] += x[i] * (w0 | w1) for the mr activations of one k: the tile's 2 * mr FMAs. */
+static inline __attribute__((always_inline)) void fma_rows(v16 acc[][2], const float *xk, v16 w0,
+                                                           v16 w1, const int mr) {
+#pragma GCC unroll 12
+    for (int i = 0; i < mr; ++i) {
+        const v16 xi = (v16){0} + xk[i];
+        acc[i][0] += xi * w0;
+        acc[i][1] += xi * w1;
+    }
+}
+
+/* Rows of accumulators into y (only the panel's ncols valid columns). */
+static inline void store_rows(float *y, int64_t ldy, v16 acc[][2], int mr, int64_t ncols) {
+    for (int i = 0; i < mr; ++i) {
+        float tmp[NR];
+        store16(tmp, acc[i][0]);
+        store16(tmp + 16, acc[i][1]);
+        memcpy(y + i * ldy, tmp, (size_t)ncols * sizeof(float));
+    }
+}
+
 /* mr activation rows (packed k-major, stride mr) x one 32-column panel, over all of K. mr is a
  * compile-time constant at each call site, so the accumulators live in registers. */
 static inline __attribute__((always_inline)) void micro(const float *xp, const float *wp, float *y,
@@ -58,13 +79,7 @@ static inline __attribute__((always_inline)) void micro(const float *xp, const f
     for (int i = 0; i < mr; ++i) acc[i][0] = acc[i][1] = (v16){0};
     for (int64_t k = 0; k < K; ++k) {
         const v16 w0 = load16(wp + k * NR), w1 = load16(wp + k * NR + 16);
-        const float *xk = xp + k * mr;
-#pragma GCC unroll 12
-        for (int i = 0; i < mr; ++i) {
-            const v16 xi = (v16){0} + xk[i];
-            acc[i][0] += xi * w0;
-            acc[i][1] += xi * w1;
-        }
+        fma_rows(acc, xp + k * mr, w0, w1, mr);
     }
     if (ncols == NR) {
 #pragma GCC unroll 12
@@ -73,12 +88,7 @@ static inline __attribute__((always_inline)) void micro(const float *xp, const f
             store16(y + i * ldy + 16, acc[i][1]);
         }
     } else {
-        for (int i = 0; i < mr; ++i) {
-            float tmp[NR];
-            store16(tmp, acc[i][0]);
-            store16(tmp + 16, acc[i][1]);
-            memcpy(y + i * ldy, tmp, (size_t)ncols * sizeof(float));
-        }
+        store_rows(y, ldy, acc, mr, ncols);
     }
 }
 
