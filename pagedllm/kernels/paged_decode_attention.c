@@ -73,15 +73,13 @@ static int attend(const float *query, const float *key_cache, const float *value
     const int64_t start = (window > 0 && ctx > window) ? ctx - window : 0;
     if (ctx - start <= 0 || (ctx + block_size - 1) / block_size > table_width) return 1;
     const int nh = (h1 - h0) * group; /* query heads handled */
-    const int64_t acc_floats = (int64_t)nh * head_dim;
-    float stack_acc[STACK_FLOATS];
-    float *acc = acc_floats <= STACK_FLOATS ? stack_acc : (float *)malloc(sizeof(float) * acc_floats);
-    float *mx = (float *)malloc(sizeof(float) * nh * (2 + MAX_BLOCK));
-    if (!acc || !mx) {
-        if (acc != stack_acc) free(acc);
-        free(mx);
-        return 1;
-    }
+    /* One work buffer: acc [nh][head_dim], then mx, sum [nh] and p [nh][MAX_BLOCK]; on the
+     * stack unless the heads are many (no allocation per item in the usual case). */
+    const int64_t acc_floats = (int64_t)nh * head_dim, floats = acc_floats + (int64_t)nh * (2 + MAX_BLOCK);
+    float stack_buf[STACK_FLOATS];
+    float *acc = floats <= STACK_FLOATS ? stack_buf : (float *)malloc(sizeof(float) * floats);
+    if (!acc) return 1;
+    float *mx = acc + acc_floats;
     float *sum = mx + nh, *p = mx + 2 * nh; /* p: [nh][MAX_BLOCK] this chunk's weights */
     memset(acc, 0, sizeof(float) * acc_floats);
     for (int h = 0; h < nh; ++h) { mx[h] = -FLT_MAX; sum[h] = 0.0f; }
@@ -148,8 +146,7 @@ static int attend(const float *query, const float *key_cache, const float *value
         const float inv = 1.0f / sum[h];
         for (int i = 0; i < head_dim; ++i) o0[(int64_t)h * head_dim + i] = acc[(int64_t)h * head_dim + i] * inv;
     }
-    if (acc != stack_acc) free(acc);
-    free(mx);
+    if (acc != stack_buf) free(acc);
     return 0;
 }
 
