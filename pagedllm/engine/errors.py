@@ -1,0 +1,21 @@
+"""Errors the engine raises about itself (not about a request's input, which is a ValueError)."""
+
+from __future__ import annotations
+
+
+class SchedulerStallError(RuntimeError):
+    """The engine has unfinished requests but made no progress for many consecutive steps.
+
+    That is a bug in the scheduler, never the caller's fault: the offline API raises it, the
+    server fails the named requests with a 500 and reports itself unhealthy.
+    """
+
+    def __init__(self, request_ids: list[str], num_steps: int, detail: str = "") -> None:
+        self.request_ids = list(request_ids)
+        self.num_steps = num_steps
+        shown = ", ".join(self.request_ids[:20]) + (" ..." if len(self.request_ids) > 20 else "")
+        message = (
+            f"The scheduler made no progress for {num_steps} consecutive steps with "
+            f"{len(self.request_ids)} unfinished request(s): {shown}"
+        )
+        super().__init__(message + (f" ({detail})" if detail else ""))
