@@ -9,19 +9,39 @@ torch; the KV tensors themselves live in the worker.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+# A block's hash: the 32-byte sha256 digest of its parent's hash, its tokens and extra keys.
+BlockHash = bytes
+
+# The "parent" of a sequence's first block.
+ROOT_BLOCK_HASH: BlockHash = bytes(32)
+
 
 def hash_block_tokens(
-    parent_hash: int | None, token_ids: Sequence[int], extra_keys: tuple | None = None
-) -> int:
+    parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple | None = None
+) -> BlockHash:
     """Hash of one full block, chained on its parent's so equal hashes mean equal prefixes.
 
-    Python's `hash` of ints and tuples is deterministic within a process, which is as long as
-    the cache lives. `extra_keys` (the cache salt, on the first block only) isolates caches.
+    sha256 over `parent digest (32 bytes) | token count (uint32) | tokens (int64 each,
+    little-endian) | repr(extra_keys)`: a fixed-width, unambiguous encoding, and a hash no
+    one can find collisions for. Python's builtin `hash` of ints and tuples is neither
+    random nor collision-resistant (`hash(x) == hash(x + 2**61 - 1)`): a tenant could plant a
+    block that another tenant's prompt would hit (vLLM GHSA-rm76-4mrf-v9r8 moved to sha256
+    for the same reason). A hit is therefore not re-checked against the tokens. About
+    0.9 us a block of 16 (builtin: 0.27 us). `extra_keys` (the cache salt, on the first
+    block only) isolates caches.
     """
-    return hash((parent_hash, tuple(token_ids), extra_keys))
+    n = len(token_ids)
+    data = (ROOT_BLOCK_HASH if parent_hash is None else parent_hash) + struct.pack(
+        f"<I{n}q", n, *token_ids
+    )
+    if extra_keys is not None:
+        data += repr(extra_keys).encode()
+    return hashlib.sha256(data).digest()
 
 
 @dataclass(eq=False)
@@ -30,7 +50,7 @@ class KVBlock:
 
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None  # set only while full, hashed and listed in the pool's map
+    block_hash: BlockHash | None = None  # set only while full, hashed and listed in the pool's map
     # Links of the free queue; both None while the block is not in it.
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
@@ -101,7 +121,7 @@ class BlockPool:
         self.blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
         # Block-id order at start, so the first allocation returns 0, 1, 2, ...
         self.free_block_queue = FreeKVBlockQueue(self.blocks)
-        self.cached_block_hash_to_block: dict[int, KVBlock] = {}
+        self.cached_block_hash_to_block: dict[BlockHash, KVBlock] = {}
         # Blocks with ref_count > 1, kept up to date by touch/free so statistics cost O(1).
         self.num_shared_blocks = 0
 
@@ -140,7 +160,7 @@ class BlockPool:
             del self.cached_block_hash_to_block[block.block_hash]
         block.block_hash = None
 
-    def get_cached_block(self, block_hash: int) -> KVBlock | None:
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         if not self.enable_caching:
             return None
         return self.cached_block_hash_to_block.get(block_hash)
@@ -168,7 +188,7 @@ class BlockPool:
             elif block.ref_count == 1:
                 self.num_shared_blocks -= 1
 
-    def cache_full_block(self, block: KVBlock, block_hash: int) -> None:
+    def cache_full_block(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Publish a full block under `block_hash`; a duplicate of a cached block stays unhashed.
 
         Keeping one block per hash keeps eviction O(1); the duplicate is still a valid block of

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pagedllm.core.block_pool import BlockPool, KVBlock, hash_block_tokens
+from pagedllm.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
 from pagedllm.core.request import Sequence
 
 
@@ -39,7 +39,7 @@ class KVCacheManager:
         self.swapped_tables: dict[int, list[KVBlock]] = {}  # seq_id -> host blocks
         # Chain hashes of each sequence's full computed blocks, in order (the next block's
         # parent); kept even where the pool holds a duplicate and did not cache the block.
-        self.req_to_block_hashes: dict[int, list[int]] = {}
+        self.req_to_block_hashes: dict[int, list[BlockHash]] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self._pending_swap_out: list[tuple[int, int]] = []  # (device src, host dst)
         self._pending_swap_in: list[tuple[int, int]] = []  # (host src, device dst)
@@ -79,7 +79,9 @@ class KVCacheManager:
 
     # ---- prefix cache ---------------------------------------------------------------------
 
-    def _block_hash(self, seq: Sequence, index: int, parent_hash: int | None) -> int:
+    def _block_hash(
+        self, seq: Sequence, index: int, parent_hash: BlockHash | None
+    ) -> BlockHash:
         start = index * self.block_size
         tokens = seq.token_ids_slice(start, start + self.block_size)
         # The salt keys the first block only: every later hash chains from it.
@@ -97,7 +99,7 @@ class KVCacheManager:
         if not self._uses_prefix_cache(seq):
             return [], 0
         blocks: list[KVBlock] = []
-        parent: int | None = None
+        parent: BlockHash | None = None
         for i in range((seq.num_tokens - 1) // self.block_size):
             parent = self._block_hash(seq, i, parent)
             block = self.block_pool.get_cached_block(parent)
@@ -109,7 +111,9 @@ class KVCacheManager:
     def _uses_prefix_cache(self, seq: Sequence) -> bool:
         return self.enable_caching and seq.num_computed_tokens == 0 and not seq.skip_prefix_cache
 
-    def first_missed_block_hash(self, seq: Sequence, hits: list[KVBlock]) -> int | None:
+    def first_missed_block_hash(
+        self, seq: Sequence, hits: list[KVBlock]
+    ) -> BlockHash | None:
         """Hash of the first looked-up block after `hits` (the block that missed), or None.
 
         The scheduler defers a waiting sequence whose missed block another sequence is
@@ -121,7 +125,7 @@ class KVCacheManager:
             return None
         return self._block_hash(seq, len(hits), hits[-1].block_hash if hits else None)
 
-    def hashes_filled_by(self, seq: Sequence, num_new_tokens: int) -> list[int]:
+    def hashes_filled_by(self, seq: Sequence, num_new_tokens: int) -> list[BlockHash]:
         """Chain hashes of the blocks that computing `num_new_tokens` more tokens makes full."""
         if not self.enable_caching or seq.skip_prefix_cache:
             return []
@@ -201,9 +205,9 @@ class KVCacheManager:
         self.req_to_blocks[seq.seq_id] = table
         return True
 
-    def _check_hits(self, seq: Sequence, hits: list[KVBlock]) -> list[int]:
+    def _check_hits(self, seq: Sequence, hits: list[KVBlock]) -> list[BlockHash]:
         """Chain hashes of `hits`, refusing blocks evicted (and maybe reused) since the lookup."""
-        hashes: list[int] = []
+        hashes: list[BlockHash] = []
         for i, block in enumerate(hits):
             hashes.append(self._block_hash(seq, i, hashes[-1] if hashes else None))
             if block.block_hash != hashes[-1]:

@@ -118,6 +118,28 @@ def test_hash_chains_and_salt():
     assert hash_block_tokens(None, [1, 2], ("salt",)) != h0
 
 
+def test_hash_is_sha256_of_parent_digest_tokens_and_salt():
+    import hashlib
+    import struct
+
+    h0 = hash_block_tokens(None, [1, 2], None)
+    assert isinstance(h0, bytes) and len(h0) == 32
+    root = bytes(32)  # the parent of a first block
+    assert h0 == hashlib.sha256(root + struct.pack("<I2q", 2, 1, 2)).digest()
+    h1 = hash_block_tokens(h0, [3, 4], ("s",))
+    assert h1 == hashlib.sha256(h0 + struct.pack("<I2q", 2, 3, 4) + repr(("s",)).encode()).digest()
+
+
+def test_hash_resists_builtin_hash_collisions():
+    p = 2**61 - 1  # hash(x) == hash(x + p) for CPython ints
+    assert hash_block_tokens(None, [4], None) != hash_block_tokens(None, [4 + p], None)
+    # hash(-1) == hash(-2) in CPython
+    assert hash_block_tokens(None, [-1], None) != hash_block_tokens(None, [-2], None)
+    # No ambiguity between a block's tokens and its salt, or between block lengths.
+    assert hash_block_tokens(None, [1, 2], None) != hash_block_tokens(None, [1], ("x",))
+    assert hash_block_tokens(None, [0], None) != hash_block_tokens(None, [0, 0], None)
+
+
 def test_reset_prefix_cache():
     pool = BlockPool(3)
     blocks = pool.get_new_blocks(2)

@@ -138,6 +138,29 @@ def test_cache_salt_isolation():
     assert kv.get_computed_blocks(make_seq(prompt))[1] == 8
 
 
+# CPython hashes an int to itself mod 2**61 - 1, and a tuple from its items' hashes: with the
+# builtin `hash` these two blocks collide, so anyone could plant a block another prompt hits.
+_MERSENNE_61 = 2**61 - 1
+
+
+def test_blocks_colliding_under_builtin_hash_do_not_share():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    assert hash((None, (1, 2, 3, 4), None)) == hash((None, (1, 2, 3, 4 + _MERSENNE_61), None))
+    run(kv, make_seq([1, 2, 3, 4 + _MERSENNE_61, 9]))  # the planted block
+    victim = make_seq([1, 2, 3, 4, 9])
+    assert kv.get_computed_blocks(victim) == ([], 0)
+    run(kv, make_seq([1, 2, 3, 4, 9]))
+    assert kv.get_computed_blocks(victim)[1] == 4  # its own prefix still hits
+
+
+def test_second_blocks_colliding_under_builtin_hash_do_not_share():
+    """The chain: equal first blocks, then a second block that collides under `hash`."""
+    kv = KVCacheManager(num_blocks=10, block_size=2)
+    run(kv, make_seq([5, 6, 7 + _MERSENNE_61, 8, 1]))
+    hits, n = kv.get_computed_blocks(make_seq([5, 6, 7, 8, 1]))
+    assert n == 2 and hits == [kv.block_pool.blocks[0]]
+
+
 def test_caching_disabled():
     kv = KVCacheManager(num_blocks=6, block_size=4, enable_caching=False)
     prompt = list(range(9))
