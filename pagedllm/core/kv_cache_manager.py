@@ -205,6 +205,17 @@ class KVCacheManager:
         self.req_to_blocks[seq.seq_id] = table
         return True
 
+    def num_blocks_to_admit(self, plans: list[tuple[Sequence, list[KVBlock], int]]) -> int:
+        """Free blocks that admitting these (sequence, prefix hits, new tokens) together takes:
+        fresh blocks beyond the hits, plus the distinct hits that sit in the free queue."""
+        fresh = 0
+        hits_from_free: set[int] = set()
+        for seq, hits, num_new in plans:
+            end = seq.num_computed_tokens + len(hits) * self.block_size + num_new
+            fresh += max(0, self.num_blocks_needed(end) - len(hits))
+            hits_from_free.update(b.block_id for b in hits if b.ref_count == 0)
+        return fresh + len(hits_from_free)
+
     def _check_hits(self, seq: Sequence, hits: list[KVBlock]) -> list[BlockHash]:
         """Chain hashes of `hits`, refusing blocks evicted (and maybe reused) since the lookup."""
         hashes: list[BlockHash] = []

@@ -4,11 +4,38 @@ One token budget per step (`max_num_batched_tokens`), as in vLLM v1: running seq
 served first (a decode is 1 token, an unfinished prefill takes what is left of the budget), then
 swapped-out groups come back (oldest first), then waiting ones are admitted FCFS with prefill
 chunks from what remains. When a running sequence cannot get a block, the most recently arrived
-running sequence is preempted and the allocation retried, as vLLM v0 did: a request with several
+running request is preempted and the allocation retried, as vLLM v0 did: a request with several
 running sequences (n > 1, beam search) is swapped out whole to host memory, keeping its sharing;
 a single sequence is recomputed (blocks freed, requeued at the front of the waiting queue);
 `preemption_mode` forces either. A step that preempted admits nothing new and swaps nothing in,
 so the pool can drain; nothing new is admitted while a group waits in host memory.
+
+Lockstep groups. A beam search's sequences wait for each other: a beam whose tokens are all
+computed runs nothing until every sibling has its row. Such a group is never split between
+`running` and the other queues: it is swapped whole or, when the host pool cannot take it,
+recomputed whole, and its waiting members are admitted together or not at all. (n > 1 samples
+are independent, so one of them alone may be recomputed.) Splitting a beam group could stall
+for good: beams waiting for a sibling that is never admitted, because the idle beams hold the
+blocks that a swapped group needs before anything is admitted (tests/unit/
+test_scheduler_liveness.py reproduces it).
+
+Liveness (why every accepted request finishes). Order unfinished requests by priority
+(arrival, then submission order); let R be the oldest. `check_request_fits` accepted R only
+if it fits alone in the whole pool, its lockstep sequences side by side unshared.
+- Device blocks are held only by running sequences (cached free blocks are evictable), and no
+  running sequence is idle except a beam waiting for a running sibling that has tokens to run.
+  So while anything runs, every step either computes tokens or preempts (moves blocks).
+- R running: its sequences come first in `running`, so they get budget first; a shortfall
+  preempts newer requests (the tail), never R while anything newer runs; alone, R fits.
+- R swapped: it heads `swapped`; admission stops while a group is swapped, so `running` only
+  shrinks (requests finish in bounded steps: max_tokens) until R fits; a group that could not
+  fit even in an empty pool is recomputed instead.
+- R waiting: it heads the waiting queue (preempted requests go first, by priority, and FCFS
+  admission stops at the first that does not fit), so only older-admitted or swapped groups
+  run before it, each finishing or being preempted in bounded steps; then R is admitted.
+R therefore finishes; then the next oldest is R, and so on. The engine's watchdog
+(`LLMEngine.step`) turns any breach of this argument into a `SchedulerStallError` instead of a
+silent spin.
 """
 
 from __future__ import annotations
@@ -90,6 +117,9 @@ class Scheduler:
         self._requests: dict[str, list[Sequence]] = {}
         self._request_order: dict[str, int] = {}
         self._next_request_order = 0
+        # Requests whose sequences advance together (beam search: a beam waits until all its
+        # siblings have their row). They are preempted and admitted whole, never split.
+        self._lockstep: set[str] = set()
 
     # ---- queues ---------------------------------------------------------------------------
 
@@ -106,9 +136,38 @@ class Scheduler:
     def _insert_running(self, seq: Sequence) -> None:
         bisect.insort(self.running, seq, key=self._priority)
 
-    def add_sequence(self, seq: Sequence) -> None:
-        """Queue a new sequence (status WAITING) behind all waiting ones."""
+    def check_request_fits(self, num_tokens: int, num_lockstep_seqs: int = 1) -> None:
+        """Refuse (ValueError) a request that could never run, even alone in the whole pool.
+
+        `num_lockstep_seqs` sequences that advance together (a beam search's width) must fit
+        side by side unshared: they are preempted and admitted whole, and a recompute loses
+        their sharing. This is the bound the liveness argument (module docstring) rests on.
+        """
+        kv = self.kv_cache_manager
+        blocks = kv.num_blocks_needed(num_tokens)
+        if num_lockstep_seqs > 1 and blocks * num_lockstep_seqs > kv.num_blocks:
+            raise ValueError(
+                f"Beam search with width {num_lockstep_seqs} needs up to "
+                f"{blocks * num_lockstep_seqs} KV cache blocks but the pool has "
+                f"{kv.num_blocks}; lower the width or max_tokens."
+            )
+        if blocks > kv.num_blocks:
+            raise ValueError(
+                f"The request needs {blocks} KV cache blocks ({num_tokens} tokens at block_size="
+                f"{kv.block_size}) but the whole pool has {kv.num_blocks} blocks "
+                f"({kv.num_blocks * kv.block_size} tokens); raise kv_cache_space or lower "
+                "max_tokens."
+            )
+
+    def add_sequence(self, seq: Sequence, lockstep: bool = False) -> None:
+        """Queue a new sequence (status WAITING) behind all waiting ones.
+
+        `lockstep`: the request's sequences (this one and its forks) advance together, as beam
+        search does; the scheduler then never splits them between running and elsewhere.
+        """
         self._register(seq)
+        if lockstep:
+            self._lockstep.add(seq.request_id)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -168,16 +227,21 @@ class Scheduler:
         """Preempt the most recently arrived running request's sequences; returns them.
 
         A request's running sequences are contiguous in `running`, so its group is a tail.
+        A lockstep group (beam search) goes whole: swapped whole, or recomputed whole when it
+        cannot be swapped. Other sequences are independent, so only the last one is recomputed.
         """
         victim = self.running[-1]
         group = [s for s in self.running if s.request_id == victim.request_id]
+        lockstep = victim.request_id in self._lockstep
         mode = self.config.preemption_mode or ("swap" if len(group) > 1 else "recompute")
         if mode == "swap" and self.kv_cache_manager.can_swap_out(group):
             self._preempt_by_swap(group)
             return group
-        self.running.pop()
-        self._preempt_by_recompute(victim)
-        return [victim]
+        gone = group if lockstep else [victim]
+        for seq in reversed(gone):
+            self.running.remove(seq)
+            self._preempt_by_recompute(seq)
+        return gone
 
     # ---- one step -------------------------------------------------------------------------
 
@@ -267,13 +331,15 @@ class Scheduler:
             ):
                 break
             self.swapped.pop(0)
-            assert kv.swap_in(group)
+            if not kv.swap_in(group):  # not an assert: `python -O` would drop the call
+                raise RuntimeError(f"swap-in of {len(group)} sequences failed after the fit check")
             for seq in group:
                 seq.status = SequenceStatus.RUNNING
                 self._insert_running(seq)
                 n = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 if n > 0:
-                    assert kv.allocate_slots(seq, n)
+                    if not kv.allocate_slots(seq, n):
+                        raise RuntimeError(f"seq {seq.seq_id}: no blocks after the swap-in check")
                     steps.append((seq, n))
                     budget -= n
         return budget
@@ -282,7 +348,9 @@ class Scheduler:
         """Admit waiting sequences FCFS with prefill chunks from what is left of the budget.
 
         With prefix caching, a sequence whose first missed block is being computed this step by
-        another one waits a step (later ones may go ahead): it will then hit that block.
+        another one waits a step (later ones may go ahead): it will then hit that block. The
+        waiting members of a lockstep request (a beam search recomputed whole) are admitted
+        together or not at all.
         """
         kv = self.kv_cache_manager
         in_flight: set[int] | None = None
@@ -302,19 +370,66 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
+            if seq.request_id in self._lockstep:
+                group = [s for s in self.waiting if s.request_id == seq.request_id]
+                if len(group) > 1:
+                    admitted = self._admit_group(group, steps, budget, in_flight)
+                    if admitted is None:
+                        break
+                    budget = admitted
+                    continue
             if not kv.allocate_slots(seq, num_new, hit_blocks or None):
                 break
             del self.waiting[i]
-            if seq.num_cached_tokens is None:
-                seq.num_cached_tokens = num_hit_tokens
-            seq.num_computed_tokens += num_hit_tokens
-            seq.status = SequenceStatus.RUNNING
-            self._insert_running(seq)
+            self._start_running(seq, num_hit_tokens)
             steps.append((seq, num_new))
             budget -= num_new
             if in_flight is not None:
                 in_flight.update(kv.hashes_filled_by(seq, num_new))
         return budget
+
+    def _start_running(self, seq: Sequence, num_hit_tokens: int) -> None:
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = num_hit_tokens
+        seq.num_computed_tokens += num_hit_tokens
+        seq.status = SequenceStatus.RUNNING
+        self._insert_running(seq)
+
+    def _admit_group(
+        self, group: list[Sequence], steps: list[tuple[Sequence, int]], budget: int,
+        in_flight: set[int] | None,
+    ) -> int | None:
+        """Admit a lockstep group's waiting sequences together; None (nothing changed) if the
+        pool or the seat cap is short. Members get prefill chunks in order from the budget (a
+        member left without budget is running with nothing scheduled yet: it is served next
+        step like any running prefill)."""
+        kv = self.kv_cache_manager
+        if self.running and len(self.running) + len(group) > self.config.max_num_seqs:
+            return None
+        plans = []
+        left = budget
+        for seq in group:
+            hits, num_hit_tokens = kv.get_computed_blocks(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens - num_hit_tokens, left)
+            plans.append((seq, hits, num_hit_tokens, n))
+            left -= n
+        if kv.num_blocks_to_admit([(s, h, n) for s, h, _, n in plans]) > kv.num_free_blocks:
+            return None
+        # Pin every member's prefix hits first, so that no member's fresh blocks evict a block
+        # that a later member was counted as hitting; then allocate the chunks.
+        for seq, hits, num_hit_tokens, n in plans:
+            self.waiting.remove(seq)
+            if hits and not kv.allocate_slots(seq, 0, hits):
+                raise RuntimeError(f"seq {seq.seq_id}: prefix hits could not be pinned")
+            self._start_running(seq, num_hit_tokens)
+        for seq, hits, num_hit_tokens, n in plans:
+            if not kv.allocate_slots(seq, n):  # checked above: a bug if it fails
+                raise RuntimeError(f"seq {seq.seq_id}: no blocks after the group's fit check")
+            if n > 0:
+                steps.append((seq, n))
+            if in_flight is not None:
+                in_flight.update(kv.hashes_filled_by(seq, n))
+        return left
 
     def update_after_step(self, output: SchedulerOutput) -> None:
         """Mark this step's tokens computed and publish blocks they filled to the prefix cache.
@@ -353,6 +468,7 @@ class Scheduler:
             if not seqs:
                 del self._requests[seq.request_id]
                 del self._request_order[seq.request_id]
+                self._lockstep.discard(seq.request_id)
 
     def abort_request(self, request_id: str) -> list[Sequence]:
         """Finish every unfinished sequence of the request as aborted; returns them."""

@@ -93,7 +93,7 @@ class LLMEngine:
         self.model_runner.cache_engine.allocate_host_pool(self.num_host_blocks)
         self.sampler = Sampler()
         self.inputs = InputProcessor(self.tokenizer, int(self.hf_config.vocab_size),
-                                     self.max_model_len, self.block_size, self.num_blocks)
+                                     self.max_model_len, self.scheduler.check_request_fits)
         self.updater = SequenceUpdater(self.tokenizer, self._eos_token_ids(), self.max_model_len)
         self.requests: dict[str, RequestState] = {}
         self._seq_counter = itertools.count()
@@ -247,7 +247,7 @@ class LLMEngine:
             seq.skip_prefix_cache = True
         state.seqs.append(seq)
         self.requests[request_id] = state
-        self.scheduler.add_sequence(seq)
+        self.scheduler.add_sequence(seq, lockstep=beam_params is not None)
 
     def _new_beam_sequence(
         self, state: RequestState, cache_salt: str | None, output_token_ids: list[int]

@@ -6,6 +6,7 @@ Rejecting here, at add_request, is what keeps a bad request from ever holding bl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Iterable
 
 from pagedllm.engine.beam_search import beam_params_from_sampling
@@ -16,13 +17,15 @@ PromptType = str | list[int] | dict[str, Any]
 
 class InputProcessor:
     def __init__(
-        self, tokenizer, vocab_size: int, max_model_len: int, block_size: int, num_blocks: int
+        self, tokenizer, vocab_size: int, max_model_len: int,
+        check_fits: Callable[[int, int], None],
     ) -> None:
+        """`check_fits(num_tokens, num_lockstep_seqs)` is the scheduler's pool-size rule
+        (`Scheduler.check_request_fits`): one rule for what the engine can always finish."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.block_size = block_size
-        self.num_blocks = num_blocks
+        self.check_fits = check_fits
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) of a string, a token id list or a prompt dict."""
@@ -85,20 +88,6 @@ class InputProcessor:
                 f"you requested {total} tokens ({n_prompt} in the messages, {params.max_tokens} "
                 "in the completion). Please reduce the length of the messages or completion."
             )
-        blocks = -(-total // self.block_size)
         if params.use_beam_search:
-            # The beams must fit side by side even unshared, or they could evict each other
-            # forever; the sharing then only makes room for other requests.
             beam_params_from_sampling(params, params.max_tokens)  # rejects unsupported knobs
-            if blocks * params.n > self.num_blocks:
-                raise ValueError(
-                    f"Beam search with width {params.n} needs up to {blocks * params.n} KV cache "
-                    f"blocks but the pool has {self.num_blocks}; lower the width or max_tokens."
-                )
-        if blocks > self.num_blocks:
-            raise ValueError(
-                f"The request needs {blocks} KV cache blocks ({total} tokens at block_size="
-                f"{self.block_size}) but the whole pool has {self.num_blocks} blocks "
-                f"({self.num_blocks * self.block_size} tokens); raise kv_cache_space or lower "
-                "max_tokens."
-            )
+        self.check_fits(total, params.n if params.use_beam_search else 1)

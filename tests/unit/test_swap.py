@@ -8,6 +8,7 @@ import pytest
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Sequence, SequenceStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tests.unit.core_sim import FakeStore
 
 RUNNING, WAITING, SWAPPED = SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.SWAPPED
 
@@ -313,47 +314,6 @@ def test_abort_of_a_swapped_group_frees_its_host_blocks():
 
 
 # ---- randomized: forks, swaps and recomputes with a fake KV store ---------------------------------
-
-
-class FakeStore:
-    """Token ids in device and host slots; applies swaps and copies in the runner's order."""
-
-    def __init__(self, kv: KVCacheManager) -> None:
-        self.kv = kv
-        self.dev: dict[int, int] = {}
-        self.host: dict[int, int] = {}
-
-    def execute(self, out: SchedulerOutput) -> None:
-        B = self.kv.block_size
-
-        def move(pairs, src_store, dst_store):
-            snapshot = dict(src_store)
-            for src, dst in pairs:
-                for off in range(B):
-                    dst_store.pop(dst * B + off, None)
-                    if src * B + off in snapshot:
-                        dst_store[dst * B + off] = snapshot[src * B + off]
-
-        move(out.blocks_to_swap_out, self.dev, self.host)
-        move(out.blocks_to_swap_in, self.host, self.dev)
-        assert len({d for _, d in out.block_copies}) == len(out.block_copies)  # no race
-        move(out.block_copies, self.dev, self.dev)
-        for s in out.scheduled:
-            for i, tok in enumerate(s.token_ids):
-                pos = s.start_pos + i
-                block = self.kv.block_pool.blocks[s.block_table[pos // B]]
-                assert block.ref_count == 1 and block.block_hash is None  # invariant 3
-                self.dev[block.block_id * B + pos % B] = tok
-
-    def check(self, sched: Scheduler) -> None:
-        B = self.kv.block_size
-        for s in sched.all_unfinished():
-            if s.status == SWAPPED:
-                table, store = [b.block_id for b in self.kv.swapped_tables[s.seq_id]], self.host
-            else:
-                table, store = self.kv.get_block_ids(s.seq_id), self.dev
-            for pos, tok in enumerate(s.all_token_ids[: s.num_computed_tokens]):
-                assert store.get(table[pos // B] * B + pos % B) == tok, (s.seq_id, pos)
 
 
 def simulate(seed: int) -> dict[str, int]:
