@@ -1,11 +1,17 @@
 """Where a decode step's time goes: torch.profiler over steady-state decode steps.
 
     python -m benchmarks.profile_step --batch-size 20 --input-len 128 --context 256
+    python -m benchmarks.profile_step --batch-size 256 --input-len 990 --context 1000 --no-forward
 
 Admits `--batch-size` random-token prompts, decodes until the contexts reach `--context` tokens,
 then profiles `--steps` decode steps. Prints the step time split into the model forward (with the
 LM head) and everything else (scheduling, input preparation, sampling, detokenization: the engine
 overhead), and the top operators by self CPU time.
+
+`--no-forward` replaces the model's forward by fixed random logits (the KV cache is never
+written): the engine's own per-step work at batch sizes and contexts that would take minutes to
+prefill for real (256 sequences x 1,000 tokens in a few seconds). The overhead is then the same
+work as in a real step, without the profiler's view of the forward.
 """
 
 from __future__ import annotations
@@ -31,6 +37,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--compile", action="store_true",
                    help="profile the opt-in torch.compile'd decode graph of this batch size")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--kv-cache-space", type=float, default=None,
+                   help="GiB of KV cache (default: what batch x context needs, at least 2)")
+    p.add_argument("--no-forward", action="store_true",
+                   help="stub the model forward (random logits): engine overhead only")
     args = p.parse_args(argv)
 
     import torch
@@ -39,8 +49,11 @@ def main(argv: list[str] | None = None) -> dict:
     from pagedllm import SamplingParams
     from pagedllm.engine.engine import LLMEngine
 
+    total = args.context + args.steps + 4
+    # float32 K/V of SmolLM2-sized models: 30 layers x 3 heads x 64 x 2 x 4 bytes a token.
+    kv_space = args.kv_cache_space or max(2.0, args.batch_size * (total + 16) * 46080 * 1.05 / 2**30)
     engine = LLMEngine.from_kwargs(
-        model=args.model, kv_cache_space=2.0,
+        model=args.model, kv_cache_space=kv_space,
         max_num_seqs=args.batch_size, enable_prefix_caching=False,
         max_num_batched_tokens=max(2048, args.batch_size * args.input_len),
         compile_batch_sizes=[args.batch_size] if args.compile else None,
@@ -53,7 +66,13 @@ def main(argv: list[str] | None = None) -> dict:
         compile_s = round(time.perf_counter() - t, 1)
     rng = random.Random(0)
     vocab = engine.hf_config.vocab_size
-    total = args.context + args.steps + 4
+    if args.no_forward:
+        fixed = torch.randn(args.batch_size, vocab, generator=torch.Generator().manual_seed(0))
+
+        def stub_run_model(inp):  # the logits rows the sampler would get, and nothing else
+            return fixed[: len(inp.logits_rows)].clone()
+
+        runner.run_model = stub_run_model
     params = SamplingParams(temperature=0.0, max_tokens=total - args.input_len, ignore_eos=True)
     for i in range(args.batch_size):
         ids = [rng.randrange(100, vocab) for _ in range(args.input_len)]
@@ -105,6 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=args.top))
     result = {
         "batch_size": args.batch_size, "context": args.context, "compiled": args.compile,
+        "no_forward": args.no_forward,
         "step_ms": round(step * 1e3, 2), "model_forward_ms": round(fwd * 1e3, 2),
         "overhead_ms": round((step - fwd) * 1e3, 2),
         "overhead_share": round((step - fwd) / step, 4),

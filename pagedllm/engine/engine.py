@@ -428,10 +428,12 @@ class LLMEngine:
 
     def _observe_kv_usage(self) -> None:
         kv = self.kv_cache_manager
-        tokens = KVCacheStatsTracker.count_stored_tokens(
-            self.scheduler.running, kv.get_block_ids, self.block_size
+        shared = kv.num_shared_blocks
+        # One addition per running sequence; blocks walked only where they are shared.
+        tokens = KVCacheStatsTracker.stored_tokens(
+            self.scheduler.running, kv.req_to_blocks, self.block_size, shared
         )
-        self._kv_stats.observe(self.num_blocks - kv.num_free_blocks, tokens, kv.num_shared_blocks)
+        self._kv_stats.observe(self.num_blocks - kv.num_free_blocks, tokens, shared)
 
     # ---- statistics -----------------------------------------------------------------------
 

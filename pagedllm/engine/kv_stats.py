@@ -9,8 +9,9 @@ block, so it stays small). `shared_blocks` counts blocks held by more than one s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
+from pagedllm.core.block_pool import KVBlock
 from pagedllm.core.request import Sequence
 
 
@@ -60,6 +61,57 @@ class KVCacheStatsTracker:
                 if n > filled.get(block_id, 0):
                     filled[block_id] = n
         return sum(filled.values())
+
+    @staticmethod
+    def stored_tokens(
+        running: Iterable[Sequence],
+        tables: Mapping[int, list[KVBlock]],
+        block_size: int,
+        num_shared_blocks: int,
+    ) -> int:
+        """`count_stored_tokens` without walking every block (it runs twice a step).
+
+        A block held by one sequence holds `min(block_size, computed - i * block_size)` of its
+        tokens, so a sequence's unshared blocks together hold `min(computed, blocks *
+        block_size)`: one addition per sequence. Only shared blocks (`ref_count > 1`) need the
+        maximum over their holders, and those sit at the start of the tables (prefix hits,
+        forks): each table is walked only while its blocks are shared. That is exact when the
+        walk saw every reference of every shared block; where it did not (a shared block
+        behind an unshared one), the full walk decides.
+        """
+        total = 0
+        seen: dict[int, list] = {}  # block_id -> [block, references seen, max tokens]
+        overlap = 0  # tokens of shared blocks counted once per holder in `total`
+        for seq in running:
+            table = tables.get(seq.seq_id)
+            if not table:
+                continue
+            computed = seq.num_computed_tokens
+            full = len(table) * block_size
+            total += computed if computed < full else full
+            if not num_shared_blocks:
+                continue
+            for i, block in enumerate(table):
+                if block.ref_count < 2:
+                    break
+                n = min(block_size, computed - i * block_size)
+                if n <= 0:
+                    break
+                overlap += n
+                entry = seen.get(block.block_id)
+                if entry is None:
+                    seen[block.block_id] = [block, 1, n]
+                else:
+                    entry[1] += 1
+                    if n > entry[2]:
+                        entry[2] = n
+        if not num_shared_blocks:
+            return total
+        if len(seen) == num_shared_blocks and all(b.ref_count == k for b, k, _ in seen.values()):
+            return total - overlap + sum(n for _, _, n in seen.values())
+        return KVCacheStatsTracker.count_stored_tokens(
+            running, lambda seq_id: [b.block_id for b in tables.get(seq_id, ())], block_size
+        )
 
     def observe(self, used_blocks: int, tokens_stored: int, shared_blocks: int = 0) -> None:
         self.used_blocks = used_blocks

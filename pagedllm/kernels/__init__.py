@@ -1,6 +1,8 @@
 """Hand-written CPU kernels (C, built on first use with the system compiler, called via ctypes).
 
 - `paged_decode_attention.c`: decode attention reading K/V blocks in place (layers/backends/decode_op.py);
+- `paged_prefill_attention.c`: prefill attention of all prefill sequences of a step in one call,
+  K/V read in place (layers/backends/prefill_op.py);
 - `packed_gemm.c`: `x @ W^T` against weights packed once into 32-column panels (layers/linear.py
   `linear`), every projection on CPU in float32;
 - `block_gemm.c`: the same product for 1-16 rows against weights kept as exact 4-bit / 8-bit
@@ -17,6 +19,7 @@ from pagedllm.kernels.build import (
     decode_attention_kernel,
     fused_ops_kernel,
     packed_gemm_kernel,
+    prefill_attention_kernel,
 )
 
-__all__ = ["block_gemm_kernel", "decode_attention_kernel", "fused_ops_kernel", "packed_gemm_kernel"]
+__all__ = ["block_gemm_kernel", "decode_attention_kernel", "fused_ops_kernel", "packed_gemm_kernel", "prefill_attention_kernel"]

@@ -118,6 +118,16 @@ def decode_attention_kernel():
     )
 
 
+def prefill_attention_kernel():
+    """The `paged_prefill_attention_f32` C function (built and loaded once), or None."""
+    return _kernel_function(
+        "paged_prefill_attention.c",
+        "paged_prefill_attention_f32",
+        (_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I32) + (_PTR,) * 3
+        + (_I32, _PTR) + (_I32,) * 4 + (_I64, ctypes.c_float, _I32, _I32),
+    )
+
+
 class PackedGemm(NamedTuple):
     """The three functions of `packed_gemm.c` (see there for the packed layout)."""
 

@@ -35,6 +35,9 @@ class AttentionMetadata:
     prefill_query_lens: list[int] = field(default_factory=list)
     prefill_context_lens: list[int] = field(default_factory=list)  # cached + new tokens
     prefill_block_tables: list[torch.Tensor] = field(default_factory=list)  # LongTensor[ceil(ctx/B)]
+    # The same tables as one LongTensor[P, max_blocks] for the prefill kernel (entries past a
+    # sequence's own blocks are never read); None: the per-sequence torch path only.
+    prefill_block_tables_padded: torch.Tensor | None = None
     # Masks shared by all layers of one forward, keyed by (kind, sequence, sliding window).
     _mask_cache: dict[Any, torch.Tensor | None] = field(default_factory=dict, repr=False, compare=False)
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.rotary import head_dim_of
+from pagedllm.worker.block_table import BlockTable
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.decode_graphs import DecodeGraphs
 
@@ -78,6 +79,8 @@ class ModelRunner:
             dtype=dtype,
             device=self.device,
         )
+        max_len = max_model_len or int(getattr(hf_config, "max_position_embeddings", 0) or 4096)
+        self.block_table = BlockTable(-(-max_len // block_size) + 1)
         self.decode_graphs: DecodeGraphs | None = None
         if compile_batch_sizes:
             self.decode_graphs = DecodeGraphs(
@@ -104,7 +107,9 @@ class ModelRunner:
         num_decodes = len(decodes)
 
         token_ids: list[int] = []
-        lens, starts, ctx_lens, tables = [], [], [], []
+        lens, starts, ctx_lens, n_blocks_of, rows = [], [], [], [], []
+        table = self.block_table
+        table.begin_step()
         for i in order:
             s = scheduled[i]
             token_ids.extend(s.token_ids)
@@ -120,9 +125,9 @@ class ModelRunner:
             lens.append(q_lens[i])
             starts.append(s.start_pos)
             ctx_lens.append(ctx)
-            tables.append(s.block_table[:n_blocks])
-        max_blocks = max(len(t) for t in tables)
-        padded = [list(t) + [0] * (max_blocks - len(t)) for t in tables]
+            n_blocks_of.append(n_blocks)
+            rows.append(table.update(s.seq.seq_id, s.block_table))  # writes only new ids
+        max_blocks = max(n_blocks_of)
 
         # Vectorised positions and slot mapping: token t of (reordered) sequence j sits at
         # position start_j + (t - query_start_j).
@@ -132,7 +137,9 @@ class ModelRunner:
         offsets = torch.tensor(starts, dtype=torch.long) - query_starts_t
         num_tokens = len(token_ids)
         positions = torch.arange(num_tokens, dtype=torch.long) + offsets[seq_of_token]
-        block_tables = torch.tensor(padded, dtype=torch.long)
+        # The step's tables in one gather from the persistent rows. Entries past a sequence's
+        # own blocks hold 0 or other valid ids: masked, never attended.
+        block_tables = table.tensor[:, :max_blocks].index_select(0, torch.tensor(rows, dtype=torch.long))
         slot_mapping = block_tables[seq_of_token, positions // B] * B + positions % B
 
         query_starts = query_starts_t.tolist()
@@ -143,8 +150,12 @@ class ModelRunner:
             decode_block_tables = block_tables[:num_decodes, :max_decode_blocks].to(dev).contiguous()
             decode_context_lens = torch.tensor(ctx_lens[:num_decodes], dtype=torch.long, device=dev)
         prefill_tables = [
-            block_tables[j, : len(tables[j])].to(dev) for j in range(num_decodes, len(order))
+            block_tables[j, : n_blocks_of[j]].to(dev) for j in range(num_decodes, len(order))
         ]
+        prefill_padded = None
+        if num_decodes < len(order):
+            max_prefill_blocks = max(n_blocks_of[num_decodes:])
+            prefill_padded = block_tables[num_decodes:, :max_prefill_blocks].to(dev).contiguous()
         attn_metadata = AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
             block_size=B,
@@ -155,6 +166,7 @@ class ModelRunner:
             prefill_query_lens=lens[num_decodes:],
             prefill_context_lens=ctx_lens[num_decodes:],
             prefill_block_tables=prefill_tables,
+            prefill_block_tables_padded=prefill_padded,
         )
 
         # Logits rows: every row of an all_logits sequence (its last row doubles as its sample

@@ -4,7 +4,9 @@ Decode: all decode sequences of the step in one call of the `pagedllm::paged_dec
 operator (layers/backends/decode_op.py), which writes their K/V and attends over the blocks in
 place (a C kernel on CPU float32; a gather + SDPA torch path elsewhere).
 
-Prefill: per sequence. A plain prefill (no cached context) attends over its own fresh K/V with a
+Prefill: on CPU float32 all prefill sequences in one call of the C kernel
+(layers/backends/prefill_op.py), which writes their K/V and reads the context in place from the
+blocks. Otherwise (the portable path) per sequence: a plain prefill (no cached context) attends over its own fresh K/V with a
 causal mask; a chunk on top of cached context (chunked prefill, prefix-cache hit) gathers its
 context from the cache and uses a bottom-right aligned causal mask: query `i` sits at absolute
 position `ctx_len - q_len + i` and sees keys `0 ..` that position.
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 
 from pagedllm.layers.backends.decode_op import paged_decode_attention_eager
 from pagedllm.layers.backends.paged_ops import gather_blocks, prefill_mask, write_to_kv_cache
+from pagedllm.layers.backends.prefill_op import prefill_attention_c
 
 if TYPE_CHECKING:
     from pagedllm.layers.attention import AttentionMetadata
@@ -56,10 +59,16 @@ class TorchPagedAttentionBackend:
             if md.num_prefills == 0:
                 return decoded
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        write_to_kv_cache(key[nd:], value[nd:], key_cache, value_cache, md.slot_mapping[nd:])
-        out = torch.empty_like(query)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if decoded is not None:
             out[:nd] = decoded
+        if not torch.compiler.is_compiling():
+            done = prefill_attention_c(
+                query[nd:], key[nd:], value[nd:], key_cache, value_cache, md, scale, sliding_window, out=out[nd:]
+            )  # fmt: skip
+            if done is not None:
+                return out
+        write_to_kv_cache(key[nd:], value[nd:], key_cache, value_cache, md.slot_mapping[nd:])
         for i in range(md.num_prefills):
             start, q_len = md.prefill_query_starts[i], md.prefill_query_lens[i]
             end = start + q_len

@@ -1,0 +1,193 @@
+/* Paged prefill attention for float32 on CPU: every prefill sequence of a step (a whole prompt,
+ * a chunk on top of cached context, the uncached tail after a prefix hit) in one call, its keys
+ * and values read in place from the block-paged cache. Replaces a Python loop over the
+ * sequences in every layer, each gathering its whole cached context again (quadratic copying
+ * for a long chunked prompt).
+ *
+ * Layouts (float32 unless noted):
+ *   query        [T, num_heads, head_dim], rows `q_stride` floats apart (a view of fused qkv)
+ *   key, value   [T, num_kv_heads, head_dim], rows `kv_stride` apart: this step's new K/V,
+ *                stored first at the flat cache slots `slots[T]` (int64); NULL: already stored
+ *   key_cache    [num_blocks, block_size, num_kv_heads, head_dim]   (value_cache alike)
+ *   block_tables [num_seqs, table_width] int64
+ *   query_starts, query_lens, context_lens [num_seqs] int64: sequence s owns query rows
+ *                query_starts[s] .. + query_lens[s]; its query i sits at absolute position
+ *                context_lens[s] - query_lens[s] + i and sees keys 0 .. that position (window
+ *                > 0: only the last `window` of them, the transformers convention)
+ *   out          [T, num_heads, head_dim] contiguous
+ *
+ * Work items are (sequence, tile of QT query rows, KV head): the tile's query heads of that KV
+ * head (grouped-query attention) share every key row read. Keys are taken a chunk (at most KC
+ * positions of one block) at a time; the chunk's keys are transposed into a small buffer so
+ * that the scores of one query head against all of them are KC vector lanes (no horizontal
+ * sums), then an online softmax (running maximum and sum) folds the chunk into the output.
+ *
+ * Built with -ffast-math: masked lanes get weight 0 explicitly (no -inf is ever computed), the
+ * running maximum starts at -FLT_MAX, and every query sees at least its own key.
+ *
+ * Returns 0, or: 1 a sequence's lengths are inconsistent (query_len < 1, query_len >
+ * context_len, context past its table, query rows past T), 2 a slot outside the cache, 3 a
+ * block id outside [0, num_blocks) in a used table entry. Nothing is read or written out of
+ * bounds then (the checks run before any work). */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QT 16 /* query rows per work item */
+#define KC 16 /* key positions per chunk: one vector of scores */
+#define STACK_FLOATS 8192
+
+typedef float v16 __attribute__((vector_size(64)));
+
+static int attend_tile(const float *query, int64_t q_stride, const float *key_cache,
+                       const float *value_cache, const int64_t *table, int64_t q_len, int64_t ctx,
+                       int64_t r0, int64_t r1, int kvh, float *out, int num_heads, int num_kv_heads,
+                       int head_dim, int block_size, float scale, int window) {
+    const int group = num_heads / num_kv_heads;
+    const int nr = (int)(r1 - r0), nc = nr * group; /* (row, head) combinations */
+    const int64_t row = (int64_t)num_kv_heads * head_dim;
+    const int64_t first_pos = ctx - q_len; /* absolute position of query row 0 */
+    /* Work buffer: q [nc][D] pre-scaled, acc [nc][D], kt [D][KC], mx, sum [nc]. */
+    const int64_t floats = 2 * (int64_t)nc * head_dim + (int64_t)head_dim * KC + 2 * nc;
+    float stack_buf[STACK_FLOATS];
+    float *q = floats <= STACK_FLOATS ? stack_buf : (float *)malloc(sizeof(float) * floats);
+    if (!q) return 1;
+    float *acc = q + (int64_t)nc * head_dim, *kt = acc + (int64_t)nc * head_dim;
+    float *mx = kt + (int64_t)head_dim * KC, *sum = mx + nc;
+    for (int r = 0; r < nr; ++r)
+        for (int g = 0; g < group; ++g) {
+            const float *src = query + (r0 + r) * q_stride + ((int64_t)kvh * group + g) * head_dim;
+            float *dst = q + ((int64_t)r * group + g) * head_dim;
+            for (int d = 0; d < head_dim; ++d) dst[d] = src[d] * scale;
+        }
+    memset(acc, 0, sizeof(float) * (int64_t)nc * head_dim);
+    for (int c = 0; c < nc; ++c) { mx[c] = -FLT_MAX; sum[c] = 0.0f; }
+
+    /* Keys the tile needs: from the first row's window start to the last row's position. */
+    const int64_t last = first_pos + r1 - 1;
+    int64_t k0 = 0;
+    if (window > 0 && first_pos + r0 - window + 1 > 0) k0 = first_pos + r0 - window + 1;
+    for (int64_t t0 = k0; t0 <= last;) {
+        const int64_t b = t0 / block_size, in_block = t0 - b * block_size;
+        int64_t t1 = (b + 1) * block_size;
+        if (t1 > last + 1) t1 = last + 1;
+        if (t1 - t0 > KC) t1 = t0 + KC;
+        const int n = (int)(t1 - t0);
+        const int64_t base = (table[b] * block_size + in_block) * row + (int64_t)kvh * head_dim;
+        const float *kb = key_cache + base, *vb = value_cache + base;
+        for (int d = 0; d < head_dim; ++d) {
+            float *ktd = kt + (int64_t)d * KC;
+            for (int t = 0; t < n; ++t) ktd[t] = kb[t * row + d];
+            for (int t = n; t < KC; ++t) ktd[t] = 0.0f;
+        }
+        for (int r = 0; r < nr; ++r) {
+            const int64_t pos = first_pos + r0 + r;
+            /* Visible lanes of this chunk for this row: [lo, hi). */
+            int64_t lo = 0, hi = n;
+            if (pos < t1 - 1) hi = pos - t0 + 1;
+            if (window > 0 && pos - window + 1 > t0) lo = pos - window + 1 - t0;
+            if (hi <= 0 || lo >= hi) continue;
+            for (int g = 0; g < group; ++g) {
+                const int c = r * group + g;
+                const float *qc = q + (int64_t)c * head_dim;
+                v16 s = {0};
+                for (int d = 0; d < head_dim; ++d) {
+                    v16 k;
+                    memcpy(&k, kt + (int64_t)d * KC, sizeof(k));
+                    s += qc[d] * k;
+                }
+                float m = mx[c];
+                for (int t = (int)lo; t < (int)hi; ++t) m = s[t] > m ? s[t] : m;
+                const float corr = expf(mx[c] - m);
+                float w[KC], ws = 0.0f;
+                for (int t = 0; t < KC; ++t) {
+                    w[t] = (t >= lo && t < hi) ? expf(s[t] - m) : 0.0f;
+                    ws += w[t];
+                }
+                sum[c] = sum[c] * corr + ws;
+                mx[c] = m;
+                float *ac = acc + (int64_t)c * head_dim;
+                if (corr != 1.0f) {
+#pragma omp simd
+                    for (int d = 0; d < head_dim; ++d) ac[d] *= corr;
+                }
+                for (int t = (int)lo; t < (int)hi; ++t) {
+                    const float wt = w[t];
+                    const float *vt = vb + t * row;
+#pragma omp simd
+                    for (int d = 0; d < head_dim; ++d) ac[d] += wt * vt[d];
+                }
+            }
+        }
+        t0 = t1;
+    }
+    for (int r = 0; r < nr; ++r)
+        for (int g = 0; g < group; ++g) {
+            const int c = r * group + g;
+            const float inv = 1.0f / sum[c];
+            float *o = out + (r0 + r) * (int64_t)num_heads * head_dim + ((int64_t)kvh * group + g) * head_dim;
+            const float *ac = acc + (int64_t)c * head_dim;
+            for (int d = 0; d < head_dim; ++d) o[d] = ac[d] * inv;
+        }
+    if (q != stack_buf) free(q);
+    return 0;
+}
+
+int paged_prefill_attention_f32(const float *query, int64_t q_stride, const float *key,
+                                const float *value, int64_t kv_stride, const int64_t *slots,
+                                int64_t num_tokens, float *key_cache, float *value_cache,
+                                const int64_t *block_tables, int table_width,
+                                const int64_t *query_starts, const int64_t *query_lens,
+                                const int64_t *context_lens, int num_seqs, float *out,
+                                int num_heads, int num_kv_heads, int head_dim, int block_size,
+                                int64_t num_blocks, float scale, int window, int num_threads) {
+    const int64_t row = (int64_t)num_kv_heads * head_dim;
+    if (num_heads < 1 || num_kv_heads < 1 || num_heads % num_kv_heads || head_dim < 1 || block_size < 1)
+        return 1;
+    /* Checks first, then all writes, then the reads: a query may see a key written by itself. */
+    int64_t num_items = 0;
+    for (int s = 0; s < num_seqs; ++s) {
+        const int64_t q_len = query_lens[s], ctx = context_lens[s], start = query_starts[s];
+        if (q_len < 1 || q_len > ctx || start < 0 || start + q_len > num_tokens) return 1;
+        const int64_t used = (ctx + block_size - 1) / block_size;
+        if (used > table_width) return 1;
+        for (int64_t i = 0; i < used; ++i) {
+            const int64_t id = block_tables[(int64_t)s * table_width + i];
+            if (id < 0 || id >= num_blocks) return 3;
+        }
+        num_items += (q_len + QT - 1) / QT;
+    }
+    if (key != NULL) {
+        for (int64_t t = 0; t < num_tokens; ++t)
+            if (slots[t] < 0 || slots[t] >= num_blocks * block_size) return 2;
+        for (int64_t t = 0; t < num_tokens; ++t) {
+            memcpy(key_cache + slots[t] * row, key + t * kv_stride, sizeof(float) * row);
+            memcpy(value_cache + slots[t] * row, value + t * kv_stride, sizeof(float) * row);
+        }
+    }
+    /* Item i -> (sequence, tile): a prefix sum over tiles, searched per item (few sequences). */
+    int64_t *tile_start = (int64_t *)malloc(sizeof(int64_t) * (num_seqs + 1));
+    if (!tile_start) return 1;
+    tile_start[0] = 0;
+    for (int s = 0; s < num_seqs; ++s) tile_start[s + 1] = tile_start[s] + (query_lens[s] + QT - 1) / QT;
+    int failed = 0;
+    const int64_t total = num_items * num_kv_heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
+    for (int64_t item = 0; item < total; ++item) {
+        const int64_t tile = item / num_kv_heads;
+        const int kvh = (int)(item % num_kv_heads);
+        int s = 0;
+        while (tile_start[s + 1] <= tile) ++s;
+        const int64_t r0 = (tile - tile_start[s]) * QT;
+        const int64_t r1 = r0 + QT < query_lens[s] ? r0 + QT : query_lens[s];
+        const int64_t start = query_starts[s];
+        failed |= attend_tile(query + start * q_stride, q_stride, key_cache, value_cache,
+                              block_tables + (int64_t)s * table_width, query_lens[s], context_lens[s],
+                              r0, r1, kvh, out + start * (int64_t)num_heads * head_dim, num_heads,
+                              num_kv_heads, head_dim, block_size, scale, window);
+    }
+    free(tile_start);
+    return failed;
+}
