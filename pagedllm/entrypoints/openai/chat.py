@@ -56,7 +56,10 @@ class ChatServer:
         created = now_seconds()
         engine = ctx.async_engine
         stream = await engine.add_request(
-            request_id, {"prompt": prompt_text, "prompt_token_ids": prompt_ids}, params
+            request_id,
+            {"prompt": prompt_text, "prompt_token_ids": prompt_ids,
+             "cache_salt": request.cache_salt},
+            params,
         )
         if request.stream:
             body = self._stream(request, raw_request, request_id, created, stream)

@@ -62,7 +62,8 @@ class CompletionServer:
         created = now_seconds()
         engine = ctx.async_engine
         streams = await engine.add_requests(
-            [(f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids})
+            [(f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids,
+                                    "cache_salt": request.cache_salt})
              for i, p in enumerate(prompts)],
             params,
         )

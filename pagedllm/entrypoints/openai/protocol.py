@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -86,6 +86,16 @@ class _SamplingFields(OpenAIBaseModel):
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # vLLM's: salts the prefix cache so that only requests with the same salt share blocks
+    # (tenants apart; a salt should be secret and unguessable, e.g. 256 random bits)
+    cache_salt: str | None = None
+
+    @field_validator("cache_salt", mode="before")
+    @classmethod
+    def _check_cache_salt(cls, value: Any) -> Any:
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
+        return value
 
     @model_validator(mode="after")
     def _check_stream_options(self):
