@@ -25,6 +25,7 @@ from pagedllm.engine.beam_search import (
     beam_params_from_sampling,
     sampling_params_from_beam,
 )
+from pagedllm.engine.errors import SchedulerStallError
 from pagedllm.engine.input_processing import InputProcessor, PromptType
 from pagedllm.engine.kv_stats import KVCacheStats, KVCacheStatsTracker
 from pagedllm.engine.request_state import RequestState, SeqState, sample_seed
@@ -45,6 +46,11 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     """The engine surface: add_request / step / abort_request / has_unfinished_requests."""
+
+    # Consecutive steps with unfinished requests that schedule nothing and move no block
+    # before the watchdog calls it a stall (the scheduler's liveness argument allows one or
+    # two such steps in a row, never many).
+    stall_steps = 100
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -97,6 +103,7 @@ class LLMEngine:
         self.updater = SequenceUpdater(self.tokenizer, self._eos_token_ids(), self.max_model_len)
         self.requests: dict[str, RequestState] = {}
         self._seq_counter = itertools.count()
+        self._idle_steps = 0  # the watchdog's count (see `stall_steps`)
         self._kv_stats = KVCacheStatsTracker(self.num_blocks, self.block_size)
         self.startup_seconds = time.perf_counter() - t0
         logger.info("Engine ready in %.1f s (%s, %s)", self.startup_seconds, self.device, self.dtype)
@@ -315,6 +322,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step and return an output for every request that advanced."""
         sched_out = self.scheduler.schedule()
+        self._watch_progress(sched_out)
         if not sched_out.scheduled:
             if sched_out.has_cache_ops:  # e.g. a step that only swapped a group out
                 self.model_runner.execute_model(sched_out)
@@ -339,6 +347,23 @@ class LLMEngine:
                 state.metrics.finished_time = time.time()
                 self.requests.pop(state.request_id, None)
         return outputs
+
+    def _watch_progress(self, sched_out: SchedulerOutput) -> None:
+        """The watchdog: raise `SchedulerStallError` naming the stuck requests when
+        `stall_steps` steps in a row had work but scheduled nothing and moved no block."""
+        if sched_out.scheduled or sched_out.has_cache_ops or not self.requests:
+            self._idle_steps = 0
+            return
+        self._idle_steps += 1
+        if self._idle_steps >= self.stall_steps:
+            self._idle_steps = 0
+            sched, kv = self.scheduler, self.kv_cache_manager
+            raise SchedulerStallError(
+                list(self.requests), self.stall_steps,
+                f"running {sched.num_running}, waiting {sched.num_waiting}, swapped "
+                f"{sched.num_swapped}; free blocks {kv.num_free_blocks}/{kv.num_blocks}, free "
+                f"host blocks {kv.num_free_host_blocks}",
+            )
 
     def _process_outputs(self, sched_out: SchedulerOutput, runner_out) -> list[RequestState]:
         touched: dict[str, RequestState] = {}
