@@ -13,6 +13,9 @@ Counters:    pagedllm:prompt_tokens_total, pagedllm:generation_tokens_total,
              pagedllm:request_success_total{finished_reason="stop"|"length"|"abort"},
              pagedllm:prefix_cache_queries_total, pagedllm:prefix_cache_hits_total (tokens),
              pagedllm:num_preemptions_total
+Info:        pagedllm:kernel_info{path="c"|"torch"|"mixed", kernels="<active C kernels>",
+             inactive="<kernels on the torch path>", cpu_features="avx2,avx512f,..."} 1
+             (kernels/status.py: which compute path this server runs)
 Histograms:  pagedllm:time_to_first_token_seconds, pagedllm:inter_token_latency_seconds (one
              sample per request per step that gave it tokens), pagedllm:e2e_request_latency_seconds,
              pagedllm:request_queue_time_seconds (arrival to first scheduled)
@@ -25,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
@@ -101,6 +104,11 @@ class EngineMetrics:
         self.queue_time = histogram("pagedllm:request_queue_time_seconds",
                                     "Time from arrival to the first step that ran the request.",
                                     _LATENCY_BUCKETS)
+        from pagedllm.kernels.status import kernel_status
+
+        Info("pagedllm:kernel", "Which compute kernels run: the active C kernels (the rest run plain "
+             "torch) and the CPU features they are built for.", name,
+             registry=reg).labels(model_name).info(kernel_status().info_labels())
         self._seen: dict[str, _Seen] = {}
         self._last_queries = self._last_hits = self._last_preemptions = 0
 

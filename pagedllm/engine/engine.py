@@ -106,6 +106,9 @@ class LLMEngine:
         self._idle_steps = 0  # the watchdog's count (see `stall_steps`)
         self._kv_stats = KVCacheStatsTracker(self.num_blocks, self.block_size)
         self.startup_seconds = time.perf_counter() - t0
+        from pagedllm.kernels.status import log_kernel_status  # which path runs: C kernels or torch
+
+        log_kernel_status(self.device)
         logger.info("Engine ready in %.1f s (%s, %s)", self.startup_seconds, self.device, self.dtype)
 
     @classmethod

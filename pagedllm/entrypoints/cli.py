@@ -44,8 +44,29 @@ def sampling_params_from_args(args: argparse.Namespace):
     )
 
 
+class _VersionAction(argparse.Action):
+    """`pagedllm --version`: the version, then the kernel report (builds the kernels if needed)."""
+
+    def __init__(self, option_strings, dest, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        import platform
+
+        import torch
+
+        import pagedllm
+        from pagedllm.kernels.status import kernel_status
+
+        print(f"pagedllm {pagedllm.__version__} (torch {torch.__version__}, Python {platform.python_version()})")
+        print(kernel_status().describe())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="PagedAttention LLM engine")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the version and which compute kernels run here (C or torch), then exit")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server",
                            description="Start the OpenAI-compatible HTTP server (default model: "

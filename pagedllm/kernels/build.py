@@ -7,6 +7,21 @@ threads are torch's own pool (no second pool competing for the cores).
 
 Libraries are cached under `$PAGEDLLM_CACHE_DIR/kernels`, keyed by a hash of the source, the
 flags and the CPU, and written atomically so that concurrent processes can share the cache.
+
+The boundary with the process around it:
+- Floating-point mode: sources are compiled with `-ffast-math`, but linked without it. gcc adds
+  `crtfastmath.o` to any link that has `-ffast-math` (or `-Ofast`) on its command line, and that
+  object's constructor switches the whole process to flush-to-zero / denormals-are-zero when the
+  library is loaded: torch's, numpy's and the user's own float arithmetic would change.
+- Never fatal: no compiler, a compiler that fails or hangs (`PAGEDLLM_KERNEL_BUILD_TIMEOUT`
+  seconds, default 120), a cache folder that cannot be written, a library that does not load:
+  each leaves that kernel on its torch path, with one warning. A compiler that cannot run or
+  hangs is not tried again for the other kernels.
+- Trust: a cached library (or its folder) owned by another user or writable by group or others
+  is refused, since loading it runs its code; the build writes both private to their owner.
+- `kernel_state(source)` says for each library whether it is loaded and, if not, why;
+  kernels/status.py turns that into the start-up line, `pagedllm --version` and the
+  `pagedllm:kernel_info` metric.
 """
 
 from __future__ import annotations
@@ -18,7 +33,10 @@ import logging
 import os
 import platform
 import re
+import shlex
 import shutil
+import signal
+import stat
 import subprocess
 import tempfile
 import threading
@@ -26,16 +44,37 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from pagedllm.model_source import cache_dir
+from pagedllm.model_source import CACHE_DIR_ENV, cache_dir
 
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "PAGEDLLM_DISABLE_C_KERNELS"
-_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+TIMEOUT_ENV = "PAGEDLLM_KERNEL_BUILD_TIMEOUT"
+DEFAULT_BUILD_TIMEOUT_S = 120.0
+# Compiled objects get the fast-math flags; the link step must not (see the module docstring).
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+_LDFLAGS = ["-shared", "-fopenmp"]
+_BUILD_RECIPE_VERSION = 2  # part of the cache key: 1 linked with -ffast-math (crtfastmath.o)
 _SOURCE_DIR = Path(__file__).parent
 _LOCAL_INCLUDE = re.compile(rb'^#include "([^"]+)"', re.MULTILINE)  # part of the cache key
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+class KernelState(NamedTuple):
+    """Whether a kernel library is loaded; `reason`: its path if it is, else why it is not."""
+
+    active: bool
+    reason: str
+
+
+_status: dict[str, KernelState] = {}
+_broken_compiler: str | None = None  # why the compiler is not tried again (cannot run, hung)
+
+
+def kernel_sources() -> list[str]:
+    """Every kernel source of this package (each is a library of its own)."""
+    return sorted(p.name for p in _SOURCE_DIR.glob("*.c"))
 
 
 def _cpu_signature() -> str:
@@ -57,42 +96,142 @@ def build_library(source_name: str) -> ctypes.CDLL | None:
         return lib
 
 
+def kernel_state(source_name: str) -> KernelState:
+    """Build or load `source_name` if not tried yet, and say whether it is active and why."""
+    build_library(source_name)
+    return _status.get(source_name, KernelState(False, "not built"))
+
+
 def _build(source_name: str) -> ctypes.CDLL | None:
+    try:
+        lib, reason = _build_or_load(source_name)
+    except Exception as exc:  # never take the engine down for a kernel
+        lib, reason = None, f"unexpected error while building ({type(exc).__name__}: {exc})"
+        logger.warning("C kernel %s: %s; falling back to plain torch", source_name, reason)
+    _status[source_name] = KernelState(lib is not None, reason)
+    return lib
+
+
+def _fail(source_name: str, reason: str, detail: str = "") -> tuple[None, str]:
+    """One warning for this library (the caller caches the outcome: never one per call)."""
+    logger.warning("C kernel %s is off, falling back to plain torch (slower): %s%s", source_name, reason, detail)
+    return None, reason
+
+
+def _unsafe(path: Path) -> str | None:
+    """Why a cached library (or its folder) must not be trusted, or None: loading a library runs
+    its code, so it must be ours and writable only by us."""
+    st = path.stat()
+    uid = os.geteuid() if hasattr(os, "geteuid") else None
+    if uid is not None and st.st_uid != uid:
+        return f"refusing {path}: owned by uid {st.st_uid}, not by this user (uid {uid})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"refusing {path}: writable by group or others (mode {stat.filemode(st.st_mode)})"
+    return None
+
+
+def _compiler() -> tuple[list[str] | None, str]:
+    """The compiler command (`$CC`, else gcc, else cc), or None and why there is none."""
+    cc = os.environ.get("CC")
+    if cc:
+        cmd = shlex.split(cc)
+        if cmd and shutil.which(cmd[0]):
+            return cmd, cc
+        return None, f"the C compiler CC={cc!r} is not found (install gcc or fix CC)"
+    found = shutil.which("gcc") or shutil.which("cc")
+    if found is None:
+        return None, "no C compiler found (install gcc or set CC)"
+    return [found], found
+
+
+def _build_timeout() -> float:
+    try:
+        return float(os.environ.get(TIMEOUT_ENV, DEFAULT_BUILD_TIMEOUT_S))
+    except ValueError:
+        return DEFAULT_BUILD_TIMEOUT_S
+
+
+def _run(cmd: list[str], timeout: float) -> str | None:
+    """Run one compiler command; its error text, or None on success. A command past `timeout`
+    is killed with everything it started (its own process group)."""
+    global _broken_compiler
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    except OSError as exc:
+        _broken_compiler = f"the C compiler {cmd[0]} cannot be run ({exc})"
+        return _broken_compiler
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            proc.kill()
+        proc.communicate()
+        _broken_compiler = (f"the C compiler timed out after {timeout:g} s (set {TIMEOUT_ENV} "
+                            f"to allow more)")
+        return _broken_compiler
+    return None if proc.returncode == 0 else f"{cmd[0]} exited with {proc.returncode}:\n{output}"
+
+
+def _first_error(output: str) -> str:
+    """The line of a compiler's output that says what went wrong (for the one-line reason)."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    errors = [ln for ln in lines[1:] if "error" in ln.lower()]
+    first = lines[0] if lines else "build failed"
+    return (f"{first} {errors[0]}" if errors else " ".join(lines[:2]))[:300]
+
+
+def _build_or_load(source_name: str) -> tuple[ctypes.CDLL | None, str]:
+    global _broken_compiler
     if os.environ.get(DISABLE_ENV, "0") not in ("", "0"):
-        return None
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+        return None, f"disabled by {DISABLE_ENV}=1"
+    if _broken_compiler is not None:
+        logger.debug("C kernel %s not built: %s", source_name, _broken_compiler)
+        return None, _broken_compiler
+    compiler, compiler_name = _compiler()
     if compiler is None:
-        logger.warning("No C compiler found: %s falls back to plain torch", source_name)
-        return None
+        _broken_compiler = compiler_name
+        return _fail(source_name, compiler_name)
     source = (_SOURCE_DIR / source_name).read_bytes()
     included = b"".join((_SOURCE_DIR / name.decode()).read_bytes() for name in _LOCAL_INCLUDE.findall(source))
-    key = hashlib.sha256(
-        source + included + " ".join(_CFLAGS).encode() + _cpu_signature().encode() + compiler.encode()
-    ).hexdigest()[:16]
+    recipe = f"{_BUILD_RECIPE_VERSION} {' '.join(_CFLAGS)} | {' '.join(_LDFLAGS)} | {compiler_name}"
+    key = hashlib.sha256(source + included + recipe.encode() + _cpu_signature().encode()).hexdigest()[:16]
     out_dir = cache_dir() / "kernels"
     target = out_dir / f"{Path(source_name).stem}-{key}.so"
     if not target.exists():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
-        cmd = [compiler, *_CFLAGS, str(_SOURCE_DIR / source_name), "-o", tmp, "-lm"]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            error = proc.stderr if proc.returncode != 0 else None
-        except OSError as exc:  # the compiler cannot be run
-            error = str(exc)
-        if error is not None:
-            os.unlink(tmp)
-            logger.warning("Building %s failed, falling back to plain torch:\n%s", source_name, error)
-            return None
-        os.replace(tmp, target)
+            out_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+            problem = _unsafe(out_dir)
+            if problem is not None:
+                return _fail(source_name, problem)
+            work = Path(tempfile.mkdtemp(prefix=".build-", dir=out_dir))
+        except OSError as exc:
+            return _fail(source_name, f"cannot write the kernel cache {out_dir} ({exc}); set {CACHE_DIR_ENV} "
+                                      "to a writable folder")
+        try:
+            obj, lib = work / "kernel.o", work / "kernel.so"
+            timeout = _build_timeout()
+            error = _run([*compiler, *_CFLAGS, "-c", str(_SOURCE_DIR / source_name), "-o", str(obj)], timeout)
+            if error is None:
+                error = _run([*compiler, *_LDFLAGS, str(obj), "-o", str(lib), "-lm"], timeout)
+            if error is not None:
+                return _fail(source_name, _first_error(error), "\n" + error)
+            lib.chmod(0o755)  # whatever the umask: others must not be able to replace it
+            os.replace(lib, target)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    for path in (out_dir, target):
+        problem = _unsafe(path)
+        if problem is not None:
+            return _fail(source_name, problem)
     try:
         import torch  # noqa: F401  (loads torch's libgomp first, so that the kernel shares it)
 
-        return ctypes.CDLL(str(target))
+        return ctypes.CDLL(str(target)), f"loaded {target}"
     except OSError as exc:
-        logger.warning("Loading %s failed, falling back to plain torch: %s", target, exc)
-        return None
+        return _fail(source_name, f"loading {target} failed: {exc}")
 
 
 @functools.cache

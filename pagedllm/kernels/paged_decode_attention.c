@@ -22,8 +22,13 @@
  *
  * Built with -ffast-math so that expf vectorises (glibc's libmvec). That is safe: the running
  * maximum starts at -FLT_MAX, not -inf, and every sequence has at least one visible key, so the
- * softmax sum is at least 1. Returns nonzero if a context length is 0 or runs past its block
- * table (nothing is read out of bounds then). */
+ * softmax sum is at least 1.
+ *
+ * Returns 0, or a bit set (nothing is read or written out of bounds then): 1 a context length
+ * is 0 or runs past its block table, 2 a slot outside the cache, 4 a block id outside
+ * [0, num_blocks) in a table entry the context uses (entries past it are padding, never read),
+ * 8 no memory for a work buffer. The caller (layers/backends/decode_op.py) names the offending
+ * value. */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -67,18 +72,21 @@ static inline float dot(const float *restrict a, const float *restrict b, int n)
 /* One work item: one sequence, its KV heads [h0, h1) and their query heads. */
 static int attend(const float *query, const float *key_cache, const float *value_cache,
                   const int64_t *table, int64_t ctx, float *out, int num_heads, int num_kv_heads,
-                  int head_dim, int block_size, int table_width, float scale, int window, int h0, int h1) {
+                  int head_dim, int block_size, int table_width, int64_t num_blocks, float scale,
+                  int window, int h0, int h1) {
     const int group = num_heads / num_kv_heads;
     const int64_t row = (int64_t)num_kv_heads * head_dim;
     const int64_t start = (window > 0 && ctx > window) ? ctx - window : 0;
     if (ctx - start <= 0 || (ctx + block_size - 1) / block_size > table_width) return 1;
+    for (int64_t b = start / block_size; b <= (ctx - 1) / block_size; ++b) /* a compare per block */
+        if ((uint64_t)table[b] >= (uint64_t)num_blocks) return 4;
     const int nh = (h1 - h0) * group; /* query heads handled */
     /* One work buffer: acc [nh][head_dim], then mx, sum [nh] and p [nh][MAX_BLOCK]; on the
      * stack unless the heads are many (no allocation per item in the usual case). */
     const int64_t acc_floats = (int64_t)nh * head_dim, floats = acc_floats + (int64_t)nh * (2 + MAX_BLOCK);
     float stack_buf[STACK_FLOATS];
     float *acc = floats <= STACK_FLOATS ? stack_buf : (float *)malloc(sizeof(float) * floats);
-    if (!acc) return 1;
+    if (!acc) return 8;
     float *mx = acc + acc_floats;
     float *sum = mx + nh, *p = mx + 2 * nh; /* p: [nh][MAX_BLOCK] this chunk's weights */
     memset(acc, 0, sizeof(float) * acc_floats);
@@ -183,7 +191,7 @@ int paged_decode_attention_f32(const float *query, int64_t q_stride, const float
         failed |= attend(query + s * q_stride, key_cache, value_cache,
                          block_tables + (int64_t)s * table_width, context_lens[s],
                          out + (int64_t)s * num_heads * head_dim, num_heads, num_kv_heads, head_dim,
-                         block_size, table_width, scale, window, h0, h1);
+                         block_size, table_width, num_blocks, scale, window, h0, h1);
     }
     return failed;
 }

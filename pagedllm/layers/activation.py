@@ -13,6 +13,8 @@ class SiluAndMul(nn.Module):
     """`silu(gate) * up` where the input is the fused projection `[..., gate | up]`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] % 2:
+            raise ValueError(f"SiluAndMul: the fused [gate | up] width must be even, got {x.shape[-1]}")
         d = x.shape[-1] // 2
         kernel = fused_kernel_for(x) if x.dim() == 2 else None
         if kernel is not None:

@@ -89,6 +89,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if prepared is not None:
             m, k = x.shape
             n = weight.shape[0]
+            if k != weight.shape[1]:
+                raise ValueError(f"linear: the input has {k} in-features, the weight {tuple(weight.shape)} "
+                                 f"takes {weight.shape[1]}")
+            if bias is not None and bias.shape != (n,):
+                raise ValueError(f"linear: bias shape {tuple(bias.shape)} does not match the weight's {n} "
+                                 "out-features")
             x = x.contiguous()
             out = torch.empty(m, n, dtype=torch.float32)
             scratch = torch.empty(min(m, _X_CHUNK_ROWS) * k, dtype=torch.float32)

@@ -30,6 +30,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """`norm(x)`; with `residual`, `(norm(x + residual), x + residual)`, the sum written into
         `residual` in place where the fused kernel runs (callers own that buffer)."""
+        if x.shape[-1] != self.weight.shape[0]:
+            raise ValueError(f"RMSNorm: the input's hidden size {x.shape[-1]} != the weight's {self.weight.shape[0]}")
+        if residual is not None and residual.shape != x.shape:
+            raise ValueError(f"RMSNorm: residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
         kernel = fused_kernel_for(x, self.weight) if x.dim() == 2 else None
         if kernel is not None and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype)):
             out = torch.empty_like(x)

@@ -113,6 +113,12 @@ def rotate_qkv(
     projection output), else with `apply_rotary_emb`."""
     tokens = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    if qkv.dim() != 2 or qkv.shape[1] != q_size + 2 * kv_size:
+        raise ValueError(f"rotate_qkv: qkv {tuple(qkv.shape)} must be [tokens, (heads {num_heads} + 2 x kv heads "
+                         f"{num_kv_heads}) x head_dim {head_dim} = {q_size + 2 * kv_size}]")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (tokens, head_dim):
+            raise ValueError(f"rotate_qkv: {name} {tuple(t.shape)} must be (tokens, head_dim) = {(tokens, head_dim)}")
     kernel = fused_kernel_for(qkv, cos, sin) if qkv.dim() == 2 else None
     if kernel is not None:
         kernel.rotary(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, qkv.shape[1], num_heads + num_kv_heads,

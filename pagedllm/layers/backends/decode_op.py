@@ -73,6 +73,7 @@ def decode_attention_c(
         or not (key_cache.is_contiguous() and value_cache.is_contiguous())
     ):
         return None
+    _check_shapes(query, key_cache, value_cache, block_tables, context_lens, new_kv)
     query = _rows(query)
     block_tables = block_tables.to(torch.int64).contiguous()
     context_lens = context_lens.to(torch.int64).contiguous()
@@ -80,6 +81,7 @@ def decode_attention_c(
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     key_ptr = value_ptr = slots_ptr = None
     kv_stride = 0
+    slots = None
     if new_kv is not None:
         key, value, slots = new_kv
         if key.dtype != torch.float32 or value.dtype != torch.float32:
@@ -96,11 +98,68 @@ def decode_attention_c(
         out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
         num_blocks, scale, sliding_window or 0, torch.get_num_threads(),
     )  # fmt: skip
-    if failed == 2:
-        raise ValueError("paged decode attention: a slot is outside the KV cache")
     if failed:
-        raise ValueError("paged decode attention: a context length is 0 or exceeds its block table")
+        _raise_failure(failed, block_tables, context_lens, slots, num_blocks, block_size, sliding_window)
     return out
+
+
+def _check_shapes(query, key_cache, value_cache, block_tables, context_lens, new_kv) -> None:
+    """What the kernel is about to read must have the shapes it assumes (a few integer compares:
+    this runs in every layer of every decode step)."""
+    if query.dim() != 3 or key_cache.dim() != 4:
+        raise ValueError(f"paged decode attention: query must be [seqs, heads, head_dim] and the cache "
+                         f"[blocks, block_size, kv_heads, head_dim], got query {tuple(query.shape)}, "
+                         f"key_cache {tuple(key_cache.shape)}")
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"paged decode attention: value_cache {tuple(value_cache.shape)} != key_cache "
+                         f"{tuple(key_cache.shape)}")
+    if head_dim != key_cache.shape[3]:
+        raise ValueError(f"paged decode attention: query head_dim {head_dim} != the cache's head_dim "
+                         f"{key_cache.shape[3]}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"paged decode attention: {num_heads} query heads are not a multiple of the "
+                         f"cache's {num_kv_heads} KV heads")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"paged decode attention: block_tables {tuple(block_tables.shape)} must be "
+                         f"[{num_seqs} sequences, max blocks]")
+    if context_lens.shape != (num_seqs,):
+        raise ValueError(f"paged decode attention: context_lens {tuple(context_lens.shape)} must be "
+                         f"({num_seqs},), one per sequence")
+    if new_kv is not None:
+        key, value, slots = new_kv
+        want = (num_seqs, num_kv_heads, head_dim)
+        if key.shape != want or value.shape != want:
+            raise ValueError(f"paged decode attention: new key {tuple(key.shape)} / value "
+                             f"{tuple(value.shape)} must be {want}")
+        if slots.shape != (num_seqs,):
+            raise ValueError(f"paged decode attention: slot_mapping {tuple(slots.shape)} must be "
+                             f"({num_seqs},), one slot per sequence")
+
+
+def _raise_failure(failed, block_tables, context_lens, slots, num_blocks, block_size, window) -> None:
+    """The kernel refused its input (nothing was read out of bounds): name the offending value.
+    Only on this error path, so plain Python loops are fine."""
+    if failed & 2:
+        limit = num_blocks * block_size
+        s, v = next((s, v) for s, v in enumerate(slots.tolist()) if not 0 <= v < limit)
+        raise ValueError(f"paged decode attention: slot {v} of sequence {s} is outside the KV cache's "
+                         f"slots [0, {limit})")
+    width = block_tables.shape[1]
+    for s, ctx in enumerate(context_lens.tolist()):
+        start = ctx - window if window and ctx > window else 0
+        if ctx - start <= 0 or -(-ctx // block_size) > width:
+            raise ValueError(f"paged decode attention: context length {ctx} of sequence {s} is 0 or "
+                             f"exceeds its block table ({width} blocks of {block_size})")
+        row = block_tables[s].tolist()
+        for j in range(start // block_size, (ctx - 1) // block_size + 1):
+            if not 0 <= row[j] < num_blocks:
+                raise ValueError(f"paged decode attention: block id {row[j]} (sequence {s}, table entry "
+                                 f"{j}) is outside the KV cache's blocks [0, {num_blocks})")
+    if failed & 8:
+        raise MemoryError("paged decode attention: no memory for a work buffer")
+    raise ValueError(f"paged decode attention: the kernel refused its input (code {failed})")
 
 
 def paged_decode_attention_eager(
