@@ -15,6 +15,20 @@ Leaving the `generate` iterator early (the client went away, the handler task wa
 aborts the request: the engine thread drops it from the scheduler and its KV blocks go back to
 the pool before the next step.
 
+Each add gets a serial number of its own (`RequestStream.serial`); the engine thread tags every
+output and error with the serial of the request that produced it, and aborts name it too. An id
+that is aborted and added again while a step is in flight therefore never receives the old
+request's outputs, and a late abort by the old request's consumer never hits the new one.
+
+After `shutdown()` returns, the engine thread calls nothing on the event loop any more (a step
+still running finishes on its own and is dropped); adds still waiting for the engine fail.
+
+A `SchedulerStallError` from `step()` (the engine's watchdog: unfinished requests, no progress)
+fails the named requests (a 500 for the client), aborts them so that their blocks return, and
+sets `health_error`: the server's /health answers 503 from then on, until it is restarted. The
+engine goes on serving new requests meanwhile (the stall is a bug to report, and the others may
+well finish), so a restart by the orchestrator can drain it.
+
 Outputs are cumulative (text, token ids, logprobs so far), so a stream whose consumer is slower
 than the engine keeps only the newest one: nothing is lost, and a slow client never makes the
 queue grow. `CompletionOutput.logprobs` is the engine's own list, which grows while the
@@ -24,6 +38,7 @@ consumer reads it: read it up to `len(token_ids)` of the same output.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -31,6 +46,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.engine.errors import SchedulerStallError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -50,8 +66,9 @@ class RequestStream:
     """The outputs of one request, on the event loop: the newest cumulative output or an
     error. Only the event loop thread touches it."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, serial: int = -1) -> None:
         self.request_id = request_id
+        self.serial = serial  # unique per add: tells apart requests that reuse an id
         self.finished = False
         self._latest: RequestOutput | None = None
         self._error: BaseException | None = None
@@ -93,7 +110,13 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}  # event loop thread only
+        self._pending_adds: dict[int, asyncio.Future] = {}  # serial -> accepted (event loop)
+        self._serials = itertools.count()
+        self._live: dict[str, int] = {}  # engine thread only: request id -> serial in the engine
+        self._closed = False  # set by shutdown (under _cond): nothing reaches the loop after it
         self.dead_error: BaseException | None = None
+        # Why the engine is unhealthy (a scheduler stall), or None; /health answers 503 with it.
+        self.health_error: str | None = None
 
     @classmethod
     def from_engine_config(cls, config: "EngineConfig", with_metrics: bool = True):
@@ -120,16 +143,26 @@ class AsyncLLMEngine:
         self._thread.start()
 
     async def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread after its current step; open streams fail."""
+        """Stop the engine thread after its current step; open streams and adds waiting for the
+        engine fail. From the moment this starts, the thread delivers nothing more; it is
+        awaited up to `timeout` seconds (a longer step finishes on its own, unheard)."""
         with self._cond:
             self._stopping = True
+            self._closed = True
             self._cond.notify()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, timeout)
         error = EngineDeadError("The server is shutting down.")
+        for accepted in list(self._pending_adds.values()):
+            if not accepted.done():
+                accepted.set_exception(error)
+        self._pending_adds.clear()
         for stream in list(self._streams.values()):
             stream.fail(error)
         self._streams.clear()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout)
+            if self._thread.is_alive():
+                logger.warning("The engine thread is still in a step after %.1f s; it stops "
+                               "after that step and delivers nothing more.", timeout)
 
     @property
     def is_running(self) -> bool:
@@ -155,20 +188,21 @@ class AsyncLLMEngine:
             raise EngineDeadError("The engine is not running.") from self.dead_error
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, next(self._serials))
         self._streams[request_id] = stream
         accepted = asyncio.get_running_loop().create_future()
+        self._pending_adds[stream.serial] = accepted
         arrival = time.time() if arrival_time is None else arrival_time
-        self._submit(("add", request_id, prompt, params, arrival, accepted))
+        self._submit(("add", request_id, stream.serial, prompt, params, arrival, accepted))
         try:
             await accepted
         except BaseException:
             # Rejected, or the caller was cancelled while waiting: in the latter case the add
             # may still go through, and the abort queued behind it undoes it.
-            if self._streams.get(request_id) is stream:
-                del self._streams[request_id]
-            self._submit(("abort", request_id))
+            self._abort_stream(stream)
             raise
+        finally:
+            self._pending_adds.pop(stream.serial, None)
         return stream
 
     async def add_requests(
@@ -184,7 +218,7 @@ class AsyncLLMEngine:
         if errors:
             for r in results:
                 if isinstance(r, RequestStream):
-                    self.abort(r.request_id)
+                    self._abort_stream(r)
             raise errors[0]
         return list(results)
 
@@ -199,7 +233,7 @@ class AsyncLLMEngine:
                     return
         finally:
             if not stream.finished:
-                self.abort(stream.request_id)
+                self._abort_stream(stream)
 
     async def generate(
         self,
@@ -217,14 +251,23 @@ class AsyncLLMEngine:
         """Abort every request of `streams` whose finished output was not consumed."""
         for stream in streams:
             if not stream.finished:
-                self.abort(stream.request_id)
+                self._abort_stream(stream)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (no-op if it already finished). Call on the event loop thread."""
-        stream = self._streams.pop(request_id, None)
+        """Abort the request now known by `request_id` (no-op if it already finished). Call on
+        the event loop thread."""
+        stream = self._streams.get(request_id)
         if stream is not None:
-            stream.finished = True
-        self._submit(("abort", request_id))
+            self._abort_stream(stream)
+        else:
+            self._submit(("abort", request_id, None))
+
+    def _abort_stream(self, stream: RequestStream) -> None:
+        """Abort the request of `stream` only: not a later request that reuses its id."""
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+        stream.finished = True
+        self._submit(("abort", stream.request_id, stream.serial))
 
     def _submit(self, op: tuple) -> None:
         with self._cond:
@@ -233,21 +276,28 @@ class AsyncLLMEngine:
 
     # ---- delivery (event loop; scheduled by the engine thread) ----------------------------
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
+    def _deliver(self, outputs: list[tuple[int | None, RequestOutput]]) -> None:
+        """(serial, output) pairs: an output reaches only the stream of the add it came from."""
+        for serial, out in outputs:
             stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue  # aborted on this side already
+            if stream is None or stream.serial != serial:
+                continue  # aborted on this side already (maybe its id is in use again)
             stream.put(out)
             if out.finished:
                 del self._streams[out.request_id]
 
-    def _deliver_error(self, request_ids: list[str] | None, error: BaseException) -> None:
-        ids = list(self._streams) if request_ids is None else request_ids
-        for rid in ids:
-            stream = self._streams.pop(rid, None)
-            if stream is not None:
-                stream.fail(error)
+    def _deliver_error(
+        self, failures: list[tuple[str, int | None, BaseException]] | None,
+        error: BaseException | None = None,
+    ) -> None:
+        """Fail the (request id, serial, error) streams; None: every open stream, with `error`."""
+        if failures is None:
+            failures = [(rid, s.serial, error) for rid, s in self._streams.items()]
+        for rid, serial, exc in failures:
+            stream = self._streams.get(rid)
+            if stream is not None and stream.serial == serial:
+                del self._streams[rid]
+                stream.fail(exc)
 
     @staticmethod
     def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
@@ -259,10 +309,19 @@ class AsyncLLMEngine:
             future.set_exception(error)
 
     def _call_on_loop(self, fn, *args: Any) -> None:
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+        """From the engine thread: run `fn(*args)` on the loop, unless shutdown has begun (it
+        is checked here under the lock, and again on the loop, where shutdown runs)."""
+        with self._cond:
+            if self._closed:
+                return
+            try:
+                self._loop.call_soon_threadsafe(self._on_loop, fn, args)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+    def _on_loop(self, fn, args: tuple) -> None:
+        if not self._closed:
+            fn(*args)
 
     # ---- the engine thread ----------------------------------------------------------------
 
@@ -299,45 +358,71 @@ class AsyncLLMEngine:
         engine = self.engine
         for op in ops:
             if op[0] == "add":
-                _, rid, prompt, params, arrival, accepted = op
+                _, rid, serial, prompt, params, arrival, accepted = op
                 error: BaseException | None = None
                 try:
                     engine.add_request(rid, prompt, params, arrival_time=arrival)
+                    self._live[rid] = serial
                 except Exception as exc:  # ValueError: the client's fault; else ours
                     error = exc
                     if not isinstance(exc, ValueError):
                         logger.exception("add_request(%s) failed", rid)
                 self._call_on_loop(self._resolve, accepted, error)
             else:
-                rid = op[1]
-                if rid in engine.requests:
-                    engine.abort_request(rid)
-                    if self.metrics is not None:
-                        self.metrics.record_abort(rid)
+                _, rid, serial = op
+                if serial is not None and self._live.get(rid) != serial:
+                    continue  # that request is gone; the id may belong to a newer one
+                self._live.pop(rid, None)
+                self._abort_in_engine(rid)
+
+    def _abort_in_engine(self, rid: str) -> None:
+        engine = self.engine
+        if rid in engine.requests:
+            try:
+                engine.abort_request(rid)
+            except Exception:
+                logger.exception("abort_request(%s) failed", rid)
+            if self.metrics is not None:
+                self.metrics.record_abort(rid)
 
     def _step(self) -> None:
         engine = self.engine
         t0 = time.perf_counter()
         try:
             outputs = engine.step()
+        except SchedulerStallError as exc:
+            # The watchdog: these requests make no progress. Fail and drop them (their blocks
+            # return), report the engine unhealthy until restart, serve the others.
+            logger.error("Scheduler stall: %s; aborting those requests, /health now 503", exc)
+            self.health_error = str(exc)
+            self._fail_requests(exc.request_ids, lambda rid: SchedulerStallError(
+                [rid], exc.num_steps,
+                "the request was aborted; the server reports itself unhealthy until restarted"))
+            return
         except Exception as exc:
             # A bug, not a request's fault: fail the requests that were in flight, drop them
             # so that their blocks return, and go on serving the next ones.
             logger.exception("engine.step() failed; aborting the requests in flight")
-            rids = list(engine.requests)
-            for rid in rids:
-                try:
-                    engine.abort_request(rid)
-                except Exception:
-                    logger.exception("abort_request(%s) failed", rid)
-                if self.metrics is not None:
-                    self.metrics.record_abort(rid)
-            self._call_on_loop(self._deliver_error, rids,
-                               RuntimeError(f"The engine failed while running this request: {exc}"))
+            self._fail_requests(list(engine.requests), lambda _: RuntimeError(
+                f"The engine failed while running this request: {exc}"))
             return
         if outputs:
             if self.metrics is not None:
                 self.metrics.record_step(outputs, time.time())
-            self._call_on_loop(self._deliver, outputs)
+            live = self._live
+            tagged = [(live.get(out.request_id), out) for out in outputs]
+            for out in outputs:
+                if out.finished:
+                    live.pop(out.request_id, None)
+            self._call_on_loop(self._deliver, tagged)
         elif time.perf_counter() - t0 < 1e-3:
             time.sleep(1e-3)  # nothing could be scheduled: do not spin
+
+    def _fail_requests(self, rids: list[str], make_error) -> None:
+        """Abort `rids` in the engine and fail their streams with `make_error(rid)`."""
+        failures = []
+        for rid in rids:
+            serial = self._live.pop(rid, None)
+            self._abort_in_engine(rid)
+            failures.append((rid, serial, make_error(rid)))
+        self._call_on_loop(self._deliver_error, failures)

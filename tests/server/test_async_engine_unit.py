@@ -9,7 +9,8 @@ import threading
 
 import pytest
 
-from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.engine.errors import SchedulerStallError
 from pagedllm.entrypoints.openai.streaming import ChoiceStream, merge_async_iterators
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -25,12 +26,13 @@ class FakeEngine:
         self.fail_next_step = False
         self.step_gate: threading.Event | None = None  # a step waits for it when set
         self.step_permits: threading.Semaphore | None = None  # a step takes one permit when set
+        self.stall_ids: list[str] | None = None  # the next step raises SchedulerStallError
 
     def add_request(self, request_id, prompt, params, arrival_time=None):
         if prompt == "bad":
             raise ValueError("bad prompt")
         self.requests[request_id] = {"tokens": [], "max": params.max_tokens,
-                                     "arrival": arrival_time}
+                                     "arrival": arrival_time, "prompt": prompt}
 
     def abort_request(self, request_id):
         if self.requests.pop(request_id, None) is not None:
@@ -48,13 +50,17 @@ class FakeEngine:
         if self.fail_next_step:
             self.fail_next_step = False
             raise RuntimeError("kernel exploded")
+        if self.stall_ids is not None:
+            ids, self.stall_ids = self.stall_ids, None
+            raise SchedulerStallError(ids, num_steps=1000)
         outs = []
         for rid, r in list(self.requests.items()):
             r["tokens"].append(len(r["tokens"]))
             done = len(r["tokens"]) >= r["max"]
             text = "".join(f"t{t} " for t in r["tokens"])
             outs.append(RequestOutput(
-                request_id=rid, prompt=None, prompt_token_ids=[1, 2], prompt_logprobs=None,
+                request_id=rid, prompt=r["prompt"], prompt_token_ids=[1, 2],
+                prompt_logprobs=None,
                 outputs=[CompletionOutput(0, text, list(r["tokens"]),
                                           finish_reason="length" if done else None)],
                 finished=done, metrics=RequestMetrics(arrival_time=r["arrival"] or 0.0)))
@@ -226,3 +232,110 @@ def test_merge_async_iterators_interleaves_and_closes():
         assert {"x", "y"} <= set(closed)
 
     run(body())
+
+
+# ---- id reuse, shutdown during a step, the scheduler watchdog -----------------------------
+
+
+async def _until(cond, timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.005)):
+        if cond():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition not met in time")
+
+
+def test_id_aborted_and_readded_during_a_step_never_sees_the_old_outputs():
+    async def body(fake, engine):
+        fake.step_permits = threading.Semaphore(0)  # every step waits for a permit
+        await engine.add_request("x", "old", SamplingParams(max_tokens=100))
+        await _until(lambda: fake.step_threads)  # the step for the old "x" is in flight
+        engine.abort("x")
+        readd = asyncio.ensure_future(engine.add_request("x", "new", SamplingParams(max_tokens=3)))
+        await asyncio.sleep(0.05)  # the new stream exists; its add waits behind the step
+        fake.step_permits.release(1)  # the in-flight step ends with an output of the old "x"
+        stream = await asyncio.wait_for(readd, 5)
+        fake.step_permits.release(100)
+        outs = [o async for o in engine.stream_outputs(stream)]
+        assert [o.prompt for o in outs] == ["new"] * len(outs)
+        assert outs[-1].finished and outs[-1].outputs[0].token_ids == [0, 1, 2]
+        assert fake.aborted == ["x"]
+
+    run(_with_engine(body))
+
+
+def test_late_abort_of_a_finished_stream_spares_the_request_that_reuses_its_id():
+    async def body(fake, engine):
+        old = await engine.add_request("x", "old", SamplingParams(max_tokens=1))
+        await _until(lambda: engine.num_open_streams == 0)  # delivered, not yet read
+        fake.step_permits = threading.Semaphore(0)  # the new "x" cannot finish meanwhile
+        new = await engine.add_request("x", "new", SamplingParams(max_tokens=3))
+        engine.abort_unfinished([old])  # the old consumer leaves without reading
+        fake.step_permits.release(100)
+        outs = await asyncio.wait_for(_collect(engine, new), 5)
+        assert outs[-1].finished and outs[-1].prompt == "new"
+        assert outs[-1].outputs[0].token_ids == [0, 1, 2] and fake.aborted == []
+
+    run(_with_engine(body))
+
+
+async def _collect(engine, stream):
+    return [o async for o in engine.stream_outputs(stream)]
+
+
+def test_shutdown_during_a_long_step_fails_everyone_and_never_calls_back_later():
+    async def body():
+        fake = FakeEngine()
+        engine = AsyncLLMEngine(fake)
+        engine.start()
+        loop_errors = []
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: loop_errors.append(ctx))
+        fake.step_permits = threading.Semaphore(0)
+        stream = await engine.add_request("a", "p", SamplingParams(max_tokens=5))
+        await _until(lambda: fake.step_threads)  # a long step is in flight
+        pending_add = asyncio.ensure_future(
+            engine.add_request("b", "p", SamplingParams(max_tokens=5)))
+        await asyncio.sleep(0.02)
+        calls_after = []
+        await engine.shutdown(timeout=0.1)  # returns while the step still runs
+        for name in ("_deliver", "_deliver_error", "_resolve"):
+            setattr(engine, name, lambda *a, _n=name: calls_after.append(_n))
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(stream.get(), 2)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(pending_add, 2)  # an add waiting on the engine fails too
+        fake.step_permits.release(100)  # the step ends after shutdown returned
+        await asyncio.to_thread(engine._thread.join, 5)
+        assert not engine._thread.is_alive()
+        await asyncio.sleep(0.05)  # anything the thread scheduled would have run by now
+        assert calls_after == [] and loop_errors == []
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("c", "p", SamplingParams(max_tokens=1))
+
+    run(body())
+
+
+def test_scheduler_stall_fails_the_stuck_requests_and_marks_the_engine_unhealthy():
+    async def body(fake, engine):
+        fake.step_permits = threading.Semaphore(0)
+        stuck = await engine.add_request("stuck", "p", SamplingParams(max_tokens=50))
+        await _until(lambda: fake.step_threads)  # its first step is in flight
+        adding = asyncio.ensure_future(
+            engine.add_request("other", "p", SamplingParams(max_tokens=3)))
+        assert engine.health_error is None
+        fake.stall_ids = ["stuck"]  # that step raises the watchdog's error
+        fake.step_permits.release(1000)
+        other = await asyncio.wait_for(adding, 5)
+        with pytest.raises(SchedulerStallError) as info:
+            await asyncio.wait_for(stuck.get(), 5)
+        assert info.value.request_ids == ["stuck"]
+        assert "stuck" in fake.aborted and "stuck" not in fake.requests  # blocks returned
+        outs = await asyncio.wait_for(_collect(engine, other), 5)  # the others go on
+        assert outs[-1].finished
+        assert engine.health_error is not None and "stuck" in engine.health_error
+        assert engine.is_running  # new requests are still served (health says restart)
+        outs = [o async for o in engine.generate("p", SamplingParams(max_tokens=2), "later")]
+        assert outs[-1].finished
+        assert engine.health_error is not None  # unhealthy until restart
+
+    run(_with_engine(body))

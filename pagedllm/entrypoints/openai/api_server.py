@@ -106,8 +106,13 @@ def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        """200, or 503 with an OpenAI error body: the engine thread is gone, or the scheduler
+        stalled once (a bug: unhealthy until restart, though requests are still served)."""
         if not engine.is_running:
             return error_response("The engine is not running.", 503)
+        if engine.health_error is not None:
+            return error_response(f"The engine is unhealthy, restart the server: "
+                                  f"{engine.health_error}", 503)
         return Response(status_code=200)
 
     @app.get("/version")

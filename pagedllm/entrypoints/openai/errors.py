@@ -68,6 +68,10 @@ def as_openai_error(exc: BaseException) -> OpenAIError:
 
     if isinstance(exc, EngineDeadError):
         return OpenAIError(str(exc), 503)
+    from pagedllm.engine.errors import SchedulerStallError
+
+    if isinstance(exc, SchedulerStallError):  # a server bug, logged by the engine thread
+        return OpenAIError(f"Internal server error: {exc}", 500)
     logger.error("request failed: %r", exc, exc_info=exc)
     return OpenAIError(f"Internal server error: {exc!r}", 500)
 

@@ -1,0 +1,93 @@
+"""The watchdog's SchedulerStallError, seen from a real server (tests/server/stall_server.py
+stalls any request whose prompt carries STALL_MARKER): the stuck request gets a 500 (a JSON
+error; in a stream, an error event), its blocks return to the pool, /health answers 503 with
+the reason from then on, and other requests are still served."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import Server, _wait_healthy
+from tests.server.helpers import API_KEY, MODEL, free_port, metric, wait_idle
+from tests.server.stall_server import STALL_MARKER
+
+
+@pytest.fixture(scope="module")
+def stall_server():
+    port = free_port()
+    log = tempfile.NamedTemporaryFile(prefix="pagedllm-stall-", suffix=".log", delete=False)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "tests.server.stall_server", "--host", "127.0.0.1",
+           "--port", str(port), "--api-key", API_KEY, "--kv-cache-space", "0.25",
+           "--max-model-len", "1024", "--uvicorn-log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    srv = Server("127.0.0.1", port, API_KEY, proc, log.name)
+    try:
+        _wait_healthy(srv)
+        yield srv
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        log.close()
+        os.unlink(log.name)
+
+
+def test_stalled_request_fails_with_500_and_health_turns_503(stall_server):
+    client = openai.OpenAI(base_url=f"{stall_server.url}/v1", api_key=API_KEY, max_retries=0,
+                           timeout=60.0)
+    with httpx.Client(base_url=stall_server.url, headers=stall_server.headers,
+                      timeout=60.0) as http:
+        assert http.get("/health").status_code == 200
+        ok = dict(model=MODEL, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+
+        # non-streaming: a 500 with OpenAI's error body
+        body = {"model": MODEL, "max_tokens": 4, "ignore_eos": True}
+        r = http.post("/v1/completions", json={**body, "prompt": f"{STALL_MARKER} one"})
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["type"] == "InternalServerError" and err["code"] == 500
+        assert "no progress" in err["message"]
+        m = wait_idle(http)
+        assert metric(m, "pagedllm:kv_cache_used_blocks") == 0  # its blocks were returned
+        assert metric(m, "pagedllm:num_requests_running") == 0
+
+        health = http.get("/health")
+        assert health.status_code == 503
+        assert "unhealthy" in health.json()["error"]["message"]
+        assert "no progress" in health.json()["error"]["message"]
+
+        # streaming chat: the error arrives as an SSE event, then [DONE]
+        with http.stream("POST", "/v1/chat/completions", json={
+            "model": MODEL, "max_tokens": 8, "stream": True, "ignore_eos": True,
+            "messages": [{"role": "user", "content": f"{STALL_MARKER} two"}],
+        }) as resp:
+            assert resp.status_code == 200
+            events = [line[len("data: "):] for line in resp.iter_lines()
+                      if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 500 and "no progress" in error["message"]
+
+        # the openai client sees an InternalServerError
+        with pytest.raises(openai.InternalServerError):
+            client.completions.create(prompt=f"{STALL_MARKER} three", **ok)
+
+        # others are still served; health stays 503 until restart
+        out = client.completions.create(prompt="Hello", **ok)
+        assert out.choices[0].finish_reason == "length"
+        assert http.get("/health").status_code == 503
+        assert metric(wait_idle(http), "pagedllm:kv_cache_used_blocks") == 0
