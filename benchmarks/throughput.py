@@ -59,13 +59,11 @@ def run_pagedllm(args, model: str | None) -> dict:
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t
-        out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        assert out_tokens == sum(r.max_tokens for r in reqs), "every request must run to max_tokens"
-        return elapsed
+        return elapsed, _counted_output_tokens(reqs, [len(o.outputs[0].token_ids) for o in outs])
 
-    elapsed_runs = [timed_run() for _ in range(args.repeats)]
+    elapsed_runs, out_tokens = _timed_runs(timed_run, args.repeats)
     stats = llm.kv_cache_stats()
-    return _result("pagedllm", reqs, elapsed_runs, sum(r.max_tokens for r in reqs), startup,
+    return _result("pagedllm", reqs, elapsed_runs, out_tokens, startup,
                    extra={"compiled": compiled, "compile_wait_s": round(compile_s, 1),
                           "waste_at_peak": round(stats.waste_at_peak, 4),
                           "peak_used_blocks": stats.peak_used_blocks,
@@ -113,6 +111,23 @@ def _requests(args, tokenizer, vocab_size: int) -> list[BenchRequest]:
     if args.dataset:
         return load_dataset(args.dataset, tokenizer)
     return load_workload(args.workload, vocab_size, seed=args.seed)
+
+
+def _counted_output_tokens(reqs: list[BenchRequest], counts: list[int]) -> int:
+    """The output tokens a run really produced; every request must run to its max_tokens
+    (EOS is ignored), else the run is not the workload and its figures would mislead."""
+    short = [(i, c, r.max_tokens) for i, (c, r) in enumerate(zip(counts, reqs)) if c != r.max_tokens]
+    if len(counts) != len(reqs) or short:
+        raise RuntimeError(f"requests that did not produce max_tokens (index, got, wanted): "
+                           f"{short[:5]}; outputs {len(counts)} of {len(reqs)}")
+    return sum(counts)
+
+
+def _timed_runs(timed_run, repeats: int) -> tuple[list[float], int]:
+    """`repeats` runs of `timed_run() -> (seconds, output tokens)`: the times, and the tokens
+    (the same in every run)."""
+    runs = [timed_run() for _ in range(repeats)]
+    return [e for e, _ in runs], runs[0][1]
 
 
 def _result(backend: str, reqs: list[BenchRequest], elapsed_runs: list[float], out_tokens: int,
@@ -183,11 +198,10 @@ def run_vllm(args, model: str | None) -> dict:
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t
-        assert sum(len(o.outputs[0].token_ids) for o in outs) == sum(r.max_tokens for r in reqs)
-        return elapsed
+        return elapsed, _counted_output_tokens(reqs, [len(o.outputs[0].token_ids) for o in outs])
 
-    elapsed_runs = [timed_run() for _ in range(args.repeats)]
-    return _result("vllm", reqs, elapsed_runs, sum(r.max_tokens for r in reqs), startup)
+    elapsed_runs, out_tokens = _timed_runs(timed_run, args.repeats)
+    return _result("vllm", reqs, elapsed_runs, out_tokens, startup)
 
 
 def run_openai_server(args, model: str | None) -> dict:

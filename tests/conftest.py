@@ -10,6 +10,25 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 
+# Everything that loads a model or starts a server is `slow`; `pytest -m "not slow"` runs the
+# rest (core/, kernels, sampler, pure helpers) in well under a minute. CI runs everything.
+_SLOW_DIRS = ("integration", "server")
+
+
+def pytest_collection_modifyitems(config, items):
+    cuda = None
+    for item in items:
+        parts = item.path.parts
+        if "tests" in parts and parts[parts.index("tests") + 1] in _SLOW_DIRS:
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("gpu") is not None:
+            if cuda is None:
+                import torch
+
+                cuda = torch.cuda.is_available()
+            if not cuda:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:

@@ -79,29 +79,42 @@ def test_stream_disconnect_aborts_the_request(server, http, client):
     assert _aborts(after) - _aborts(before) == 1
     generated = metric(after, "pagedllm:generation_tokens_total") - \
         metric(before, "pagedllm:generation_tokens_total")
-    assert 3 <= generated < 1900, (generated, elapsed)  # stopped long before max_tokens
+    # Aborted (counted above), so it stopped before max_tokens whatever the machine's speed.
+    assert 3 <= generated < LONG["max_tokens"], (generated, elapsed)
     out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
     assert out.usage.completion_tokens >= 1
 
 
 def test_non_stream_disconnect_aborts_the_request(server, http, client):
-    """A client that gives up on a non-streamed request (read timeout: httpx drops the
-    connection) cancels the handler, which aborts the engine request."""
+    """A client that gives up on a non-streamed request (its task is cancelled once the request
+    runs: httpx drops the connection) cancels the handler, which aborts the engine request.
+    No timing is assumed: the client leaves as soon as the server reports the request running."""
     before = wait_idle(http)
-    with httpx.Client(base_url=server.url, headers=server.headers) as c:
-        try:
-            c.post("/v1/chat/completions", timeout=httpx.Timeout(60.0, read=3.0), json={
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers,
+                                     timeout=120.0) as c:
+            task = asyncio.create_task(c.post("/v1/chat/completions", json={
                 "model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}],
-                "max_tokens": 1900, "temperature": 0, "ignore_eos": True})
-            raise AssertionError("1900 tokens cannot be ready in 3 s on this machine")
-        except httpx.ReadTimeout:
-            pass
+                "max_tokens": LONG["max_tokens"], "temperature": 0, "ignore_eos": True}))
+            deadline = time.monotonic() + 60
+            while metric(read_metrics(http), "pagedllm:num_requests_running") < 1:
+                assert not task.done(), task.result()
+                assert time.monotonic() < deadline, "the request never started running"
+                await asyncio.sleep(0.02)
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    asyncio.run(main())
     after = wait_idle(http, timeout=30.0)
     assert metric(after, "pagedllm:kv_cache_used_blocks") == 0
     assert _aborts(after) - _aborts(before) == 1
     generated = metric(after, "pagedllm:generation_tokens_total") - \
         metric(before, "pagedllm:generation_tokens_total")
-    assert 1 <= generated < 1900
+    assert generated < LONG["max_tokens"]
     out = client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0,
                                          messages=[{"role": "user", "content": "hi"}])
     assert out.choices[0].message.content is not None

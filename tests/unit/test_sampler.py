@@ -386,7 +386,7 @@ def test_bf16_logits_accepted():
     assert out.sampled_token_ids == logits.float().argmax(-1).tolist()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cpu_generator_with_cuda_logits_matches_cpu():
     params = SamplingParams(temperature=0.9, top_k=50, seed=3)
     logits = [rand_logits(1, seed=200 + s) for s in range(20)]
