@@ -414,6 +414,8 @@ class AsyncLLMEngine:
             for out in outputs:
                 if out.finished:
                     live.pop(out.request_id, None)
+            if len(live) > len(engine.requests):  # one left without a finished output
+                self._live = {rid: s for rid, s in live.items() if rid in engine.requests}
             self._call_on_loop(self._deliver, tagged)
         elif time.perf_counter() - t0 < 1e-3:
             time.sleep(1e-3)  # nothing could be scheduled: do not spin
