@@ -72,14 +72,14 @@ def test_decode_attention_bad_slot_names_it():
 def _bad_attention_shapes():
     q, kc, vc, tables, ctx = _attention_case()
     key, value, slots = torch.randn(3, HK, D), torch.randn(3, HK, D), torch.tensor([0, 1, 2])
-    yield "query head_dim", (torch.randn(3, HQ, D + 1), kc, vc, tables, ctx, None), "head_dim"
-    yield "query heads", (torch.randn(3, HK + 1, D), kc, vc, tables, ctx, None), "heads"
-    yield "value cache", (q, kc, torch.randn(NUM_BLOCKS, BLOCK, 1, D), tables, ctx, None), "value_cache"
-    yield "table rows", (q, kc, vc, tables[:2], ctx, None), "block_tables"
-    yield "context lens", (q, kc, vc, tables, ctx[:2], None), "context_lens"
-    yield "new key", (q, kc, vc, tables, ctx, (key[:, :1], value, slots)), "key"
+    yield "query_head_dim", (torch.randn(3, HQ, D + 1), kc, vc, tables, ctx, None), "head_dim"
+    yield "query_heads", (torch.randn(3, HK + 1, D), kc, vc, tables, ctx, None), "heads"
+    yield "value_cache", (q, kc, torch.randn(NUM_BLOCKS, BLOCK, 1, D), tables, ctx, None), "value_cache"
+    yield "table_rows", (q, kc, vc, tables[:2], ctx, None), "block_tables"
+    yield "context_lens", (q, kc, vc, tables, ctx[:2], None), "context_lens"
+    yield "new_key", (q, kc, vc, tables, ctx, (key[:, :1], value, slots)), "key"
     yield "slots", (q, kc, vc, tables, ctx, (key, value, slots[:2])), "slot_mapping"
-    yield "query rank", (q.reshape(3, -1), kc, vc, tables, ctx, None), "query"
+    yield "query_rank", (q.reshape(3, -1), kc, vc, tables, ctx, None), "query"
 
 
 @needs_attention
@@ -136,14 +136,14 @@ def test_silu_and_mul_odd_width_is_a_value_error():
 
 
 @needs_fused
-@pytest.mark.parametrize("bad", ["cos rows", "sin width", "qkv width"])
+@pytest.mark.parametrize("bad", ["cos_rows", "sin_width", "qkv_width"])
 def test_rotary_bad_shapes_are_value_errors(bad):
     tokens, hq, hk, d = 5, 4, 2, 16
     qkv = torch.randn(tokens, (hq + 2 * hk) * d)
     cos, sin = torch.randn(tokens, d), torch.randn(tokens, d)
-    if bad == "cos rows":
+    if bad == "cos_rows":
         cos, match = torch.randn(tokens - 1, d), "cos"
-    elif bad == "sin width":
+    elif bad == "sin_width":
         sin, match = torch.randn(tokens, d // 2), "sin"
     else:
         qkv, match = torch.randn(tokens, (hq + hk) * d), "qkv"
