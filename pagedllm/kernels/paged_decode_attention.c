@@ -44,6 +44,24 @@
 #ifndef PARALLEL_MIN
 #define PARALLEL_MIN 256 /* cached rows x KV heads: below this one thread beats a fork and join */
 #endif
+/* Flush-to-zero / denormals-are-zero for this kernel's own arithmetic only: softmax weights of
+ * far-below-maximum scores underflow into denormals, which cost a microcode assist per
+ * operation (measured: decode attention 6-10% slower on SmolLM2 without this). Each thread sets
+ * the mode around its work item and restores it, so the process's mode (torch's, numpy's, the
+ * user's) is never changed: the library is deliberately linked without crtfastmath.o. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+static inline unsigned ftz_enter(void) {
+    const unsigned old = _mm_getcsr();
+    _mm_setcsr(old | 0x8040u); /* FTZ (bit 15) | DAZ (bit 6) */
+    return old;
+}
+static inline void ftz_leave(unsigned old) { _mm_setcsr(old); }
+#else
+static inline unsigned ftz_enter(void) { return 0; }
+static inline void ftz_leave(unsigned old) { (void)old; }
+#endif
+
 #define MAX_BLOCK 64   /* block sizes above this take the portable path below in 64-token steps */
 #define STACK_FLOATS 8192
 
@@ -188,10 +206,12 @@ int paged_decode_attention_f32(const float *query, int64_t q_stride, const float
     for (int item = 0; item < num_seqs * split; ++item) {
         const int s = item / split, part = item % split;
         const int h0 = part * per, h1 = (part + 1) * per;
+        const unsigned csr = ftz_enter();
         failed |= attend(query + s * q_stride, key_cache, value_cache,
                          block_tables + (int64_t)s * table_width, context_lens[s],
                          out + (int64_t)s * num_heads * head_dim, num_heads, num_kv_heads, head_dim,
                          block_size, table_width, num_blocks, scale, window, h0, h1);
+        ftz_leave(csr);
     }
     return failed;
 }

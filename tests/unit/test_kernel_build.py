@@ -53,7 +53,8 @@ def _script(path, body: str) -> str:
 @needs_compiler
 def test_loading_kernels_keeps_denormals():
     """gcc links crtfastmath.o into a library linked with -ffast-math, and its constructor sets
-    flush-to-zero / denormals-are-zero for the whole process (torch, numpy, the user's code)."""
+    flush-to-zero / denormals-are-zero for the whole process (torch, numpy, the user's code).
+    The decode kernel sets them for its own work items only, and restores them."""
     script = textwrap.dedent(f"""
         import json
         import numpy as np
@@ -64,12 +65,19 @@ def test_loading_kernels_keeps_denormals():
                 "torch_f64": float(torch.tensor(1e-310, dtype=torch.float64) * 1) != 0.0,
                 "torch_f32": float(torch.tensor(1e-40) * 1) != 0.0,
                 "numpy_f32": float(np.float32(1e-40) * np.float32(1)) != 0.0,
+                # on every thread of torch's pool, which the kernels share
+                "torch_f32_threads": bool((torch.full((1 << 20,), 1e-40) * 1 != 0).all()),
             }}
         before = denormals_survive()
         from pagedllm.kernels import build
         import pathlib
         sources = sorted(p.name for p in pathlib.Path(build.__file__).parent.glob("*.c"))
         loaded = {{s: build.build_library(s) is not None for s in sources}}
+        # and after running one: a kernel may set the mode for its own work, never leave it set
+        from pagedllm.layers.backends.decode_op import decode_attention_c
+        kc = torch.randn(8, 16, 2, 64)
+        decode_attention_c(torch.randn(4, 4, 64) * 30, kc, kc.clone(), torch.arange(8).view(4, 2),
+                           torch.full((4,), 32), 1.0, None)
         print(json.dumps({{"before": before, "after": denormals_survive(), "loaded": loaded}}))
     """)
     env = {k: v for k, v in os.environ.items() if k != kernel_build.DISABLE_ENV}
