@@ -56,6 +56,21 @@ def _aborts(m: dict) -> float:
     return metric(m, "pagedllm:request_success_total", finished_reason="abort")
 
 
+async def _cancel_once_running(http, task: asyncio.Task, poll_s: float) -> None:
+    """Cancel `task` (its connection drops) as soon as the server reports a request running:
+    no timing is assumed, so a faster machine cannot finish the request first."""
+    deadline = time.monotonic() + 60
+    while metric(read_metrics(http), "pagedllm:num_requests_running") < 1:
+        assert not task.done(), task.result()
+        assert time.monotonic() < deadline, "the request never started running"
+        await asyncio.sleep(poll_s)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
 def test_stream_disconnect_aborts_the_request(server, http, client):
     before = wait_idle(http)
     t0 = time.monotonic()
@@ -97,16 +112,7 @@ def test_non_stream_disconnect_aborts_the_request(server, http, client):
             task = asyncio.create_task(c.post("/v1/chat/completions", json={
                 "model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}],
                 "max_tokens": LONG["max_tokens"], "temperature": 0, "ignore_eos": True}))
-            deadline = time.monotonic() + 60
-            while metric(read_metrics(http), "pagedllm:num_requests_running") < 1:
-                assert not task.done(), task.result()
-                assert time.monotonic() < deadline, "the request never started running"
-                await asyncio.sleep(0.02)
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+            await _cancel_once_running(http, task, 0.02)
 
     asyncio.run(main())
     after = wait_idle(http, timeout=30.0)
@@ -136,16 +142,7 @@ def test_async_client_cancelled_task_aborts(server, http):
                     pass
 
             task = asyncio.create_task(consume())
-            deadline = time.monotonic() + 60
-            while metric(read_metrics(http), "pagedllm:num_requests_running") < 1:
-                assert not task.done(), task.result()
-                assert time.monotonic() < deadline, "the request never started running"
-                await asyncio.sleep(0.05)
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+            await _cancel_once_running(http, task, 0.05)
 
     asyncio.run(main())
     after = wait_idle(http, timeout=30.0)

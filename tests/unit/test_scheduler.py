@@ -7,6 +7,7 @@ import pytest
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Sequence, SequenceStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tests.unit.core_sim import FakeStore
 
 RUNNING, WAITING = SequenceStatus.RUNNING, SequenceStatus.WAITING
 
@@ -290,34 +291,6 @@ def test_waiting_queue_keeps_preempted_oldest_first():
 # ---- randomized simulation with a fake model -----------------------------------------------------
 
 
-class FakeRunner:
-    """Writes each scheduled token into its slot, as the model would write its K/V."""
-
-    def __init__(self, kv: KVCacheManager) -> None:
-        self.kv = kv
-        self.slots: dict[int, int] = {}
-
-    def execute(self, out: SchedulerOutput) -> None:
-        B = self.kv.block_size
-        for src, dst in out.block_copies:
-            for off in range(B):
-                if src * B + off in self.slots:
-                    self.slots[dst * B + off] = self.slots[src * B + off]
-        for s in out.scheduled:
-            for i, tok in enumerate(s.token_ids):
-                pos = s.start_pos + i
-                block = self.kv.block_pool.blocks[s.block_table[pos // B]]
-                assert block.ref_count == 1 and block.block_hash is None  # invariant 3
-                self.slots[block.block_id * B + pos % B] = tok
-
-    def check(self, seqs) -> None:
-        B = self.kv.block_size
-        for seq in seqs:
-            table = self.kv.get_block_ids(seq.seq_id)
-            for pos, tok in enumerate(seq.all_token_ids[: seq.num_computed_tokens]):
-                assert self.slots[table[pos // B] * B + pos % B] == tok, (seq.seq_id, pos)
-
-
 @pytest.mark.parametrize("seed", range(8))
 def test_randomized_simulation_drains(seed):
     rng = random.Random(seed)
@@ -330,7 +303,7 @@ def test_randomized_simulation_drains(seed):
         enable_chunked_prefill=True,
     )
     sched, kv = make_scheduler(num_blocks, B, caching=rng.random() < 0.8, **cfg)
-    runner = FakeRunner(kv)
+    runner = FakeStore(kv)
     new = Seqs()
     shared_prefix = [rng.randrange(5) for _ in range(2 * B)]
     all_seqs: list[Sequence] = []
@@ -402,7 +375,7 @@ def test_randomized_simulation_drains(seed):
                 if member.num_output_tokens >= member.data["max_tokens"]:
                     sched.finish_sequence(member, SequenceStatus.FINISHED_LENGTH)
         kv.check_invariants(sched.running + list(sched.waiting))
-        runner.check(sched.running)
+        runner.check(sched)
     else:
         pytest.fail("the simulation did not drain")
 
