@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.integration.test_swap import reference, run  # noqa: F401  (fixture and driver)
+from tests.integration.test_swap import reference  # noqa: F401  (the fixture)
 
 SCRIPT = """
 import json, sys

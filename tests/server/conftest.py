@@ -5,11 +5,13 @@ module reuses it; tests that look at counters use differences, and run one after
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -56,18 +58,18 @@ def _wait_healthy(server: Server) -> None:
     raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log_tail()}")
 
 
-@pytest.fixture(scope="session")
-def server():
+@contextlib.contextmanager
+def serving(args: list[str], cwd: str | None = None) -> Iterator[Server]:
+    """A server process (`python <args>` plus host, port and API key) on a free loopback port;
+    yields once /health is 200, terminates it (then kills it) on the way out."""
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="pagedllm-server-", suffix=".log", delete=False)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
     env.pop("PAGEDLLM_API_KEY", None)
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve",
-           "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
-           "--kv-cache-space", "0.5", "--max-model-len", str(MAX_MODEL_LEN),
-           "--uvicorn-log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    cmd = [sys.executable, *args, "--host", "127.0.0.1", "--port", str(port),
+           "--api-key", API_KEY, "--uvicorn-log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     srv = Server("127.0.0.1", port, API_KEY, proc, log.name)
     try:
         _wait_healthy(srv)
@@ -81,6 +83,13 @@ def server():
             proc.wait(timeout=10)
         log.close()
         os.unlink(log.name)
+
+
+@pytest.fixture(scope="session")
+def server():
+    with serving(["-m", "pagedllm.entrypoints.cli", "serve", "--kv-cache-space", "0.5",
+                  "--max-model-len", str(MAX_MODEL_LEN)]) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="session")

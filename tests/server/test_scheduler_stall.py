@@ -7,43 +7,22 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import tempfile
 
 import httpx
 import openai
 import pytest
 
-from tests.server.conftest import Server, _wait_healthy
-from tests.server.helpers import API_KEY, MODEL, free_port, metric, wait_idle
+from tests.server.conftest import serving
+from tests.server.helpers import API_KEY, MODEL, metric, wait_idle
 from tests.server.stall_server import STALL_MARKER
 
 
 @pytest.fixture(scope="module")
 def stall_server():
-    port = free_port()
-    log = tempfile.NamedTemporaryFile(prefix="pagedllm-stall-", suffix=".log", delete=False)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "tests.server.stall_server", "--host", "127.0.0.1",
-           "--port", str(port), "--api-key", API_KEY, "--kv-cache-space", "0.25",
-           "--max-model-len", "1024", "--uvicorn-log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    srv = Server("127.0.0.1", port, API_KEY, proc, log.name)
-    try:
-        _wait_healthy(srv)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with serving(["-m", "tests.server.stall_server", "--kv-cache-space", "0.25",
+                  "--max-model-len", "1024"], cwd=root) as srv:
         yield srv
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        log.close()
-        os.unlink(log.name)
 
 
 def test_stalled_request_fails_with_500_and_health_turns_503(stall_server):
