@@ -13,7 +13,8 @@ from typing import Any
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUPPORTED_DEVICES = ("auto", "cpu", "cuda")
 SUPPORTED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
-SUPPORTED_QUANTIZATION: tuple[str, ...] = ("gguf",)
+# None: auto-detected from config.json's quantization_config (docs/quantization.md)
+SUPPORTED_QUANTIZATION: tuple[str, ...] = ("gguf", "gptq", "awq", "compressed-tensors")
 SUPPORTED_PREEMPTION_MODES = ("recompute", "swap")
 
 
@@ -98,7 +99,7 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in SUPPORTED_QUANTIZATION:
             raise ValueError(
                 f"quantization={self.quantization!r} is not supported yet. Supported: "
-                f"{list(SUPPORTED_QUANTIZATION)} (GGUF files are dequantized at load)."
+                f"{list(SUPPORTED_QUANTIZATION)} (None: detected from the checkpoint's config.json)."
             )
         if self.compile_batch_sizes is not None:
             if not self.compile_batch_sizes or any(int(b) < 1 for b in self.compile_batch_sizes):

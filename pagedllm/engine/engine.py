@@ -66,7 +66,8 @@ class LLMEngine:
         tok_source = resolve_model(config.tokenizer) if config.tokenizer else self.source
         self.tokenizer = load_tokenizer(tok_source.path, tok_source.gguf_file)
         self.model = load_model(
-            self.source.path, self.source.gguf_file, self.hf_config, self.dtype, self.device
+            self.source.path, self.source.gguf_file, self.hf_config, self.dtype, self.device,
+            quantization=config.quantization,
         )
         self.max_model_len = self._resolve_max_model_len()
         self.block_size = config.block_size

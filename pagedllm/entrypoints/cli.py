@@ -1,5 +1,5 @@
-"""`pagedllm` command line: `serve` (the OpenAI-compatible server) and `generate` (offline
-completions)."""
+"""`pagedllm` command line: `serve` (the OpenAI-compatible server), `generate` (offline
+completions), `quantize` (write a quantized checkpoint folder) and `bench`."""
 
 from __future__ import annotations
 
@@ -79,12 +79,43 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true",
                      help="wrap each prompt as a user message in the model's chat template")
     gen.add_argument("prompts", nargs="+", help="prompt texts")
+    add_quantize_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks (run from a source checkout)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     # Their flags are the benchmark modules' own: main() hands them over unparsed.
     for name, help_text in BENCHMARKS.items():
         bench_sub.add_parser(name, help=help_text, add_help=False)
     return parser
+
+
+def add_quantize_parser(sub) -> None:
+    q = sub.add_parser("quantize", help="write a quantized checkpoint folder (GPTQ / AWQ / compressed-tensors)",
+                       description="Quantize a float model (HF folder, .gguf file, or the default SmolLM2) and "
+                                   "write a checkpoint folder that pagedllm (and vLLM) load. See docs/quantization.md.")
+    q.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    q.add_argument("--out", required=True, help="the folder to write (must not exist or be empty)")
+    q.add_argument("--method", default="rtn", help="rtn (gptq and awq: not implemented yet)")
+    q.add_argument("--bits", type=int, default=4, choices=(4, 8))
+    q.add_argument("--group-size", type=int, default=64,
+                   help="input columns per scale, -1 per channel (SmolLM2: 64 or 32; 128 does not divide 576)")
+    q.add_argument("--format", default="gptq", choices=("gptq", "awq", "compressed-tensors"))
+    sym = q.add_mutually_exclusive_group()
+    sym.add_argument("--sym", dest="sym", action="store_true", default=None,
+                     help="symmetric (default for gptq, compressed-tensors)")
+    sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric zero points (default for awq)")
+    q.add_argument("--act-order", action="store_true", help="gptq format: act-order columns and g_idx")
+    q.add_argument("--checkpoint-format", default="gptq", choices=("gptq", "gptq_v2"),
+                   help="gptq format: v1 stores zero - 1 (the default, what AutoGPTQ writes), v2 the zero")
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    from pagedllm.quantizer import quantize_model
+
+    path = quantize_model(args.model, args.out, method=args.method, bits=args.bits, group_size=args.group_size,
+                          fmt=args.format, sym=args.sym, act_order=args.act_order,
+                          checkpoint_format=args.checkpoint_format)
+    print(f"wrote {path}")
+    return 0
 
 
 BENCHMARKS = {
@@ -153,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_server(args)
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "quantize":
+            return run_quantize(args)
 
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -34,6 +34,7 @@ from torch import nn
 
 from pagedllm.kernels import block_gemm_kernel, packed_gemm_kernel
 from pagedllm.layers.block_formats import find_block_encoding
+from pagedllm.layers.quantization.base import LinearMethod
 
 USE_BLOCK_WEIGHTS = os.environ.get("PAGEDLLM_BLOCK_WEIGHTS", "1") not in ("0", "")  # read once
 _kernel = packed_gemm_kernel
@@ -118,6 +119,10 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
 
 
 class Linear(nn.Module):
+    """`quant_method` (layers/quantization/): a quantized layer holds the tensors its method
+    creates instead of a float `weight`, and its forward is the method's `apply`; the bias stays
+    a float parameter of the layer."""
+
     def __init__(
         self,
         input_size: int,
@@ -125,29 +130,56 @@ class Linear(nn.Module):
         bias: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        quant_method: LinearMethod | None = None,
+        _output_sizes: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype, device=device), requires_grad=False)
+        self.output_sizes = list(_output_sizes) if _output_sizes is not None else [output_size]
+        self.quant_method = quant_method
+        if quant_method is None:
+            self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype, device=device),
+                                       requires_grad=False)
+        else:
+            quant_method.create_weights(self, input_size, self.output_sizes, dtype, device)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype, device=device), requires_grad=False)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
         return linear(x, self.weight, self.bias)
+
+    def required_weights(self) -> list[str]:
+        """The checkpoint tensors (leaf names) this layer (each shard of it) must get."""
+        names = ["weight"] if self.quant_method is None else self.quant_method.required_weights(self)
+        return names + (["bias"] if self.bias is not None else [])
+
+    def process_weights_after_loading(self) -> None:
+        """Once, after loading: the quantized method's compute form, or the C kernels' form of
+        the float weight."""
+        if self.quant_method is not None:
+            self.quant_method.process_weights_after_loading(self)
+        else:
+            prepare_weight(self.weight)
 
     @torch.no_grad()
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
-        """Load the checkpoint's `weight` or `bias`."""
-        param = self.weight if name == "weight" else self.bias
+        """Load the checkpoint's `weight` or `bias` (or a quantized method's tensor)."""
+        if name != "bias" and self.quant_method is not None:
+            self.quant_method.load_weight(self, name, tensor, None)
+            return
+        param = self.weight if name == "weight" else self.bias if name == "bias" else None
         if param is None:
             raise ValueError(f"Checkpoint has a {name} for a layer built without one")
         _copy_checked(param.data, tensor, name)
 
     def extra_repr(self) -> str:
-        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
+        quant = "" if self.quant_method is None else f", quant={type(self.quant_method).__name__}"
+        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}{quant}"
 
 
 class MergedLinear(Linear):
@@ -163,15 +195,20 @@ class MergedLinear(Linear):
         bias: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        quant_method: LinearMethod | None = None,
     ) -> None:
-        super().__init__(input_size, sum(output_sizes), bias=bias, dtype=dtype, device=device)
-        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias=bias, dtype=dtype, device=device,
+                         quant_method=quant_method, _output_sizes=output_sizes)
         self.offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
 
     @torch.no_grad()
     def load_shard(self, shard_id: int, name: str, tensor: torch.Tensor) -> None:
-        """Copy one of the separate checkpoint projections (`weight` or `bias`) into its rows."""
-        param = self.weight if name == "weight" else self.bias
+        """Copy one of the separate checkpoint projections (`weight` or `bias`, or a quantized
+        method's tensor: the method concatenates along its output dimension) into its rows."""
+        if name != "bias" and self.quant_method is not None:
+            self.quant_method.load_weight(self, name, tensor, shard_id)
+            return
+        param = self.weight if name == "weight" else self.bias if name == "bias" else None
         if param is None:
             raise ValueError(f"Checkpoint has a {name} for a layer built without one")
         start, size = self.offsets[shard_id], self.output_sizes[shard_id]

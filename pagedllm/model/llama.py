@@ -20,8 +20,9 @@ from torch import nn
 
 from pagedllm.layers.activation import get_act_and_mul
 from pagedllm.layers.attention import Attention, AttentionMetadata
-from pagedllm.layers.linear import Linear, MergedLinear, VocabEmbedding, linear
+from pagedllm.layers.linear import Linear, MergedLinear, VocabEmbedding, linear, prepare_weight
 from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.quantization import LinearMethod, QuantizationConfig
 from pagedllm.layers.rotary import RotaryEmbedding, head_dim_of, rotate_qkv
 
 KVCache = torch.Tensor  # one layer's cache: [2 (keys, values), num_blocks, block_size, Hk, D]
@@ -34,6 +35,17 @@ _STACKED_PARAMS = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+_SHARD_NAMES = {fused: [n for n, (f, _) in _STACKED_PARAMS.items() if f == fused] for fused, _ in _STACKED_PARAMS.values()}
+
+
+def quant_method_for(quant_config: QuantizationConfig | None, prefix: str) -> LinearMethod | None:
+    """The linear method of our module `prefix` (None: a float layer). A fused module asks
+    about the checkpoint's modules it stands for (q_proj/k_proj/v_proj, gate_proj/up_proj)."""
+    if quant_config is None:
+        return None
+    parent, _, leaf = prefix.rpartition(".")
+    shards = [f"{parent}.{n}" for n in _SHARD_NAMES.get(leaf, [leaf])]
+    return quant_config.get_linear_method(prefix, shards)
 
 
 def layer_sliding_window(hf_config: Any, layer_idx: int) -> int | None:
@@ -50,7 +62,8 @@ def layer_sliding_window(hf_config: Any, layer_idx: int) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype, device: torch.device | str,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -66,8 +79,10 @@ class LlamaAttention(nn.Module):
             bias=attention_bias or is_qwen2,
             dtype=dtype,
             device=device,
+            quant_method=quant_method_for(quant_config, f"{prefix}.qkv_proj"),
         )
-        self.o_proj = Linear(self.q_size, hidden, bias=attention_bias and not is_qwen2, dtype=dtype, device=device)
+        self.o_proj = Linear(self.q_size, hidden, bias=attention_bias and not is_qwen2, dtype=dtype, device=device,
+                             quant_method=quant_method_for(quant_config, f"{prefix}.o_proj"))
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
@@ -89,12 +104,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device | str,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype, device=device)
-        self.down_proj = Linear(inter, config.hidden_size, bias=bias, dtype=dtype, device=device)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype, device=device,
+                                         quant_method=quant_method_for(quant_config, f"{prefix}.gate_up_proj"))
+        self.down_proj = Linear(inter, config.hidden_size, bias=bias, dtype=dtype, device=device,
+                                quant_method=quant_method_for(quant_config, f"{prefix}.down_proj"))
         self.act_fn = get_act_and_mul(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,13 +120,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype, device: torch.device | str,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         eps = config.rms_norm_eps
+        prefix = f"model.layers.{layer_idx}"
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.self_attn = LlamaAttention(config, layer_idx, dtype, device)
+        self.self_attn = LlamaAttention(config, layer_idx, dtype, device, quant_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.mlp = LlamaMLP(config, dtype, device)
+        self.mlp = LlamaMLP(config, dtype, device, quant_config, f"{prefix}.mlp")
 
     def forward(
         self,
@@ -132,11 +152,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device | str,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, dtype, device, quant_config) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         self.rotary_emb = RotaryEmbedding.from_config(config, device=device)
@@ -150,11 +171,13 @@ class LlamaForCausalLM(nn.Module):
         config: Any,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.model = LlamaModel(config, dtype, device)
+        self.quant_config = quant_config  # the decoder's projections; embeddings and LM head stay float
+        self.model = LlamaModel(config, dtype, device, quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
@@ -199,14 +222,25 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def projection_weights(self) -> list[torch.Tensor]:
-        """Every weight that goes through `linear` (the projections and the LM head)."""
-        weights = [m.weight for m in self.modules() if isinstance(m, Linear)]
+        """Every float weight that goes through `linear` (the projections and the LM head)."""
+        weights = [m.weight for m in self.modules() if isinstance(m, Linear) and m.quant_method is None]
         return weights + [self._head_weight()]
+
+    def process_weights_after_loading(self) -> None:
+        """Once, after loading: each layer's compute form (quantized methods, C kernel forms)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.process_weights_after_loading()
+        prepare_weight(self._head_weight())
 
     # ---- weights -------------------------------------------------------------------------
     def _expected_weights(self) -> set[tuple[str, int | None]]:
         expected: set[tuple[str, int | None]] = set()
         for mod_name, module in self.named_modules():
+            if isinstance(module, Linear):
+                shards = range(len(module.output_sizes)) if isinstance(module, MergedLinear) else [None]
+                expected.update((f"{mod_name}.{n}", s) for n in module.required_weights() for s in shards)
+                continue
             for p_name, param in module.named_parameters(recurse=False):
                 if param is None:
                     continue
@@ -225,6 +259,7 @@ class LlamaForCausalLM(nn.Module):
         shape mismatch, or a parameter that the checkpoint does not provide.
         """
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded: set[tuple[str, int | None]] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
@@ -242,6 +277,11 @@ class LlamaForCausalLM(nn.Module):
                 module.load_shard(shard, parts[-1], tensor)
                 loaded.add((f"{mod_name}.{parts[-1]}", shard))
                 continue
+            module = modules.get(".".join(parts[:-1]))
+            if isinstance(module, Linear) and module.quant_method is not None and parts[-1] != "bias":
+                module.load_weight(parts[-1], tensor)  # the method checks names, shapes, dtypes
+                loaded.add((name, None))
+                continue
             param = params.get(name)
             if param is None:
                 raise ValueError(f"Unexpected weight {name!r} in checkpoint")
@@ -254,5 +294,12 @@ class LlamaForCausalLM(nn.Module):
             loaded.add((name, None))
         missing = self._expected_weights() - loaded
         if missing:
-            names = sorted(f"{n}[shard {s}]" if s is not None else n for n, s in missing)
+            names = sorted(f"{n}[shard {s}] ({_checkpoint_name(n, s)})" if s is not None else n for n, s in missing)
             raise ValueError(f"Checkpoint is missing {len(missing)} weight(s): {names[:10]}")
+
+
+def _checkpoint_name(fused_name: str, shard: int) -> str:
+    """`model.layers.0.self_attn.qkv_proj.scales`, shard 1 -> `model.layers.0.self_attn.k_proj.scales`."""
+    parts = fused_name.split(".")
+    parts[-2] = _SHARD_NAMES[parts[-2]][shard]
+    return ".".join(parts)

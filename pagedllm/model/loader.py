@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.layers.linear import prepare_weight
+from pagedllm.layers.quantization import get_quantization_config
 from pagedllm.model.gguf_loader import iter_gguf_weights, resolve_gguf_path
 from pagedllm.model.registry import get_model_class
 
@@ -46,22 +46,29 @@ def load_model(
     hf_config: Any,
     dtype: torch.dtype,
     device: torch.device | str,
+    quantization: str | None = None,
 ) -> nn.Module:
     """The model for `hf_config` with its weights, in `dtype` on `device`, in eval mode.
 
     `gguf_file` (a path, absolute or relative to `model_path`) selects a llama.cpp GGUF file,
     dequantized to `dtype`; otherwise `model_path` is a transformers folder of safetensors.
     `model_path` may also be the path of a `.gguf` file itself.
+    A folder whose config.json has a `quantization_config` (GPTQ, AWQ, compressed-tensors) gets
+    quantized linear layers (layers/quantization/); `quantization` (the user's knob), when
+    given, must name the same method (ValueError otherwise).
     """
     model_cls = get_model_class(hf_config)
     device = torch.device(device)
     gguf_path = resolve_gguf_path(model_path, gguf_file)
-    model = model_cls(hf_config, dtype=dtype, device=device)
+    quant_config = get_quantization_config(hf_config, quantization, is_gguf=gguf_path is not None)
+    if quant_config is None:
+        model = model_cls(hf_config, dtype=dtype, device=device)
+    else:
+        model = model_cls(hf_config, dtype=dtype, device=device, quant_config=quant_config)
     if gguf_path is not None:
         weights = iter_gguf_weights(gguf_path, hf_config)
     else:
         weights = iter_safetensors_weights(model_path)
     model.load_weights(weights)
-    for weight in model.projection_weights():
-        prepare_weight(weight)  # the C kernels' forms now, not in the first request
+    model.process_weights_after_loading()  # quantized forms, the C kernels' forms: now, not in the first request
     return model.eval()

@@ -36,8 +36,8 @@ def test_unit_engine_config_rejects_unknown_kwarg():
         EngineConfig.from_kwargs(blok_size=16)
     with pytest.raises(ValueError, match="block_size must be one of"):
         EngineConfig(block_size=12)
-    with pytest.raises(ValueError, match="quantization='awq' is not supported"):
-        EngineConfig(quantization="awq")
+    with pytest.raises(ValueError, match="quantization='bitsandbytes' is not supported"):
+        EngineConfig(quantization="bitsandbytes")
 
 
 def test_bench_subcommand_runs_a_benchmark(smollm2_gguf):

@@ -136,9 +136,9 @@ def test_unsupported_flags_are_clear_startup_errors():
                  "--tensor-parallel-size", "2"])
     assert proc.returncode == 2
     assert "tensor_parallel_size=2 is not supported" in proc.stderr
-    proc = _run(["-m", "pagedllm.entrypoints.cli", "serve", "--quantization", "awq"])
+    proc = _run(["-m", "pagedllm.entrypoints.cli", "serve", "--quantization", "bitsandbytes"])
     assert proc.returncode == 2
-    assert "quantization='awq' is not supported" in proc.stderr
+    assert "quantization='bitsandbytes' is not supported" in proc.stderr
     proc = _run(["-m", "pagedllm.entrypoints.cli", "serve", "--port", "70000"])
     assert proc.returncode == 2 and "port must be in [0, 65535]" in proc.stderr
 

@@ -1,0 +1,73 @@
+"""Quantized checkpoints: one module per format (config parsing, checkpoint tensors, the linear
+method); docs/quantization.md has the formats, knobs and what is exact.
+
+`get_quantization_config(hf_config, forced, is_gguf)` reads `config.json`'s
+`quantization_config` (auto-detection) and checks it against `quantization=` when given.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.layers.quantization.awq import AWQConfig
+from pagedllm.layers.quantization.base import LinearMethod, PackedIntLinearMethod, QuantizationConfig
+from pagedllm.layers.quantization.compressed_tensors import CompressedTensorsConfig
+from pagedllm.layers.quantization.gptq import GPTQConfig
+
+QUANTIZATION_CONFIGS: dict[str, type[QuantizationConfig]] = {
+    "gptq": GPTQConfig,
+    "awq": AWQConfig,
+    "compressed-tensors": CompressedTensorsConfig,
+}
+# names other tools write for the same formats (vLLM's kernel-specific names, underscores)
+_ALIASES = {"compressed_tensors": "compressed-tensors", "gptq_marlin": "gptq", "awq_marlin": "awq"}
+
+
+def normalize_method_name(name: str) -> str:
+    name = str(name).lower()
+    return _ALIASES.get(name, name)
+
+
+def checkpoint_quantization(hf_config: Any) -> dict[str, Any] | None:
+    """`quantization_config` of the model's config as a dict (None: not quantized)."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
+    return qc
+
+
+def get_quantization_config(hf_config: Any, forced: str | None, is_gguf: bool = False) -> QuantizationConfig | None:
+    """The checkpoint's quantization config (None: float or GGUF weights). `forced` is the user's
+    `quantization=`: it must agree with what the checkpoint says (ValueError otherwise)."""
+    forced = normalize_method_name(forced) if forced is not None else None
+    if is_gguf:
+        if forced not in (None, "gguf"):
+            raise ValueError(f"quantization={forced!r} was given, but the model is a GGUF file "
+                             "(use quantization='gguf' or none)")
+        return None
+    qc = checkpoint_quantization(hf_config)
+    detected = normalize_method_name(qc.get("quant_method", "")) if qc is not None else None
+    if forced == "gguf":
+        raise ValueError("quantization='gguf' was given, but the model is not a GGUF file"
+                         + (f" (its config says quant_method {detected!r})" if detected else ""))
+    if qc is None:
+        if forced is not None:
+            raise ValueError(f"quantization={forced!r} was given, but the checkpoint's config.json has no "
+                             "quantization_config (it is not a quantized checkpoint)")
+        return None
+    if not detected:
+        raise ValueError("The checkpoint's quantization_config has no quant_method")
+    if forced is not None and forced != detected:
+        raise ValueError(f"quantization={forced!r} was given, but the checkpoint's quantization_config says "
+                         f"quant_method {detected!r}")
+    cls = QUANTIZATION_CONFIGS.get(detected)
+    if cls is None:
+        raise ValueError(f"Quantization method {detected!r} (config.json's quant_method) is not supported. "
+                         f"Supported: {sorted(QUANTIZATION_CONFIGS)} and GGUF files")
+    return cls.from_config(qc)
+
+
+__all__ = ["LinearMethod", "PackedIntLinearMethod", "QuantizationConfig", "QUANTIZATION_CONFIGS",
+           "get_quantization_config", "checkpoint_quantization", "normalize_method_name"]

@@ -1,0 +1,209 @@
+"""The interfaces of quantized linear layers (vLLM's shape) and the loader they share.
+
+A `QuantizationConfig` is parsed from `config.json`'s `quantization_config` and decides, per
+layer, which `LinearMethod` it gets (None: the layer stays a plain float layer). A method owns
+its layer's weight tensors:
+- `create_weights(layer, input_size, output_sizes, dtype, device)`: the checkpoint's tensors,
+  for the whole (possibly fused) layer, in the checkpoint's own layout;
+- `load_weight(layer, name, tensor, shard_id)`: one checkpoint tensor (of one shard of a fused
+  layer: q/k/v, gate/up are concatenated along the output dimension);
+- `process_weights_after_loading(layer)`: once, after loading: the method's compute form;
+- `apply(layer, x, bias)`: the forward.
+
+`PackedIntLinearMethod` is the weight-only integer method that GPTQ, AWQ and compressed-tensors
+share: they differ in their checkpoint tensors (`checkpoint_specs`) and in how those become the
+canonical packed form (`to_canonical`, see packing.py); the forward is the same.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.layers.quantization.packing import dequantize
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class LinearMethod(ABC):
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       dtype: torch.dtype | None, device: torch.device | str | None) -> None: ...
+
+    @abstractmethod
+    def load_weight(self, layer: nn.Module, name: str, tensor: torch.Tensor, shard_id: int | None) -> None: ...
+
+    @abstractmethod
+    def required_weights(self, layer: nn.Module) -> list[str]:
+        """The checkpoint tensor names (leaf names) each shard of `layer` must provide."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 (optional hook)
+        pass
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
+class QuantizationConfig(ABC):
+    name: str
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: dict[str, Any]) -> "QuantizationConfig": ...
+
+    @abstractmethod
+    def get_linear_method(self, prefix: str, shard_prefixes: list[str]) -> LinearMethod | None:
+        """The method of the layer `prefix` (our module name) whose checkpoint modules are
+        `shard_prefixes` (q_proj/k_proj/v_proj for a fused qkv_proj), or None (not quantized)."""
+
+
+def config_int(config: dict[str, Any], *names: str, default: Any = None) -> Any:
+    """The first of `names` present in `config` (formats spell the same field differently)."""
+    for name in names:
+        if config.get(name) is not None:
+            return config[name]
+    return default
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One checkpoint tensor of a (fused) layer. `shape` is the whole layer's; `shard_dim` is the
+    output dimension along which shards are concatenated (None: one tensor for all shards, which
+    must agree), `shard_div` how many outputs one element of that dimension covers (packing)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtypes: tuple[torch.dtype, ...]
+    shard_dim: int | None
+    shard_div: int = 1
+    required: bool = True
+
+
+class PackedIntLinearMethod(LinearMethod):
+    """Weight-only int4 / int8 with groups: the loader shared by the formats, and the portable
+    forward (dequantize to float32 in torch per call, then one matrix product). Nothing but the
+    packed tensors stays resident; the per-call dequantization is the portable path until the
+    packed-weight kernels (issue 11's next slice) take over `apply`."""
+
+    format_name = "packed"
+
+    def __init__(self, prefix: str, bits: int, group_size: int) -> None:
+        self.prefix = prefix
+        self.bits = bits
+        self.group_size = group_size  # -1: one group over the whole input
+
+    # ---- what the formats provide ------------------------------------------------------------
+    @abstractmethod
+    def checkpoint_specs(self, input_size: int, output_sizes: list[int]) -> list[TensorSpec]: ...
+
+    @abstractmethod
+    def to_canonical(self, layer: nn.Module, tensors: dict[str, torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(qweight [in/pf, out] int32, scales [groups, out], zeros uint8 [groups, out], perm)."""
+
+    # ---- shared ------------------------------------------------------------------------------
+    def _fail(self, msg: str) -> ValueError:
+        return ValueError(f"{self.format_name} layer {self.prefix}: {msg}")
+
+    def num_groups(self, input_size: int) -> int:
+        gs = input_size if self.group_size == -1 else self.group_size
+        if gs <= 0 or input_size % gs:
+            raise self._fail(f"group_size {self.group_size} does not divide the input size {input_size}")
+        return input_size // gs
+
+    def create_weights(self, layer, input_size, output_sizes, dtype, device) -> None:
+        layer.quant_bits, layer.quant_group_size = self.bits, self.group_size
+        self.num_groups(input_size)  # checks the group size
+        layer.quant_specs = {s.name: s for s in self.checkpoint_specs(input_size, list(output_sizes))}
+        layer.quant_loaded = set()  # (name, shard) pairs loaded
+        for spec in layer.quant_specs.values():
+            layer.register_parameter(spec.name, nn.Parameter(
+                torch.empty(spec.shape, dtype=spec.dtypes[0], device=device), requires_grad=False))
+
+    def required_weights(self, layer) -> list[str]:
+        return [s.name for s in layer.quant_specs.values() if s.required]
+
+    def _shard_range(self, layer, spec: TensorSpec, shard_id: int | None) -> tuple[int, int]:
+        sizes = layer.output_sizes
+        if shard_id is None:
+            if len(sizes) != 1:
+                raise self._fail(f"{spec.name} must be loaded per shard")
+            shard_id = 0
+        start, size = sum(sizes[:shard_id]), sizes[shard_id]
+        if start % spec.shard_div or size % spec.shard_div:
+            raise self._fail(f"{spec.name}: output size {size} is not a multiple of {spec.shard_div} "
+                             "(the values packed in one int32)")
+        return start // spec.shard_div, size // spec.shard_div
+
+    @torch.no_grad()
+    def load_weight(self, layer, name, tensor, shard_id) -> None:
+        spec = layer.quant_specs.get(name)
+        what = name if shard_id is None else f"{name} (shard {shard_id})"
+        if spec is None:
+            raise self._fail(f"unexpected checkpoint tensor {name!r} (expected {sorted(layer.quant_specs)})")
+        tensor = self.normalize_tensor(layer, spec, tensor, shard_id)
+        if tensor.dtype not in spec.dtypes:
+            raise self._fail(f"{what} has dtype {tensor.dtype}, expected one of {list(spec.dtypes)}")
+        param = getattr(layer, name)
+        first = not any(n == name for n, _ in layer.quant_loaded)
+        if spec.dtypes[0] in _FLOATS and tensor.dtype != param.dtype:
+            if not first:
+                raise self._fail(f"{what} has dtype {tensor.dtype}, its other shards {param.dtype}")
+            param = nn.Parameter(torch.empty(spec.shape, dtype=tensor.dtype, device=param.device),
+                                 requires_grad=False)
+            setattr(layer, name, param)  # float tensors keep the checkpoint's dtype (exact)
+        if spec.shard_dim is None:
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise self._fail(f"{what} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            if not first and not torch.equal(param.data, tensor.to(param.device)):
+                raise self._fail(f"{what} differs between the shards of a fused layer")
+            param.data.copy_(tensor)
+        else:
+            start, size = self._shard_range(layer, spec, shard_id)
+            dst = param.data.narrow(spec.shard_dim, start, size)
+            if tuple(tensor.shape) != tuple(dst.shape):
+                raise self._fail(f"{what} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+        layer.quant_loaded.add((name, shard_id))
+
+    def normalize_tensor(self, layer, spec: TensorSpec, tensor: torch.Tensor, shard_id: int | None) -> torch.Tensor:
+        """Hook for alternative on-disk forms of one tensor (default: as is)."""
+        return tensor
+
+    @torch.no_grad()
+    def process_weights_after_loading(self, layer) -> None:
+        tensors = {}
+        for name, spec in layer.quant_specs.items():
+            loaded = any(n == name for n, _ in layer.quant_loaded)
+            tensors[name] = getattr(layer, name).data if loaded else None
+            delattr(layer, name)  # the checkpoint layout does not stay resident
+        qweight, scales, zeros, perm = self.to_canonical(layer, tensors)
+        groups = layer.input_size // (layer.input_size if self.group_size == -1 else self.group_size)
+        pf = 32 // self.bits
+        expect = {"qweight": (layer.input_size // pf, layer.output_size),
+                  "scales": (groups, layer.output_size), "zeros": (groups, layer.output_size)}
+        for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros)):
+            assert tuple(t.shape) == expect[name], (name, tuple(t.shape), expect[name])
+        layer.register_buffer("qweight", qweight.contiguous(), persistent=False)
+        layer.register_buffer("scales", scales.contiguous(), persistent=False)
+        layer.register_buffer("zeros", zeros.to(torch.uint8).contiguous(), persistent=False)
+        layer.register_buffer("perm", None if perm is None else perm.to(torch.int64), persistent=False)
+        del layer.quant_specs, layer.quant_loaded
+
+    def dequantized_weight(self, layer) -> torch.Tensor:
+        """The float32 `[in, out]` weight (in the canonical, possibly permuted, row order)."""
+        gs = layer.input_size if self.group_size == -1 else self.group_size
+        return dequantize(layer.qweight, layer.scales, layer.zeros, self.bits, gs)
+
+    def apply(self, layer, x, bias) -> torch.Tensor:
+        if layer.perm is not None:
+            x = x.index_select(-1, layer.perm)
+        w = self.dequantized_weight(layer)
+        out = torch.matmul(x, w if x.dtype == torch.float32 else w.to(x.dtype))
+        return out if bias is None else out + bias
+
+
