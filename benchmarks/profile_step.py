@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
         return wrapper
 
     patches = [(linear_mod, "linear", "projections (linear)"), (llama_mod, "linear", "projections (linear)"),
-               (backend_mod, "paged_decode_attention_eager", "decode attention")]
+               (backend_mod, "paged_decode_attention_eager", "decode attention"),
+               (backend_mod, "prefill_attention_c", "prefill attention")]
     saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in patches]
     for mod, attr, name in patches:
         setattr(mod, attr, labelled(name, getattr(mod, attr)))
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     for mod, attr, fn in saved:
         setattr(mod, attr, fn)
     labels = {e.key: e.cpu_time_total / 1e3 / args.steps for e in prof.key_averages()
-              if e.key in ("projections (linear)", "decode attention")}
+              if e.key in ("projections (linear)", "decode attention", "prefill attention")}
     step, fwd = statistics.median(step_s), statistics.median(forward_s)
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=args.top))
     result = {

@@ -87,6 +87,121 @@ static inline float dot(const float *restrict a, const float *restrict b, int n)
     return s;
 }
 
+#if defined(__GNUC__) && !defined(__clang__)
+/* The fast path for head_dim 64 (GCC's __builtin_shuffle): scores of 16 positions at a time,
+ * their 16 horizontal sums done together by a transposing reduction (15 adds and 30 two-source
+ * permutes instead of 16 separate 8-step sums), and the output accumulators of a KV head's
+ * query heads kept in registers across a block's positions (not loaded and stored per
+ * position). Measured: benchmarks/NOTES.md (issue 10, part 4). */
+#define FAST_DIM 64
+#define GMAX 4 /* query heads per KV head the fast path takes */
+typedef int v16i __attribute__((vector_size(64)));
+
+/* R[i] = sum of the 16 lanes of P[i]. */
+static inline v16 hsum16x16(const v16 *P) {
+    const v16i m1lo = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const v16i m1hi = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const v16i m2lo = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const v16i m2hi = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const v16i m3lo = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const v16i m3hi = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const v16i m4lo = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const v16i m4hi = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    v16 X[8], Y[4], Z[2];
+    for (int j = 0; j < 8; ++j)
+        X[j] = __builtin_shuffle(P[2 * j], P[2 * j + 1], m1lo) + __builtin_shuffle(P[2 * j], P[2 * j + 1], m1hi);
+    for (int j = 0; j < 4; ++j)
+        Y[j] = __builtin_shuffle(X[2 * j], X[2 * j + 1], m2lo) + __builtin_shuffle(X[2 * j], X[2 * j + 1], m2hi);
+    for (int j = 0; j < 2; ++j)
+        Z[j] = __builtin_shuffle(Y[2 * j], Y[2 * j + 1], m3lo) + __builtin_shuffle(Y[2 * j], Y[2 * j + 1], m3hi);
+    return __builtin_shuffle(Z[0], Z[1], m4lo) + __builtin_shuffle(Z[0], Z[1], m4hi);
+}
+
+/* Scores p[h][0..n) of one chunk, head_dim 64: query heads of KV heads [h0, h1). */
+static inline __attribute__((always_inline)) void scores64(const float *q0, const float *kb, int64_t row,
+                                                           int n, int h0, int h1, int group, float scale,
+                                                           float *p, const float *next) {
+    for (int kh = h0; kh < h1; ++kh) {
+        const int hb = (kh - h0) * group;
+        v16 qv[GMAX][4];
+        for (int g = 0; g < group; ++g)
+            for (int i = 0; i < 4; ++i) qv[g][i] = load16(q0 + (int64_t)(hb + g) * FAST_DIM + 16 * i);
+        for (int t16 = 0; t16 < n; t16 += 16) {
+            v16 P[GMAX][16];
+            for (int t = 0; t < 16; ++t) {
+                if (t16 + t < n) {
+                    if (next != NULL && kh == h0) /* the next block's row, spread over the loop */
+                        for (int64_t off = (int64_t)h0 * FAST_DIM; off < (int64_t)h1 * FAST_DIM; off += 16)
+                            __builtin_prefetch(next + (int64_t)(t16 + t) * row + off, 0, PF_LOC);
+                    const float *k = kb + (int64_t)(t16 + t) * row + (int64_t)kh * FAST_DIM;
+                    const v16 k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
+                    for (int g = 0; g < group; ++g)
+                        P[g][t] = (qv[g][0] * k0 + qv[g][1] * k1) + (qv[g][2] * k2 + qv[g][3] * k3);
+                } else {
+                    for (int g = 0; g < group; ++g) P[g][t] = (v16){0};
+                }
+            }
+            for (int g = 0; g < group; ++g) {
+                const v16 r = hsum16x16(P[g]) * scale;
+                memcpy(p + (int64_t)(hb + g) * MAX_BLOCK + t16, &r, sizeof(r));
+            }
+        }
+    }
+}
+
+/* acc[h] += sum_t p[h][t] * V[t] for one chunk, head_dim 64, accumulators in registers. */
+static inline __attribute__((always_inline)) void accumulate64(const float *vb, int64_t row, int n, int h0,
+                                                               int h1, int group, const float *p, float *acc,
+                                                               const float *next) {
+    for (int kh = h0; kh < h1; ++kh) {
+        const int hb = (kh - h0) * group;
+        v16 a[GMAX][4];
+        for (int g = 0; g < group; ++g)
+            for (int i = 0; i < 4; ++i) a[g][i] = load16(acc + (int64_t)(hb + g) * FAST_DIM + 16 * i);
+        for (int t = 0; t < n; ++t) {
+            if (next != NULL && kh == h0)
+                for (int64_t off = (int64_t)h0 * FAST_DIM; off < (int64_t)h1 * FAST_DIM; off += 16)
+                    __builtin_prefetch(next + (int64_t)t * row + off, 0, PF_LOC);
+            const float *v = vb + (int64_t)t * row + (int64_t)kh * FAST_DIM;
+            const v16 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
+            for (int g = 0; g < group; ++g) {
+                const float w = p[(int64_t)(hb + g) * MAX_BLOCK + t];
+                a[g][0] += w * v0;
+                a[g][1] += w * v1;
+                a[g][2] += w * v2;
+                a[g][3] += w * v3;
+            }
+        }
+        for (int g = 0; g < group; ++g)
+            for (int i = 0; i < 4; ++i) memcpy(acc + (int64_t)(hb + g) * FAST_DIM + 16 * i, &a[g][i], sizeof(v16));
+    }
+}
+
+/* Specialised per query-head count, so that the loops over g unroll and stay in registers. */
+static void scores64_any(const float *q0, const float *kb, int64_t row, int n, int h0, int h1, int group,
+                         float scale, float *p, const float *next) {
+    switch (group) {
+    case 1: scores64(q0, kb, row, n, h0, h1, 1, scale, p, next); break;
+    case 2: scores64(q0, kb, row, n, h0, h1, 2, scale, p, next); break;
+    case 3: scores64(q0, kb, row, n, h0, h1, 3, scale, p, next); break;
+    default: scores64(q0, kb, row, n, h0, h1, 4, scale, p, next); break;
+    }
+}
+
+static void accumulate64_any(const float *vb, int64_t row, int n, int h0, int h1, int group, const float *p,
+                             float *acc, const float *next) {
+    switch (group) {
+    case 1: accumulate64(vb, row, n, h0, h1, 1, p, acc, next); break;
+    case 2: accumulate64(vb, row, n, h0, h1, 2, p, acc, next); break;
+    case 3: accumulate64(vb, row, n, h0, h1, 3, p, acc, next); break;
+    default: accumulate64(vb, row, n, h0, h1, 4, p, acc, next); break;
+    }
+}
+#define HAVE_FAST64 1
+#else
+#define HAVE_FAST64 0
+#endif
+
 /* One work item: one sequence, its KV heads [h0, h1) and their query heads. */
 static int attend(const float *query, const float *key_cache, const float *value_cache,
                   const int64_t *table, int64_t ctx, float *out, int num_heads, int num_kv_heads,
@@ -110,6 +225,7 @@ static int attend(const float *query, const float *key_cache, const float *value
     memset(acc, 0, sizeof(float) * acc_floats);
     for (int h = 0; h < nh; ++h) { mx[h] = -FLT_MAX; sum[h] = 0.0f; }
     const float *q0 = query + (int64_t)h0 * group * head_dim;
+    const int fast = HAVE_FAST64 && head_dim == 64 && group <= 4;
 
     for (int64_t t0 = start; t0 < ctx;) {
         /* A chunk: the visible positions of one block, at most MAX_BLOCK of them. */
@@ -129,16 +245,23 @@ static int attend(const float *query, const float *key_cache, const float *value
             next_k = key_cache + nbase;
             next_v = value_cache + nbase;
         }
-        for (int t = 0; t < n; ++t) {
-            if (next_k != NULL && t < block_size) {
-                for (int64_t off = (int64_t)h0 * head_dim; off < (int64_t)h1 * head_dim; off += 16) {
-                    __builtin_prefetch(next_k + t * row + off, 0, PF_LOC);
-                    __builtin_prefetch(next_v + t * row + off, 0, PF_LOC);
+        if (fast) {
+#if HAVE_FAST64
+            /* The next K block's rows prefetched during the scores, its V rows during the sum. */
+            scores64_any(q0, kb, row, n, h0, h1, group, scale, p, next_k);
+#endif
+        } else {
+            for (int t = 0; t < n; ++t) {
+                if (next_k != NULL && t < block_size) {
+                    for (int64_t off = (int64_t)h0 * head_dim; off < (int64_t)h1 * head_dim; off += 16) {
+                        __builtin_prefetch(next_k + t * row + off, 0, PF_LOC);
+                        __builtin_prefetch(next_v + t * row + off, 0, PF_LOC);
+                    }
                 }
+                const float *k = kb + t * row + (int64_t)h0 * head_dim;
+                for (int h = 0; h < nh; ++h)
+                    p[h * MAX_BLOCK + t] = dot(q0 + (int64_t)h * head_dim, k + (int64_t)(h / group) * head_dim, head_dim) * scale;
             }
-            const float *k = kb + t * row + (int64_t)h0 * head_dim;
-            for (int h = 0; h < nh; ++h)
-                p[h * MAX_BLOCK + t] = dot(q0 + (int64_t)h * head_dim, k + (int64_t)(h / group) * head_dim, head_dim) * scale;
         }
         for (int h = 0; h < nh; ++h) {
             float *ph = p + h * MAX_BLOCK, m = mx[h];
@@ -155,6 +278,13 @@ static int attend(const float *query, const float *key_cache, const float *value
                 for (int i = 0; i < head_dim; ++i) ah[i] *= corr;
             }
         }
+#if HAVE_FAST64
+        if (fast) {
+            accumulate64_any(vb, row, n, h0, h1, group, p, acc, next_v);
+            t0 = t1;
+            continue;
+        }
+#endif
         for (int t = 0; t < n; ++t) {
             const float *v = vb + t * row + (int64_t)h0 * head_dim;
             for (int h = 0; h < nh; ++h) {

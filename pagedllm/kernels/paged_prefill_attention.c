@@ -22,8 +22,8 @@
  * that the scores of one query head against all of them are KC vector lanes (no horizontal
  * sums), then an online softmax (running maximum and sum) folds the chunk into the output.
  *
- * Built with -ffast-math: masked lanes get weight 0 explicitly (no -inf is ever computed), the
- * running maximum starts at -FLT_MAX, and every query sees at least its own key.
+ * Compiled with -ffast-math (vectorised expf): masked lanes get weight 0 explicitly (no -inf is
+ * ever computed), the running maximum starts at -FLT_MAX, and every query sees its own key.
  *
  * Returns 0, or: 1 a sequence's lengths are inconsistent (query_len < 1, query_len >
  * context_len, context past its table, query rows past T), 2 a slot outside the cache, 3 a
@@ -35,11 +35,33 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Flush-to-zero / denormals-are-zero around each work item only, restored after (as in
+ * paged_decode_attention.c): far-below-maximum softmax weights underflow into denormals, which
+ * cost a microcode assist per operation; the process's own mode is never changed. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+static inline unsigned ftz_enter(void) {
+    const unsigned old = _mm_getcsr();
+    _mm_setcsr(old | 0x8040u); /* FTZ (bit 15) | DAZ (bit 6) */
+    return old;
+}
+static inline void ftz_leave(unsigned old) { _mm_setcsr(old); }
+#else
+static inline unsigned ftz_enter(void) { return 0; }
+static inline void ftz_leave(unsigned old) { (void)old; }
+#endif
+
 #define QT 16 /* query rows per work item */
 #define KC 16 /* key positions per chunk: one vector of scores */
 #define STACK_FLOATS 8192
 
 typedef float v16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
 
 static int attend_tile(const float *query, int64_t q_stride, const float *key_cache,
                        const float *value_cache, const int64_t *table, int64_t q_len, int64_t ctx,
@@ -92,12 +114,17 @@ static int attend_tile(const float *query, int64_t q_stride, const float *key_ca
             for (int g = 0; g < group; ++g) {
                 const int c = r * group + g;
                 const float *qc = q + (int64_t)c * head_dim;
-                v16 s = {0};
-                for (int d = 0; d < head_dim; ++d) {
-                    v16 k;
-                    memcpy(&k, kt + (int64_t)d * KC, sizeof(k));
-                    s += qc[d] * k;
+                /* Four independent sums against the FMA latency, added at the end. */
+                v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+                int d = 0;
+                for (; d + 4 <= head_dim; d += 4) {
+                    s0 += qc[d] * load16(kt + (int64_t)d * KC);
+                    s1 += qc[d + 1] * load16(kt + (int64_t)(d + 1) * KC);
+                    s2 += qc[d + 2] * load16(kt + (int64_t)(d + 2) * KC);
+                    s3 += qc[d + 3] * load16(kt + (int64_t)(d + 3) * KC);
                 }
+                for (; d < head_dim; ++d) s0 += qc[d] * load16(kt + (int64_t)d * KC);
+                const v16 s = (s0 + s1) + (s2 + s3);
                 float m = mx[c];
                 for (int t = (int)lo; t < (int)hi; ++t) m = s[t] > m ? s[t] : m;
                 const float corr = expf(mx[c] - m);
@@ -113,11 +140,29 @@ static int attend_tile(const float *query, int64_t q_stride, const float *key_ca
 #pragma omp simd
                     for (int d = 0; d < head_dim; ++d) ac[d] *= corr;
                 }
+                /* acc += w @ V: 64 output floats in registers across the chunk's keys. */
+                int d0 = 0;
+                for (; d0 + 64 <= head_dim; d0 += 64) {
+                    v16 a0 = load16(ac + d0), a1 = load16(ac + d0 + 16);
+                    v16 a2 = load16(ac + d0 + 32), a3 = load16(ac + d0 + 48);
+                    for (int t = (int)lo; t < (int)hi; ++t) {
+                        const float wt = w[t];
+                        const float *vt = vb + t * row + d0;
+                        a0 += wt * load16(vt);
+                        a1 += wt * load16(vt + 16);
+                        a2 += wt * load16(vt + 32);
+                        a3 += wt * load16(vt + 48);
+                    }
+                    memcpy(ac + d0, &a0, sizeof(a0));
+                    memcpy(ac + d0 + 16, &a1, sizeof(a1));
+                    memcpy(ac + d0 + 32, &a2, sizeof(a2));
+                    memcpy(ac + d0 + 48, &a3, sizeof(a3));
+                }
                 for (int t = (int)lo; t < (int)hi; ++t) {
                     const float wt = w[t];
                     const float *vt = vb + t * row;
 #pragma omp simd
-                    for (int d = 0; d < head_dim; ++d) ac[d] += wt * vt[d];
+                    for (int d = d0; d < head_dim; ++d) ac[d] += wt * vt[d];
                 }
             }
         }
@@ -183,10 +228,12 @@ int paged_prefill_attention_f32(const float *query, int64_t q_stride, const floa
         const int64_t r0 = (tile - tile_start[s]) * QT;
         const int64_t r1 = r0 + QT < query_lens[s] ? r0 + QT : query_lens[s];
         const int64_t start = query_starts[s];
+        const unsigned csr = ftz_enter();
         failed |= attend_tile(query + start * q_stride, q_stride, key_cache, value_cache,
                               block_tables + (int64_t)s * table_width, query_lens[s], context_lens[s],
                               r0, r1, kvh, out + start * (int64_t)num_heads * head_dim, num_heads,
                               num_kv_heads, head_dim, block_size, scale, window);
+        ftz_leave(csr);
     }
     free(tile_start);
     return failed;

@@ -32,6 +32,11 @@ needs_kernel = pytest.mark.skipif(decode_op._c_kernel() is None, reason="no C co
         (5, 8, 2, 64, 32, 20),  # sliding window shorter than most contexts
         (1, 9, 3, 64, 16, None),  # single sequence
         (4, 6, 1, 16, 1, 7),  # block size 1, multi-query
+        # head_dim 64 takes the kernel's fast path (16 scores at a time, register accumulators):
+        (7, 2, 2, 64, 8, None),  # one query head per KV head
+        (3, 4, 2, 64, 128, None),  # two per KV head; blocks of 128 in 64-position chunks
+        (2, 12, 3, 64, 16, 5),  # four per KV head, a window shorter than a block
+        (9, 5, 1, 64, 32, None),  # five per KV head: the general loops
     ],
 )
 def test_c_kernel_matches_torch(num_seqs, num_heads, num_kv_heads, head_dim, block_size, window):
