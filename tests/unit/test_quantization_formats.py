@@ -241,3 +241,19 @@ def test_detection_and_forced_method():
         get_quantization_config(_Cfg(), "gptq", is_gguf=True)
     with pytest.raises(ValueError, match=r"'bitsandbytes'.*not supported"):
         get_quantization_config(_Cfg({"quant_method": "bitsandbytes"}), None)
+
+
+def test_bfloat16_activations_and_bias():
+    """A bfloat16 model: the float32 dequantized weight is cast once per call; bias added."""
+    k, n, gs = 64, 32, 16
+    cfg = GPTQConfig.from_config({"bits": 4, "group_size": gs, "sym": True, "checkpoint_format": "gptq_v2"})
+    layer = Linear(k, n, bias=True, dtype=torch.bfloat16, quant_method=cfg.get_linear_method("m.o", ["m.o"]))
+    codes, zeros, scales = _case(n, k, 4, gs, seed=5, asym=False)
+    g_idx = torch.arange(k) // gs
+    _load(layer, [_gptq_tensors(codes, zeros, scales, 4, g_idx, v2=True)
+                  | {"bias": torch.randn(n, dtype=torch.bfloat16)}])
+    x = torch.randn(3, k, dtype=torch.bfloat16)
+    ref = x @ ref_weight(codes, zeros, scales, g_idx).t().to(torch.bfloat16) + layer.bias
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)

@@ -71,7 +71,7 @@ class CompressedTensorsWNA16Method(PackedIntLinearMethod):
         scales = tensors["weight_scale"].t()
         offset = 1 << (self.bits - 1)
         if self.symmetric:
-            zeros = torch.full(scales.shape, offset, dtype=torch.uint8)
+            zeros = torch.full(scales.shape, offset, dtype=torch.uint8, device=scales.device)
             stored = tensors["weight_zero_point"]  # some writers store zeros for symmetric schemes
             if stored is not None and not bool((unpack_int32(stored, self.bits, dim=0) == offset).all()):
                 raise self._fail("weight_zero_point is not zero for a symmetric scheme")

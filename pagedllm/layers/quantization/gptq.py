@@ -36,7 +36,7 @@ def act_order_permutation(g_idx: torch.Tensor, group_size: int, prefix: str,
     """The row order that makes the groups of `g_idx` consecutive (None: already in order).
     Every group must hold exactly `group_size` rows, as GPTQ writes them."""
     rows = g_idx.numel()
-    expected = torch.arange(rows, dtype=torch.int64) // group_size
+    expected = torch.arange(rows, dtype=torch.int64, device=g_idx.device) // group_size
     g = g_idx.to(torch.int64)
     if torch.equal(g, expected):
         return None

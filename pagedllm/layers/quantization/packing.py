@@ -39,7 +39,7 @@ def pack_int32(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     if c.numel() and (int(c.min()) < 0 or int(c.max()) >= 1 << bits):
         raise ValueError(f"codes outside 0..{(1 << bits) - 1} cannot be packed in {bits} bits")
     c = c.reshape(*c.shape[:-1], c.shape[-1] // pf, pf)
-    shifts = torch.arange(pf, dtype=torch.int64) * bits
+    shifts = torch.arange(pf, dtype=torch.int64, device=c.device) * bits
     words = (c << shifts).sum(-1)
     words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
     return words.movedim(-1, dim).contiguous()
@@ -51,7 +51,7 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     if packed.dtype != torch.int32:
         raise ValueError(f"packed weights must be int32, got {packed.dtype}")
     p = packed.movedim(dim, -1)
-    shifts = torch.arange(pf, dtype=torch.int32) * bits
+    shifts = torch.arange(pf, dtype=torch.int32, device=p.device) * bits
     codes = (p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     return codes.reshape(*p.shape[:-1], p.shape[-1] * pf).movedim(-1, dim).contiguous()
 
@@ -77,7 +77,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     """The float32 weight `[in, out]` of a canonical-form layer (see the module's docstring)."""
     pf = 32 // bits
     rows, out = qweight.shape[0] * pf, qweight.shape[1]
-    shifts = torch.arange(pf, dtype=torch.int32).mul_(bits).view(1, pf, 1)
+    shifts = torch.arange(pf, dtype=torch.int32, device=qweight.device).mul_(bits).view(1, pf, 1)
     codes = ((qweight.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).view(rows // group_size, group_size, out)
     w = (codes - zeros.unsqueeze(1).to(torch.int32)).to(torch.float32)
     return w.mul_(scales.unsqueeze(1).to(torch.float32)).view(rows, out)
