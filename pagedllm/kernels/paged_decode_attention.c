@@ -44,34 +44,10 @@
 #ifndef PARALLEL_MIN
 #define PARALLEL_MIN 256 /* cached rows x KV heads: below this one thread beats a fork and join */
 #endif
-/* Flush-to-zero / denormals-are-zero for this kernel's own arithmetic only: softmax weights of
- * far-below-maximum scores underflow into denormals, which cost a microcode assist per
- * operation (measured: decode attention 6-10% slower on SmolLM2 without this). Each thread sets
- * the mode around its work item and restores it, so the process's mode (torch's, numpy's, the
- * user's) is never changed: the library is deliberately linked without crtfastmath.o. */
-#if defined(__x86_64__) || defined(__i386__)
-#include <xmmintrin.h>
-static inline unsigned ftz_enter(void) {
-    const unsigned old = _mm_getcsr();
-    _mm_setcsr(old | 0x8040u); /* FTZ (bit 15) | DAZ (bit 6) */
-    return old;
-}
-static inline void ftz_leave(unsigned old) { _mm_setcsr(old); }
-#else
-static inline unsigned ftz_enter(void) { return 0; }
-static inline void ftz_leave(unsigned old) { (void)old; }
-#endif
+#include "kernel_common.h"
 
 #define MAX_BLOCK 64   /* block sizes above this take the portable path below in 64-token steps */
 #define STACK_FLOATS 8192
-
-typedef float v16 __attribute__((vector_size(64)));
-
-static inline v16 load16(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
 
 static inline float dot(const float *restrict a, const float *restrict b, int n) {
     if (n % 16 == 0) {

@@ -35,33 +35,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Flush-to-zero / denormals-are-zero around each work item only, restored after (as in
- * paged_decode_attention.c): far-below-maximum softmax weights underflow into denormals, which
- * cost a microcode assist per operation; the process's own mode is never changed. */
-#if defined(__x86_64__) || defined(__i386__)
-#include <xmmintrin.h>
-static inline unsigned ftz_enter(void) {
-    const unsigned old = _mm_getcsr();
-    _mm_setcsr(old | 0x8040u); /* FTZ (bit 15) | DAZ (bit 6) */
-    return old;
-}
-static inline void ftz_leave(unsigned old) { _mm_setcsr(old); }
-#else
-static inline unsigned ftz_enter(void) { return 0; }
-static inline void ftz_leave(unsigned old) { (void)old; }
-#endif
+#include "kernel_common.h"
 
 #define QT 16 /* query rows per work item */
 #define KC 16 /* key positions per chunk: one vector of scores */
 #define STACK_FLOATS 8192
-
-typedef float v16 __attribute__((vector_size(64)));
-
-static inline v16 load16(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
 
 static int attend_tile(const float *query, int64_t q_stride, const float *key_cache,
                        const float *value_cache, const int64_t *table, int64_t q_len, int64_t ctx,
