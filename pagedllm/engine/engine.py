@@ -30,6 +30,7 @@ from pagedllm.engine.input_processing import InputProcessor, PromptType
 from pagedllm.engine.kv_stats import KVCacheStats, KVCacheStatsTracker
 from pagedllm.engine.request_state import RequestState, SeqState, sample_seed
 from pagedllm.engine.sequence_update import SequenceUpdater
+from pagedllm.kernels.status import log_kernel_status
 from pagedllm.layers.sampler import Sampler
 from pagedllm.model.loader import load_model
 from pagedllm.model_source import ModelSource, load_hf_config, resolve_model
@@ -107,9 +108,7 @@ class LLMEngine:
         self._idle_steps = 0  # the watchdog's count (see `stall_steps`)
         self._kv_stats = KVCacheStatsTracker(self.num_blocks, self.block_size)
         self.startup_seconds = time.perf_counter() - t0
-        from pagedllm.kernels.status import log_kernel_status  # which path runs: C kernels or torch
-
-        log_kernel_status(self.device)
+        log_kernel_status(self.device)  # which path runs: the C kernels or plain torch
         logger.info("Engine ready in %.1f s (%s, %s)", self.startup_seconds, self.device, self.dtype)
 
     @classmethod
