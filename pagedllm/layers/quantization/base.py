@@ -109,6 +109,13 @@ class PackedIntLinearMethod(LinearMethod):
     def _fail(self, msg: str) -> ValueError:
         return ValueError(f"{self.format_name} layer {self.prefix}: {msg}")
 
+    def packed_input_size(self, input_size: int) -> int:
+        """Rows of int32 words that hold `input_size` codes packed along the input."""
+        pf = 32 // self.bits
+        if input_size % pf:
+            raise self._fail(f"input size {input_size} is not a multiple of {pf}")
+        return input_size // pf
+
     def num_groups(self, input_size: int) -> int:
         gs = input_size if self.group_size == -1 else self.group_size
         if gs <= 0 or input_size % gs:
@@ -182,9 +189,8 @@ class PackedIntLinearMethod(LinearMethod):
             tensors[name] = getattr(layer, name).data if loaded else None
             delattr(layer, name)  # the checkpoint layout does not stay resident
         qweight, scales, zeros, perm = self.to_canonical(layer, tensors)
-        groups = layer.input_size // (layer.input_size if self.group_size == -1 else self.group_size)
-        pf = 32 // self.bits
-        expect = {"qweight": (layer.input_size // pf, layer.output_size),
+        groups = self.num_groups(layer.input_size)
+        expect = {"qweight": (self.packed_input_size(layer.input_size), layer.output_size),
                   "scales": (groups, layer.output_size), "zeros": (groups, layer.output_size)}
         for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros)):
             assert tuple(t.shape) == expect[name], (name, tuple(t.shape), expect[name])

@@ -35,11 +35,10 @@ class CompressedTensorsWNA16Method(PackedIntLinearMethod):
 
     def checkpoint_specs(self, input_size, output_sizes):
         pf = 32 // self.bits
-        if input_size % pf:
-            raise self._fail(f"input size {input_size} is not a multiple of {pf}")
+        packed_in = self.packed_input_size(input_size)
         out, groups = sum(output_sizes), self.num_groups(input_size)
         return [
-            TensorSpec("weight_packed", (out, input_size // pf), (torch.int32,), shard_dim=0),
+            TensorSpec("weight_packed", (out, packed_in), (torch.int32,), shard_dim=0),
             TensorSpec("weight_scale", (out, groups), _FLOAT_DTYPES, shard_dim=0),
             TensorSpec("weight_zero_point", (out // pf, groups), (torch.int32,), shard_dim=0, shard_div=pf,
                        required=not self.symmetric),

@@ -58,11 +58,10 @@ class GPTQLinearMethod(PackedIntLinearMethod):
 
     def checkpoint_specs(self, input_size, output_sizes):
         pf = 32 // self.bits
-        if input_size % pf:
-            raise self._fail(f"input size {input_size} is not a multiple of {pf}")
+        packed_in = self.packed_input_size(input_size)
         out, groups = sum(output_sizes), self.num_groups(input_size)
         return [
-            TensorSpec("qweight", (input_size // pf, out), _INT_DTYPES, shard_dim=1),
+            TensorSpec("qweight", (packed_in, out), _INT_DTYPES, shard_dim=1),
             TensorSpec("qzeros", (groups, out // pf), _INT_DTYPES, shard_dim=1, shard_div=pf),
             TensorSpec("scales", (groups, out), _FLOAT_DTYPES, shard_dim=1),
             TensorSpec("g_idx", (input_size,), (torch.int32, torch.int64), shard_dim=None,
