@@ -21,6 +21,8 @@ import tempfile
 import types
 from pathlib import Path
 
+from benchmarks.tiny_llama import save_tiny_llama
+
 import torch
 
 
@@ -32,7 +34,6 @@ def main() -> int:
     from awq.modules.linear.gemm import WQLinear_GEMM
     from awq.utils.packing_utils import dequantize_gemm
     from safetensors.torch import load_file, save_file
-    import transformers as tf
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from check_compressed_tensors import _layer_weights
@@ -43,11 +44,7 @@ def main() -> int:
 
     ok = True
     tmp = Path(tempfile.mkdtemp())
-    config = tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(config).eval()
-    model.save_pretrained(tmp / "src")
+    model = save_tiny_llama(tmp / "src")
     for gs in (32, 16):
         ours = load_file(str(quantize_model(str(tmp / "src"), str(tmp / f"ours-{gs}"), fmt="awq", group_size=gs)
                              / "model.safetensors"))

@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.tiny_llama import save_tiny_llama
+
 import torch
 
 
@@ -48,7 +50,6 @@ def main() -> int:
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from safetensors.torch import load_file, save_file
-    import transformers as tf
 
     from pagedllm.layers.quantization.packing import pack_int32, unpack_int32
     from pagedllm.model.loader import load_model
@@ -75,11 +76,7 @@ def main() -> int:
                    torch.equal(unpack_int32(theirs, bits, dim) - (1 << (bits - 1)), q.to(torch.int32)))
 
     tmp = Path(tempfile.mkdtemp())
-    config = tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(config).eval()
-    model.save_pretrained(tmp / "src")
+    model = save_tiny_llama(tmp / "src")
     for bits, sym, gs in ((4, True, 32), (4, False, 16), (8, False, -1)):
         args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym,
                                 strategy="channel" if gs == -1 else "group", group_size=None if gs == -1 else gs)
