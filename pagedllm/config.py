@@ -16,6 +16,14 @@ SUPPORTED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 # None: auto-detected from config.json's quantization_config (docs/quantization.md)
 SUPPORTED_QUANTIZATION: tuple[str, ...] = ("gguf", "gptq", "awq", "compressed-tensors")
 SUPPORTED_PREEMPTION_MODES = ("recompute", "swap")
+# KV cache element type: "auto" = the model's dtype (float32 on CPU); bfloat16 halves the cache,
+# int8 (per-(block, head) scales) quarters it (docs/kv_cache.md).
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
+# Arithmetic of integer-weight layers (docs/quantization.md): "exact" unpacks to float32 and
+# FMAs (equal to dequantize-then-matmul); "int8" quantizes activations to int8 per block of 32
+# and multiplies in integers (AVX-512 VNNI / AVX2); "auto": int8 for AWQ/GPTQ/compressed-tensors
+# checkpoints, exact for GGUF files (greedy parity with transformers is pinned there).
+SUPPORTED_QUANT_COMPUTE = ("auto", "exact", "int8")
 
 
 @dataclass
@@ -44,6 +52,8 @@ class EngineConfig:
     preemption_mode: str | None = None
     tensor_parallel_size: int = 1
     quantization: str | None = None
+    quant_compute: str = "auto"
+    kv_cache_dtype: str = "auto"
     # True: never compile (overrides compile_batch_sizes).
     enforce_eager: bool = False
     # Opt-in (CPU): decode-only steps of up to these padded batch sizes run torch.compile'd graphs,
@@ -101,6 +111,12 @@ class EngineConfig:
                 f"quantization={self.quantization!r} is not supported yet. Supported: "
                 f"{list(SUPPORTED_QUANTIZATION)} (None: detected from the checkpoint's config.json)."
             )
+        if self.quant_compute not in SUPPORTED_QUANT_COMPUTE:
+            raise ValueError(f"quant_compute must be one of {list(SUPPORTED_QUANT_COMPUTE)}, "
+                             f"got {self.quant_compute!r}.")
+        if self.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(SUPPORTED_KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}.")
         if self.compile_batch_sizes is not None:
             if not self.compile_batch_sizes or any(int(b) < 1 for b in self.compile_batch_sizes):
                 raise ValueError(

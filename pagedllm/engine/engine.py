@@ -56,6 +56,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         t0 = time.perf_counter()
+        if config.kv_cache_dtype not in ("auto", "float32"):  # being built (issue 11)
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not implemented yet "
+                             "(auto / float32 are)")
+        if config.quant_compute == "int8":  # being built (issue 11)
+            raise ValueError("quant_compute='int8' is not implemented yet (auto / exact are)")
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)

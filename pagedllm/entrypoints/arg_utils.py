@@ -9,7 +9,9 @@ from pagedllm.config import (
     SUPPORTED_BLOCK_SIZES,
     SUPPORTED_DEVICES,
     SUPPORTED_DTYPES,
+    SUPPORTED_KV_CACHE_DTYPES,
     SUPPORTED_PREEMPTION_MODES,
+    SUPPORTED_QUANT_COMPUTE,
     EngineConfig,
 )
 
@@ -41,6 +43,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                    help="force recompute or swap (default: swap groups, recompute singles)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--quantization", "-q", default=None)
+    g.add_argument("--quant-compute", default="auto", choices=SUPPORTED_QUANT_COMPUTE,
+                   help="integer-weight layers: exact float32 arithmetic or int8 activations "
+                        "(auto: int8 for AWQ/GPTQ/compressed-tensors, exact for GGUF)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=SUPPORTED_KV_CACHE_DTYPES,
+                   help="KV cache element type (auto: the model's dtype)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never compile, even with --compile-batch-sizes")
     g.add_argument("--compile-batch-sizes", default=None,
@@ -81,7 +88,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "tokenizer", "dtype", "device", "seed", "max_model_len", "block_size", "kv_cache_space",
         "gpu_memory_utilization", "num_kv_blocks", "swap_space", "max_num_seqs",
         "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill",
-        "preemption_mode", "tensor_parallel_size", "quantization", "enforce_eager",
+        "preemption_mode", "tensor_parallel_size", "quantization", "quant_compute", "kv_cache_dtype",
+        "enforce_eager",
         "compile_batch_sizes", "num_threads", "served_model_name", "chat_template",
     ):
         kwargs[name] = getattr(args, name)
