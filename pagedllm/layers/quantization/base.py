@@ -206,6 +206,10 @@ class PackedIntLinearMethod(LinearMethod):
         return dequantize(layer.qweight, layer.scales, layer.zeros, self.bits, gs)
 
     def apply(self, layer, x, bias) -> torch.Tensor:
+        if x.is_cuda:  # the Triton dequantize-fused matmul (triton_int_gemm.py), where Triton is installed
+            from pagedllm.layers.quantization.triton_int_gemm import apply_packed_int
+            if (out := apply_packed_int(self, layer, x, bias)) is not None:
+                return out
         if layer.perm is not None:
             x = x.index_select(-1, layer.perm)
         w = self.dequantized_weight(layer)
