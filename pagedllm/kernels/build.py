@@ -50,9 +50,12 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "PAGEDLLM_DISABLE_C_KERNELS"
 TIMEOUT_ENV = "PAGEDLLM_KERNEL_BUILD_TIMEOUT"
+# Target of the build, default the CPU it runs on. Tests set e.g. `x86-64-v3` (AVX2) or `x86-64`
+# (SSE2) to exercise the kernels' other instruction-set paths on one machine.
+MARCH_ENV = "PAGEDLLM_KERNEL_MARCH"
 DEFAULT_BUILD_TIMEOUT_S = 120.0
 # Compiled objects get the fast-math flags; the link step must not (see the module docstring).
-_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+_CFLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 _LDFLAGS = ["-shared", "-fopenmp"]
 _BUILD_RECIPE_VERSION = 2  # part of the cache key: 1 linked with -ffast-math (crtfastmath.o)
 _SOURCE_DIR = Path(__file__).parent
@@ -194,9 +197,10 @@ def _build_or_load(source_name: str) -> tuple[ctypes.CDLL | None, str]:
     if compiler is None:
         _broken_compiler = compiler_name
         return _fail(source_name, compiler_name)
+    cflags = [f"-march={os.environ.get(MARCH_ENV) or 'native'}", *_CFLAGS]
     source = (_SOURCE_DIR / source_name).read_bytes()
     included = b"".join((_SOURCE_DIR / name.decode()).read_bytes() for name in _LOCAL_INCLUDE.findall(source))
-    recipe = f"{_BUILD_RECIPE_VERSION} {' '.join(_CFLAGS)} | {' '.join(_LDFLAGS)} | {compiler_name}"
+    recipe = f"{_BUILD_RECIPE_VERSION} {' '.join(cflags)} | {' '.join(_LDFLAGS)} | {compiler_name}"
     key = hashlib.sha256(source + included + recipe.encode() + _cpu_signature().encode()).hexdigest()[:16]
     out_dir = cache_dir() / "kernels"
     target = out_dir / f"{Path(source_name).stem}-{key}.so"
@@ -213,7 +217,7 @@ def _build_or_load(source_name: str) -> tuple[ctypes.CDLL | None, str]:
         try:
             obj, lib = work / "kernel.o", work / "kernel.so"
             timeout = _build_timeout()
-            error = _run([*compiler, *_CFLAGS, "-c", str(_SOURCE_DIR / source_name), "-o", str(obj)], timeout)
+            error = _run([*compiler, *cflags, "-c", str(_SOURCE_DIR / source_name), "-o", str(obj)], timeout)
             if error is None:
                 error = _run([*compiler, *_LDFLAGS, str(obj), "-o", str(lib), "-lm"], timeout)
             if error is not None:
@@ -249,22 +253,30 @@ _PTR, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
 
 def decode_attention_kernel():
-    """The `paged_decode_attention_f32` C function (built and loaded once), or None."""
+    """The `paged_decode_attention` C function (built and loaded once), or None. Its first
+    argument is the cache's element kind (layers/kv_cache_format.KERNEL_KIND)."""
     return _kernel_function(
         "paged_decode_attention.c",
-        "paged_decode_attention_f32",
-        (_PTR, _I64, _PTR, _PTR, _I64) + (_PTR,) * 6 + (_I32,) * 6 + (_I64, ctypes.c_float, _I32, _I32),
+        "paged_decode_attention",
+        (_I32, _PTR, _I64, _PTR, _PTR, _I64) + (_PTR,) * 6 + (_I32,) * 6 + (_I64, ctypes.c_float, _I32, _I32),
     )
 
 
 def prefill_attention_kernel():
-    """The `paged_prefill_attention_f32` C function (built and loaded once), or None."""
+    """The `paged_prefill_attention` C function (built and loaded once), or None (first
+    argument: the cache's element kind, as for decode)."""
     return _kernel_function(
         "paged_prefill_attention.c",
-        "paged_prefill_attention_f32",
-        (_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I32) + (_PTR,) * 3
+        "paged_prefill_attention",
+        (_I32, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I32) + (_PTR,) * 3
         + (_I32, _PTR) + (_I32,) * 4 + (_I64, ctypes.c_float, _I32, _I32),
     )
+
+
+def bf16_round_kernel():
+    """`kv_bf16_round(src, dst, n, portable)` of kernels/kv_cache_types.h (the tests check both
+    of its paths against torch), or None."""
+    return _kernel_function("paged_decode_attention.c", "kv_bf16_round", (_PTR, _PTR, _I64, _I32), None)
 
 
 class PackedGemm(NamedTuple):
@@ -303,6 +315,36 @@ def block_gemm_kernel() -> BlockGemm | None:
     pack = _kernel_function("block_gemm.c", "block_pack", (_I32,) + (_PTR,) * 4 + (_I64, _I64), None)
     gemm = _kernel_function("block_gemm.c", "block_gemm_f32", (_I32,) + (_PTR,) * 4 + (_I64,) * 3 + (_I32,))
     return BlockGemm(size, pack, gemm)
+
+
+class IntGemm(NamedTuple):
+    """The functions of `int_gemm.c` (see there for the layout and the two arithmetic paths)."""
+
+    packed_size: Callable[..., int]  # (bits, kind, N, K, gs) -> bytes, -1 if unsupported
+    pack: Callable[..., int]  # (bits, kind, codes, d, offsets, out, N, K, gs)
+    unpack: Callable[..., int]  # (bits, kind, packed, w, N, K, gs)
+    exact: Callable[..., int]  # (bits, kind, x, packed, y, scratch, M, N, K, gs, threads)
+    int8: Callable[..., int]  # (bits, kind, x, packed, y, scratch, M, N, K, gs, threads)
+    int8_scratch: Callable[..., int]  # (M, K) -> bytes of scratch for `int8`
+    isa: Callable[..., int]  # () -> 3 AVX-512 VNNI, 2 AVX-VNNI, 1 AVX2, 0 portable C
+
+
+@functools.cache
+def int_gemm_kernel() -> IntGemm | None:
+    """The integer-weight GEMM of `int_gemm.c` (built and loaded once), or None."""
+    src = "int_gemm.c"
+    size = _kernel_function(src, "int_gemm_packed_size", (_I32, _I32, _I64, _I64, _I64), _I64)
+    if size is None:
+        return None
+    return IntGemm(
+        size,
+        _kernel_function(src, "int_gemm_pack", (_I32, _I32) + (_PTR,) * 4 + (_I64,) * 3),
+        _kernel_function(src, "int_gemm_unpack", (_I32, _I32, _PTR, _PTR) + (_I64,) * 3),
+        _kernel_function(src, "int_gemm_exact", (_I32, _I32) + (_PTR,) * 4 + (_I64,) * 4 + (_I32,)),
+        _kernel_function(src, "int_gemm_int8", (_I32, _I32) + (_PTR,) * 4 + (_I64,) * 4 + (_I32,)),
+        _kernel_function(src, "int_gemm_int8_scratch", (_I64, _I64), _I64),
+        _kernel_function(src, "int_gemm_isa", ()),
+    )
 
 
 class FusedOps(NamedTuple):

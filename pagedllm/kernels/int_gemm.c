@@ -1,0 +1,510 @@
+/* y[M, N] = x[M, K] @ w[N, K]^T with w kept as unsigned 4-bit or 8-bit integer codes in groups
+ * along K, w = d * q + m per (group, output column): GPTQ / AWQ / compressed-tensors weights
+ * (m = -d * zero) and GGUF's Q4_0 / Q4_1 / Q8_0 blocks (groups of 32) all have this form.
+ *
+ * Two arithmetic paths over the same packed weights (layers/quantization/int_kernel.py):
+ * - exact: each weight is unpacked to float32 in registers (d * q + m, exact in float32 when d is
+ *   a float16 / bfloat16 value and m = -d * zero or a float16 value) and multiplied by float32
+ *   activations: the same products as dequantize-then-matmul, only summed in another order.
+ *   Up to 16 rows the weights are unpacked in registers per row tile; from 17 rows each panel
+ *   is unpacked once per chunk of rows and packed_gemm.c's float32 kernel runs against it.
+ * - int8: each row of x is quantized on the fly to int8 per block of 32 k (scale = absmax / 127,
+ *   finer than per token, as llama.cpp's Q8 activations), and each block's dot products are
+ *   integer: sum_k q * xq in int32 (`vpdpbusd` with AVX-512 VNNI: 64 multiply-adds an
+ *   instruction against 16 float32 FMAs; AVX2 `vpmaddubsw` + `vpmaddwd` for 4-bit codes; plain C
+ *   otherwise), then y += d * (xs * dot) + m * (xs * sum_k xq) in float32 per block.
+ * The instruction set is chosen at build time from `-march=native` (the library is built on the
+ * machine it runs on, kernels/build.py) and reported by int_gemm_isa().
+ *
+ * Layout, per panel of 32 output columns (columns past N have d = m = 0, q = 0), per group of gs
+ * k (gs a multiple of 32 dividing K):
+ *   header: float d[32], then zero points uint8 z[32] (OFFSET_ZERO: m = -d * z, derived in
+ *           registers) or float m[32] (OFFSET_MIN);
+ *   4-bit codes: per 8 k, two 64-byte vectors (columns 0-15, 16-31); in each, byte 4c + j holds
+ *           column c's code of k0 + j in its low nibble and of k0 + 4 + j in its high nibble;
+ *   8-bit codes: per 4 k, two 64-byte vectors; byte 4c + j is column c's code of k0 + j.
+ * So each 32-bit lane of a vector is one column's codes of 4 (8) consecutive k: the operand
+ * `vpdpbusd` multiplies by 4 broadcast activation bytes, and a shift and a mask give the
+ * exact path one k's 16 weights. Threads split the panels. */
+#include <math.h>
+#include <stdlib.h>
+
+#include "packed_gemm.c" /* the float32 panel kernel: v16, NR, MR, M_CHUNK, pack_rows, ... */
+
+#define KB 32            /* activation block of the int8 path; groups are multiples of it */
+#if defined(__AVX512F__)
+#define MRE 8 /* rows per register tile, exact path (32 vector registers) */
+#elif defined(__AVX2__)
+#define MRE 4 /* 16 registers: a larger tile only spills (and multiplies the build time) */
+#else
+#define MRE 2 /* portable build: small tiles keep gcc's vector lowering (and build) short */
+#endif
+#if defined(__AVX2__)
+#define MRI 4 /* rows per register tile, int8 path */
+#else
+#define MRI 2
+#endif
+#define PANEL_MIN_ROWS 17 /* exact path: from here on unpack each panel once per row chunk */
+
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+enum { OFFSET_ZERO = 0, OFFSET_MIN = 1 };
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+static inline i32x16 load_i32x16(const uint8_t *p) {
+    i32x16 v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+/* 16 bytes widened to 16 float lanes. */
+static inline v16 u8_to_f32(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return __builtin_convertvector((i32x16)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)), v16);
+#else
+    i32x16 r;
+    for (int i = 0; i < 16; ++i) r[i] = p[i];
+    return __builtin_convertvector(r, v16);
+#endif
+}
+
+/* acc[lane] += sum_j byte_j(w[lane]) * x_j for the 4 signed activation bytes of `xquad`: the
+ * code bytes are unsigned (0..15 when `small`, else 0..255). */
+static inline __attribute__((always_inline)) i32x16 dot4(i32x16 acc, i32x16 w, int32_t xquad,
+                                                          const int small) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+    (void)small;
+    return (i32x16)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(xquad));
+#elif defined(__AVX2__)
+    __m256i w2[2], a2[2];
+    memcpy(w2, &w, 64);
+    memcpy(a2, &acc, 64);
+    const __m256i xb = _mm256_set1_epi32(xquad);
+#if defined(__AVXVNNI__)
+    (void)small;
+    a2[0] = _mm256_dpbusd_avx_epi32(a2[0], w2[0], xb);
+    a2[1] = _mm256_dpbusd_avx_epi32(a2[1], w2[1], xb);
+#else
+    if (small) { /* 15 * 127 * 2 fits int16: vpmaddubsw cannot saturate */
+        const __m256i ones = _mm256_set1_epi16(1);
+        a2[0] = _mm256_add_epi32(a2[0], _mm256_madd_epi16(_mm256_maddubs_epi16(w2[0], xb), ones));
+        a2[1] = _mm256_add_epi32(a2[1], _mm256_madd_epi16(_mm256_maddubs_epi16(w2[1], xb), ones));
+    } else { /* 8-bit codes: widen to int16 first (255 * 127 * 2 would saturate vpmaddubsw) */
+        const __m256i xw = _mm256_cvtepi8_epi16(_mm_set1_epi32(xquad));
+        for (int h = 0; h < 2; ++h) {
+            const __m256i lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w2[h]));
+            const __m256i hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w2[h], 1));
+            /* lane pairs (2 k each) -> int32, then add neighbouring pairs: 4 k per column */
+            const __m256i plo = _mm256_madd_epi16(lo, xw), phi = _mm256_madd_epi16(hi, xw);
+            const __m256i sums = _mm256_hadd_epi32(plo, phi); /* [lo0 lo1 hi0 hi1 | lo2 lo3 hi2 hi3] */
+            a2[h] = _mm256_add_epi32(a2[h], _mm256_permute4x64_epi64(sums, 0xD8));
+        }
+    }
+#endif
+    memcpy(&acc, a2, 64);
+    return acc;
+#else
+    (void)small;
+    int8_t xb[4];
+    memcpy(xb, &xquad, 4);
+    for (int j = 0; j < 4; ++j) acc += ((w >> (8 * j)) & 0xFF) * (int32_t)xb[j];
+    return acc;
+#endif
+}
+
+int int_gemm_isa(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+    return 3; /* AVX-512 VNNI */
+#elif defined(__AVX2__) && defined(__AVXVNNI__)
+    return 2; /* AVX-VNNI (256-bit) */
+#elif defined(__AVX2__)
+    return 1; /* AVX2 */
+#else
+    return 0; /* portable C */
+#endif
+}
+
+static int64_t header_bytes(int kind) { return NR * 4 + (kind == OFFSET_ZERO ? NR : NR * 4); }
+
+static int64_t group_bytes(int bits, int kind, int64_t gs) {
+    return header_bytes(kind) + gs * NR * bits / 8;
+}
+
+static int valid(int bits, int kind, int64_t N, int64_t K, int64_t gs) {
+    return (bits == 4 || bits == 8) && (kind == OFFSET_ZERO || kind == OFFSET_MIN) && N >= 1 &&
+           K >= KB && gs >= KB && gs % KB == 0 && K % gs == 0;
+}
+
+/* Bytes of the packed form of an [N, K] weight (-1: unsupported arguments). */
+int64_t int_gemm_packed_size(int bits, int kind, int64_t N, int64_t K, int64_t gs) {
+    if (!valid(bits, kind, N, K, gs)) return -1;
+    return ((N + NR - 1) / NR) * (K / gs) * group_bytes(bits, kind, gs);
+}
+
+/* Pack codes q [N, K] (uint8, < 2^bits), d [N, K/gs] and offsets [N, K/gs] (uint8 zero points
+ * for OFFSET_ZERO, float m for OFFSET_MIN) into the layout above. */
+int int_gemm_pack(int bits, int kind, const uint8_t *q, const float *d, const void *off,
+                  uint8_t *out, int64_t N, int64_t K, int64_t gs) {
+    if (!valid(bits, kind, N, K, gs)) return 1;
+    const int64_t panels = (N + NR - 1) / NR, G = K / gs, gb = group_bytes(bits, kind, gs);
+    const int64_t hb = header_bytes(kind);
+    for (int64_t p = 0; p < panels; ++p)
+        for (int64_t g = 0; g < G; ++g) {
+            uint8_t *dst = out + (p * G + g) * gb;
+            for (int64_t j = 0; j < NR; ++j) {
+                const int64_t n = p * NR + j;
+                const float dv = n < N ? d[n * G + g] : 0.0f;
+                memcpy(dst + 4 * j, &dv, 4);
+                if (kind == OFFSET_ZERO) {
+                    dst[NR * 4 + j] = n < N ? ((const uint8_t *)off)[n * G + g] : 0;
+                } else {
+                    const float mv = n < N ? ((const float *)off)[n * G + g] : 0.0f;
+                    memcpy(dst + NR * 4 + 4 * j, &mv, 4);
+                }
+            }
+            uint8_t *codes = dst + hb;
+            const int64_t per_vec = bits == 4 ? 8 : 4; /* k per 64-byte vector */
+            for (int64_t o = 0; o < gs / per_vec; ++o)
+                for (int h = 0; h < 2; ++h) {
+                    uint8_t *vec = codes + (o * 2 + h) * 64;
+                    for (int c = 0; c < 16; ++c) {
+                        const int64_t n = p * NR + 16 * h + c;
+                        const uint8_t *row = q + n * K + g * gs + o * per_vec;
+                        for (int j = 0; j < 4; ++j) {
+                            if (n >= N) {
+                                vec[4 * c + j] = 0;
+                            } else if (bits == 4) {
+                                vec[4 * c + j] = (uint8_t)((row[j] & 15) | (row[j + 4] & 15) << 4);
+                            } else {
+                                vec[4 * c + j] = row[j];
+                            }
+                        }
+                    }
+                }
+        }
+    return 0;
+}
+
+/* A group's d and m for columns 0-15 and 16-31 of a panel. */
+static inline void group_header(int kind, const uint8_t *hdr,
+                                                               v16 *d0, v16 *d1, v16 *m0, v16 *m1) {
+    *d0 = load16((const float *)hdr);
+    *d1 = load16((const float *)hdr + 16);
+    if (kind == OFFSET_ZERO) {
+        *m0 = -(u8_to_f32(hdr + NR * 4) * *d0);
+        *m1 = -(u8_to_f32(hdr + NR * 4 + 16) * *d1);
+    } else {
+        *m0 = load16((const float *)(hdr + NR * 4));
+        *m1 = load16((const float *)(hdr + NR * 4) + 16);
+    }
+}
+
+/* The weights of k = k0 + jj (jj < 8 for 4-bit, < 4 for 8-bit) from a vector of codes. */
+static inline __attribute__((always_inline)) v16 weights_of(const i32x16 v, const int jj,
+                                                            const int bits, v16 d, v16 m) {
+    const int shift = bits == 8 ? 8 * jj : (jj < 4 ? 8 * jj : 8 * (jj - 4) + 4);
+    const i32x16 q = (v >> shift) & (bits == 8 ? 0xFF : 0x0F);
+    return __builtin_convertvector(q, v16) * d + m;
+}
+
+/* The float32 panel [K][32] of one packed panel (the exact weights). */
+static void unpack_panel(const int bits, const int kind, const uint8_t *panel, float *out,
+                         int64_t K, int64_t gs) {
+    const int64_t gb = group_bytes(bits, kind, gs), hb = header_bytes(kind);
+    const int per_vec = bits == 4 ? 8 : 4;
+    for (int64_t g = 0; g < K / gs; ++g) {
+        v16 d0, d1, m0, m1;
+        group_header(kind, panel + g * gb, &d0, &d1, &m0, &m1);
+        const uint8_t *codes = panel + g * gb + hb;
+        for (int64_t o = 0; o < gs / per_vec; ++o) {
+            const i32x16 v0 = load_i32x16(codes + o * 128), v1 = load_i32x16(codes + o * 128 + 64);
+            for (int jj = 0; jj < per_vec; ++jj) {
+                float *dst = out + (g * gs + o * per_vec + jj) * NR;
+                if (bits == 4) {
+                    store16(dst, weights_of(v0, jj, 4, d0, m0));
+                    store16(dst + 16, weights_of(v1, jj, 4, d1, m1));
+                } else {
+                    store16(dst, weights_of(v0, jj, 8, d0, m0));
+                    store16(dst + 16, weights_of(v1, jj, 8, d1, m1));
+                }
+            }
+        }
+    }
+}
+
+/* The float32 weight w [N, K] of a packed weight (tests, and layers that need the values). */
+int int_gemm_unpack(int bits, int kind, const uint8_t *packed, float *w, int64_t N, int64_t K,
+                    int64_t gs) {
+    if (!valid(bits, kind, N, K, gs)) return 1;
+    const int64_t panels = (N + NR - 1) / NR, panel_bytes = (K / gs) * group_bytes(bits, kind, gs);
+    float *fp = (float *)malloc(sizeof(float) * K * NR);
+    if (fp == NULL) return 2;
+    for (int64_t p = 0; p < panels; ++p) {
+        unpack_panel(bits, kind, packed + p * panel_bytes, fp, K, gs);
+        for (int64_t j = 0; j < NR && p * NR + j < N; ++j)
+            for (int64_t k = 0; k < K; ++k) w[(p * NR + j) * K + k] = fp[k * NR + j];
+    }
+    free(fp);
+    return 0;
+}
+
+/* Exact path: mr rows of x against one panel over all of K, unpacking in registers; for
+ * mr <= 4 two accumulator sets (alternate k) hide the FMA latency. */
+static inline __attribute__((always_inline)) void exact_tile(
+    const float *x, int64_t ldx, const uint8_t *panel, float *y, int64_t ldy, int64_t K,
+    int64_t gs, int64_t ncols, const int bits, int kind, const int mr) {
+    v16 acc[2][MRE][2];
+    for (int s = 0; s < 2; ++s)
+        for (int i = 0; i < mr; ++i) acc[s][i][0] = acc[s][i][1] = (v16){0};
+    const int64_t gb = group_bytes(bits, kind, gs), hb = header_bytes(kind);
+    const int per_vec = bits == 4 ? 8 : 4;
+    for (int64_t g = 0; g < K / gs; ++g) {
+        v16 d0, d1, m0, m1;
+        group_header(kind, panel + g * gb, &d0, &d1, &m0, &m1);
+        const uint8_t *codes = panel + g * gb + hb;
+        for (int64_t o = 0; o < gs / per_vec; ++o) {
+            const i32x16 v0 = load_i32x16(codes + o * 128), v1 = load_i32x16(codes + o * 128 + 64);
+            const float *xk = x + g * gs + o * per_vec;
+#pragma GCC unroll 8
+            for (int jj = 0; jj < per_vec; ++jj) {
+                const v16 w0 = weights_of(v0, jj, bits, d0, m0);
+                const v16 w1 = weights_of(v1, jj, bits, d1, m1);
+                const int s = mr <= 4 ? (jj & 1) : 0;
+#pragma GCC unroll 8
+                for (int i = 0; i < mr; ++i) {
+                    const v16 xi = (v16){0} + xk[i * ldx + jj];
+                    acc[s][i][0] += xi * w0;
+                    acc[s][i][1] += xi * w1;
+                }
+            }
+        }
+    }
+    for (int i = 0; i < mr; ++i) {
+        float tmp[NR];
+        store16(tmp, acc[0][i][0] + acc[1][i][0]);
+        store16(tmp + 16, acc[0][i][1] + acc[1][i][1]);
+        memcpy(y + i * ldy, tmp, (size_t)ncols * sizeof(float));
+    }
+}
+
+#if MRE == 8
+#define EXACT_WIDE(B)                                                                       \
+        case 8: exact_tile(x, K, panel, y, N, K, gs, ncols, B, kind, 8); break;             \
+        case 7: exact_tile(x, K, panel, y, N, K, gs, ncols, B, kind, 7); break;             \
+        case 6: exact_tile(x, K, panel, y, N, K, gs, ncols, B, kind, 6); break;             \
+        case 5: exact_tile(x, K, panel, y, N, K, gs, ncols, B, kind, 5); break;             \
+        case 4: exact_tile(x, K, panel, y, N, K, gs, ncols, B, kind, 4); break;             \
+        case 3: exact_tile(x, K, panel, y, N, K, gs, ncols, B, kind, 3); break;
+#elif MRE == 4
+#define EXACT_WIDE(B)                                                                       \
+        case 4: exact_tile(x, K, panel, y, N, K, gs, ncols, B, kind, 4); break;             \
+        case 3: exact_tile(x, K, panel, y, N, K, gs, ncols, B, kind, 3); break;
+#else
+#define EXACT_WIDE(B)
+#endif
+#define EXACT_ROWS(B)                                                                       \
+    switch (mr) {                                                                           \
+        EXACT_WIDE(B)                                                                       \
+        case 2: exact_tile(x, K, panel, y, N, K, gs, ncols, B, kind, 2); break;             \
+        default: exact_tile(x, K, panel, y, N, K, gs, ncols, B, kind, 1); break;            \
+    }
+
+/* Instances per bit width and tile height; the kind of offset is a branch once per group. */
+static void exact_rows(int bits, int kind, const float *x, const uint8_t *panel, float *y,
+                       int64_t N, int64_t K, int64_t gs, int64_t ncols, int mr) {
+    if (bits == 4) {
+        EXACT_ROWS(4)
+    } else {
+        EXACT_ROWS(8)
+    }
+}
+
+/* y = x @ w^T in float32 arithmetic. xp_buf: min(M, M_CHUNK) * K floats of caller scratch
+ * (used from PANEL_MIN_ROWS rows on). Returns 0, 1 (bad arguments) or 2 (out of memory). */
+int int_gemm_exact(int bits, int kind, const float *x, const uint8_t *wp, float *y, float *xp_buf,
+                   int64_t M, int64_t N, int64_t K, int64_t gs, int num_threads) {
+    if (M < 1 || !valid(bits, kind, N, K, gs)) return 1;
+    const int64_t panels = (N + NR - 1) / NR, panel_bytes = (K / gs) * group_bytes(bits, kind, gs);
+    if (M < PANEL_MIN_ROWS) {
+        const int64_t tiles = (M + MRE - 1) / MRE, tile = (M + tiles - 1) / tiles;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * N * K >= 32768)
+        for (int64_t p = 0; p < panels; ++p) {
+            const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
+            for (int64_t r = 0; r < M; r += tile) {
+                const int mr = (int)(M - r < tile ? M - r : tile);
+                exact_rows(bits, kind, x + r * K, wp + p * panel_bytes, y + r * N + p * NR, N, K,
+                           gs, ncols, mr);
+            }
+        }
+        return 0;
+    }
+    int failed = 0;
+    for (int64_t m0 = 0; m0 < M && !failed; m0 += M_CHUNK) {
+        const int64_t mc = M - m0 < M_CHUNK ? M - m0 : M_CHUNK;
+        pack_rows(x, xp_buf, m0, mc, K, num_threads);
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+        {
+            float *fp = (float *)malloc(sizeof(float) * K * NR);
+            if (fp == NULL) {
+                failed = 2;
+            } else {
+#pragma omp for schedule(static)
+                for (int64_t p = 0; p < panels; ++p) {
+                    const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
+                    unpack_panel(bits, kind, wp + p * panel_bytes, fp, K, gs);
+                    chunk_times_panel(xp_buf, fp, y + m0 * N + p * NR, mc, N, K, ncols);
+                }
+                free(fp);
+            }
+        }
+    }
+    return failed;
+}
+
+/* ---- int8 path ------------------------------------------------------------------------- */
+
+/* Rows of x as int8 per block of 32 k: xq [M, K], xs [M, K/32] (scale), xsum [M, K/32]
+ * (scale * sum of the block's int8 values). */
+static void quantize_rows(const float *x, int8_t *xq, float *xs, float *xsum, int64_t M,
+                          int64_t K, int num_threads) {
+    const int64_t nb = K / KB;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 65536)
+    for (int64_t r = 0; r < M; ++r)
+        for (int64_t b = 0; b < nb; ++b) {
+            const float *src = x + r * K + b * KB;
+            float amax = 0.0f;
+            for (int i = 0; i < KB; ++i) amax = fmaxf(amax, fabsf(src[i]));
+            const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int32_t sum = 0;
+            for (int i = 0; i < KB; ++i) {
+                const int32_t v = (int32_t)lrintf(src[i] * inv);
+                const int32_t c = v > 127 ? 127 : (v < -127 ? -127 : v);
+                xq[r * K + b * KB + i] = (int8_t)c;
+                sum += c;
+            }
+            xs[r * nb + b] = scale;
+            xsum[r * nb + b] = scale * (float)sum;
+        }
+}
+
+static inline int32_t load_quad(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* int8 path: mr rows against one panel over all of K. */
+static inline __attribute__((always_inline)) void int8_tile(
+    const int8_t *xq, const float *xs, const float *xsum, int64_t K, const uint8_t *panel,
+    float *y, int64_t ldy, int64_t gs, int64_t ncols, const int bits, int kind,
+    const int mr) {
+    const int64_t nb = K / KB, gb = group_bytes(bits, kind, gs), hb = header_bytes(kind);
+    v16 acc[MRI][2];
+    for (int i = 0; i < mr; ++i) acc[i][0] = acc[i][1] = (v16){0};
+    for (int64_t g = 0; g < K / gs; ++g) {
+        v16 d0, d1, m0, m1;
+        group_header(kind, panel + g * gb, &d0, &d1, &m0, &m1);
+        const uint8_t *codes = panel + g * gb + hb;
+        for (int64_t bb = 0; bb < gs / KB; ++bb) {
+            const int64_t b = g * (gs / KB) + bb, k0 = b * KB;
+            i32x16 dot[MRI][2];
+            for (int i = 0; i < mr; ++i) dot[i][0] = dot[i][1] = (i32x16){0};
+            if (bits == 4) {
+                const uint8_t *cb = codes + bb * (KB / 8) * 128;
+#pragma GCC unroll 4
+                for (int o = 0; o < KB / 8; ++o) {
+                    const i32x16 v0 = load_i32x16(cb + o * 128), v1 = load_i32x16(cb + o * 128 + 64);
+                    const i32x16 lo0 = v0 & 0x0F0F0F0F, hi0 = (v0 >> 4) & 0x0F0F0F0F;
+                    const i32x16 lo1 = v1 & 0x0F0F0F0F, hi1 = (v1 >> 4) & 0x0F0F0F0F;
+#pragma GCC unroll 4
+                    for (int i = 0; i < mr; ++i) {
+                        const int32_t xa = load_quad(xq + i * K + k0 + o * 8);
+                        const int32_t xb = load_quad(xq + i * K + k0 + o * 8 + 4);
+                        dot[i][0] = dot4(dot4(dot[i][0], lo0, xa, 1), hi0, xb, 1);
+                        dot[i][1] = dot4(dot4(dot[i][1], lo1, xa, 1), hi1, xb, 1);
+                    }
+                }
+            } else {
+                const uint8_t *cb = codes + bb * (KB / 4) * 128;
+#pragma GCC unroll 8
+                for (int o = 0; o < KB / 4; ++o) {
+                    const i32x16 v0 = load_i32x16(cb + o * 128), v1 = load_i32x16(cb + o * 128 + 64);
+#pragma GCC unroll 4
+                    for (int i = 0; i < mr; ++i) {
+                        const int32_t xa = load_quad(xq + i * K + k0 + o * 4);
+                        dot[i][0] = dot4(dot[i][0], v0, xa, 0);
+                        dot[i][1] = dot4(dot[i][1], v1, xa, 0);
+                    }
+                }
+            }
+#pragma GCC unroll 4
+            for (int i = 0; i < mr; ++i) {
+                const v16 s = (v16){0} + xs[i * nb + b], sq = (v16){0} + xsum[i * nb + b];
+                acc[i][0] += __builtin_convertvector(dot[i][0], v16) * s * d0 + m0 * sq;
+                acc[i][1] += __builtin_convertvector(dot[i][1], v16) * s * d1 + m1 * sq;
+            }
+        }
+    }
+    store_rows(y, ldy, acc, mr, ncols);
+}
+
+#if MRI == 4
+#define INT8_WIDE(B)                                                                            \
+        case 4: int8_tile(xq, xs, xsum, K, panel, y, N, gs, ncols, B, kind, 4); break;          \
+        case 3: int8_tile(xq, xs, xsum, K, panel, y, N, gs, ncols, B, kind, 3); break;
+#else
+#define INT8_WIDE(B)
+#endif
+#define INT8_ROWS(B)                                                                            \
+    switch (mr) {                                                                               \
+        INT8_WIDE(B)                                                                            \
+        case 2: int8_tile(xq, xs, xsum, K, panel, y, N, gs, ncols, B, kind, 2); break;          \
+        default: int8_tile(xq, xs, xsum, K, panel, y, N, gs, ncols, B, kind, 1); break;         \
+    }
+
+static void int8_rows(int bits, int kind, const int8_t *xq, const float *xs, const float *xsum,
+                      const uint8_t *panel, float *y, int64_t N, int64_t K, int64_t gs,
+                      int64_t ncols, int mr) {
+    if (bits == 4) {
+        INT8_ROWS(4)
+    } else {
+        INT8_ROWS(8)
+    }
+}
+
+/* Bytes of scratch int_gemm_int8 needs for M rows. */
+int64_t int_gemm_int8_scratch(int64_t M, int64_t K) {
+    return M * K + 2 * M * (K / KB) * (int64_t)sizeof(float) + 64;
+}
+
+/* y = x @ w^T with x quantized to int8 per block of 32 (see the top). scratch: at least
+ * int_gemm_int8_scratch(M, K) bytes. Rows go in chunks so that a chunk's int8 activations stay
+ * in cache while every panel runs over them. Returns 0 or 1 (bad arguments). */
+int int_gemm_int8(int bits, int kind, const float *x, const uint8_t *wp, float *y, uint8_t *scratch,
+                  int64_t M, int64_t N, int64_t K, int64_t gs, int num_threads) {
+    if (M < 1 || !valid(bits, kind, N, K, gs)) return 1;
+    const int64_t nb = K / KB;
+    float *xs = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    float *xsum = xs + M * nb;
+    int8_t *xq = (int8_t *)(xsum + M * nb);
+    quantize_rows(x, xq, xs, xsum, M, K, num_threads);
+    const int64_t panels = (N + NR - 1) / NR, panel_bytes = (K / gs) * group_bytes(bits, kind, gs);
+    const int64_t chunk = 256;
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+        const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
+        const int64_t tiles = (mc + MRI - 1) / MRI, tile = (mc + tiles - 1) / tiles;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (mc * N * K >= 32768)
+        for (int64_t p = 0; p < panels; ++p) {
+            const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
+            for (int64_t r = m0; r < m0 + mc; r += tile) {
+                const int mr = (int)(m0 + mc - r < tile ? m0 + mc - r : tile);
+                int8_rows(bits, kind, xq + r * K, xs + r * nb, xsum + r * nb, wp + p * panel_bytes,
+                          y + r * N + p * NR, N, K, gs, ncols, mr);
+            }
+        }
+    }
+    return 0;
+}

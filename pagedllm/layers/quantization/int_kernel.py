@@ -1,0 +1,115 @@
+"""Integer weights kept packed for kernels/int_gemm.c, and the product `x @ W^T` on them.
+
+Every integer format pagedllm loads (GPTQ, AWQ, compressed-tensors, GGUF Q4_0 / Q4_1 / Q8_0)
+becomes `W[n, k] = d[n, g] * q[n, k] + m[n, g]` with unsigned codes `q` of 4 or 8 bits in groups
+`g` of `group_size` consecutive k: `m = -d * zero` (given as uint8 zero points) or a float `m`
+(GGUF's Q4_1). `pack_int_weight` lays that out once after loading (0.53-0.75 bytes a weight at
+4 bits, about a quarter of float16); `int_matmul` then runs one of two arithmetic paths:
+- "exact": unpacked to float32 in registers, float32 FMAs: dequantize-then-matmul's products;
+- "int8": activations quantized to int8 per block of 32 k, integer dot products (VNNI).
+`int_gemm_isa()` names the instruction set the kernel was built for.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from pagedllm.kernels import int_gemm_kernel
+
+OFFSET_ZERO, OFFSET_MIN = 0, 1  # kernels/int_gemm.c's kinds of offset
+KBLOCK = 32  # the kernel's activation block: group sizes are multiples of it
+COMPUTE_PATHS = ("exact", "int8")
+ISA_NAMES = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2", 0: "portable"}
+_X_CHUNK_ROWS = 144  # packed_gemm.c's M_CHUNK: the exact path's scratch holds one chunk
+
+
+class PackedIntWeight(NamedTuple):
+    data: torch.Tensor  # uint8, int_gemm.c's layout
+    bits: int
+    kind: int  # OFFSET_ZERO or OFFSET_MIN
+    out_features: int  # N
+    in_features: int  # K
+    group_size: int  # a multiple of 32 dividing K (per channel: K)
+
+
+def int_gemm_isa() -> str | None:
+    """The instruction set the integer kernel runs on here, or None without the kernel."""
+    kernel = int_gemm_kernel()
+    return None if kernel is None else ISA_NAMES.get(kernel.isa(), "unknown")
+
+
+def kernel_supports(bits: int, in_features: int, group_size: int) -> bool:
+    """Whether int_gemm.c takes this shape (else the caller keeps its portable path)."""
+    return (int_gemm_kernel() is not None and bits in (4, 8) and group_size >= KBLOCK
+            and group_size % KBLOCK == 0 and in_features % group_size == 0)
+
+
+@torch.no_grad()
+def pack_int_weight(codes: torch.Tensor, d: torch.Tensor, offsets: torch.Tensor, bits: int,
+                    group_size: int) -> PackedIntWeight:
+    """Pack `codes [N, K]` (0 .. 2**bits - 1), `d [N, K / group_size]` and `offsets` of the same
+    shape (uint8 zero points, or floating `m`). ValueError for shapes the kernel does not take."""
+    kernel = int_gemm_kernel()
+    if kernel is None:
+        raise RuntimeError("the int_gemm C kernel is not available (see `pagedllm --version`)")
+    if codes.dim() != 2:
+        raise ValueError(f"codes must be 2-D [out, in], got shape {tuple(codes.shape)}")
+    n, k = codes.shape
+    if not kernel_supports(bits, k, group_size):
+        raise ValueError(f"int_gemm takes 4 or 8 bits and group sizes that are multiples of {KBLOCK} "
+                         f"dividing the input size; got bits={bits}, group_size={group_size}, in={k}")
+    groups = k // group_size
+    if tuple(d.shape) != (n, groups) or tuple(offsets.shape) != (n, groups):
+        raise ValueError(f"scales {tuple(d.shape)} and offsets {tuple(offsets.shape)} must both be "
+                         f"({n}, {groups}) for codes {tuple(codes.shape)} in groups of {group_size}")
+    if codes.numel() and int(codes.max()) >= 1 << bits:
+        raise ValueError(f"codes must be below {1 << bits} for {bits} bits, got {int(codes.max())}")
+    kind = OFFSET_ZERO if offsets.dtype == torch.uint8 else OFFSET_MIN
+    q = codes.to(torch.uint8).contiguous()
+    dd = d.to(torch.float32).contiguous()
+    off = offsets.contiguous() if kind == OFFSET_ZERO else offsets.to(torch.float32).contiguous()
+    out = torch.empty(kernel.packed_size(bits, kind, n, k, group_size), dtype=torch.uint8)
+    if kernel.pack(bits, kind, q.data_ptr(), dd.data_ptr(), off.data_ptr(), out.data_ptr(), n, k, group_size):
+        raise ValueError("int_gemm_pack refused its arguments")
+    return PackedIntWeight(out, bits, kind, n, k, group_size)
+
+
+def unpack_int_weight(w: PackedIntWeight) -> torch.Tensor:
+    """The float32 weight `[N, K]` the packed form stands for (exactly what the exact path uses)."""
+    out = torch.empty(w.out_features, w.in_features, dtype=torch.float32)
+    failed = int_gemm_kernel().unpack(w.bits, w.kind, w.data.data_ptr(), out.data_ptr(),
+                                      w.out_features, w.in_features, w.group_size)
+    if failed:
+        raise MemoryError("int_gemm_unpack could not allocate its panel buffer")
+    return out
+
+
+def int_matmul(x: torch.Tensor, w: PackedIntWeight, compute: str = "exact") -> torch.Tensor:
+    """`x @ W^T` for float32 CPU `x [M, K]`."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"int_matmul takes a 2-D float32 CPU input, got {tuple(x.shape)} {x.dtype} on {x.device}")
+    m, k = x.shape
+    if k != w.in_features:
+        raise ValueError(f"int_matmul: the input has {k} in-features, the weight takes {w.in_features}")
+    if compute not in COMPUTE_PATHS:
+        raise ValueError(f"compute must be one of {list(COMPUTE_PATHS)}, got {compute!r}")
+    n = w.out_features
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m == 0:
+        return out
+    kernel = int_gemm_kernel()
+    x = x.contiguous()
+    threads = torch.get_num_threads()
+    if compute == "exact":
+        scratch = torch.empty(min(m, _X_CHUNK_ROWS) * k, dtype=torch.float32)
+        failed = kernel.exact(w.bits, w.kind, x.data_ptr(), w.data.data_ptr(), out.data_ptr(),
+                              scratch.data_ptr(), m, n, k, w.group_size, threads)
+    else:
+        scratch = torch.empty(kernel.int8_scratch(m, k), dtype=torch.uint8)
+        failed = kernel.int8(w.bits, w.kind, x.data_ptr(), w.data.data_ptr(), out.data_ptr(),
+                             scratch.data_ptr(), m, n, k, w.group_size, threads)
+    if failed:
+        raise MemoryError(f"int_gemm ({compute}) failed with code {failed}")
+    return out
