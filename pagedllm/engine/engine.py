@@ -31,6 +31,7 @@ from pagedllm.engine.kv_stats import KVCacheStats, KVCacheStatsTracker
 from pagedllm.engine.request_state import RequestState, SeqState, sample_seed
 from pagedllm.engine.sequence_update import SequenceUpdater
 from pagedllm.kernels.status import log_kernel_status
+from pagedllm.layers.kv_cache_format import resolve_kv_cache_dtype
 from pagedllm.layers.sampler import Sampler
 from pagedllm.model.loader import load_model
 from pagedllm.model_source import ModelSource, load_hf_config, resolve_model
@@ -56,9 +57,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         t0 = time.perf_counter()
-        if config.kv_cache_dtype not in ("auto", "float32"):  # being built (issue 11)
-            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not implemented yet "
-                             "(auto / float32 are)")
         if config.quant_compute == "int8":  # being built (issue 11)
             raise ValueError("quant_compute='int8' is not implemented yet (auto / exact are)")
         if config.num_threads is not None:
@@ -68,6 +66,7 @@ class LLMEngine:
         self.model_name = config.served_model_name or self.source.name
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.hf_config = load_hf_config(self.source)
         tok_source = resolve_model(config.tokenizer) if config.tokenizer else self.source
         self.tokenizer = load_tokenizer(tok_source.path, tok_source.gguf_file)
@@ -100,6 +99,7 @@ class LLMEngine:
         self.model_runner = ModelRunner(
             self.model, self.hf_config, self.num_blocks, self.block_size, self.dtype, self.device,
             max_model_len=self.max_model_len, compile_batch_sizes=self._compile_batch_sizes(),
+            kv_cache_dtype=self.kv_cache_dtype,
         )
         if self.model_runner.decode_graphs is not None:
             self.model_runner.decode_graphs.request_all()  # in the background, smallest first
@@ -139,7 +139,7 @@ class LLMEngine:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         return CacheEngine.bytes_per_block(
-            cfg.num_hidden_layers, kv_heads, head_dim, self.block_size, self.dtype
+            cfg.num_hidden_layers, kv_heads, head_dim, self.block_size, self.kv_cache_dtype
         )
 
     def _determine_num_blocks(self) -> int:
@@ -163,7 +163,8 @@ class LLMEngine:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         tokens = min(self.config.resolved_max_num_batched_tokens(self.max_model_len), 4096)
-        probe = ModelRunner(self.model, self.hf_config, 1, self.block_size, self.dtype, self.device)
+        probe = ModelRunner(self.model, self.hf_config, 1, self.block_size, self.dtype, self.device,
+                            kv_cache_dtype=self.kv_cache_dtype)
         probe.profile_run(tokens)
         del probe
         torch.cuda.synchronize()
@@ -183,9 +184,10 @@ class LLMEngine:
         tokens = self.num_blocks * self.block_size
         concurrency = tokens / self.max_model_len
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB; maximum concurrency for "
+            "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB of %s; maximum concurrency for "
             "%d tokens per request: %.2fx; swap space: %d blocks",
             self.num_blocks, self.block_size, tokens, self.num_blocks * per_block / (1 << 30),
+            str(self.kv_cache_dtype).removeprefix("torch."),
             self.max_model_len, concurrency, self.num_host_blocks,
         )
 

@@ -1,9 +1,13 @@
-/* Paged decode attention for float32 on CPU: one query token per sequence, K/V read in place
- * from the block-paged cache (no gather, no padding to the longest sequence).
+/* Paged decode attention on CPU: one query token per sequence (float32), K/V read in place
+ * from the block-paged cache (no gather, no padding to the longest sequence), whose elements are
+ * float32, bfloat16 or int8 with a scale per (block, KV head) (`kind`, kv_cache_types.h):
+ * converted to float32 in registers as they are loaded; int8 scales are applied once per block
+ * (to the scores for K, to the softmax weights for V), not per element.
  *
  * Layouts (all contiguous, float32 unless noted):
  *   query        [num_seqs, num_heads, head_dim]
- *   key_cache    [num_blocks, block_size, num_kv_heads, head_dim]   (value_cache alike)
+ *   key_cache    num_blocks blocks of [block_size, num_kv_heads, head_dim] (+ int8's header of
+ *                scales; kv_cache_types.h)   (value_cache alike)
  *   block_tables [num_seqs, table_width] int64
  *   context_lens [num_seqs] int64: keys 0 .. ctx-1 are visible (window > 0: the last `window`)
  *   out          [num_seqs, num_heads, head_dim]
@@ -27,7 +31,7 @@
  * Returns 0, or a bit set (nothing is read or written out of bounds then): 1 a context length
  * is 0 or runs past its block table, 2 a slot outside the cache, 4 a block id outside
  * [0, num_blocks) in a table entry the context uses (entries past it are padding, never read),
- * 8 no memory for a work buffer. The caller (layers/backends/decode_op.py) names the offending
+ * 8 no memory for a work buffer, 16 an unknown element kind. The caller (layers/backends/decode_op.py) names the offending
  * value. */
 #include <float.h>
 #include <math.h>
@@ -45,21 +49,24 @@
 #define PARALLEL_MIN 256 /* cached rows x KV heads: below this one thread beats a fork and join */
 #endif
 #include "kernel_common.h"
+#include "kv_cache_types.h"
 
 #define MAX_BLOCK 64   /* block sizes above this take the portable path below in 64-token steps */
 #define STACK_FLOATS 8192
 
-static inline float dot(const float *restrict a, const float *restrict b, int n) {
+/* a . b for a float32 query row and a cache row `b` of element kind `kind`. */
+static inline __attribute__((always_inline)) float dot(const float *restrict a, const char *restrict b, int n,
+                                                       int kind) {
     if (n % 16 == 0) {
         v16 acc = {0};
-        for (int i = 0; i < n; i += 16) acc += load16(a + i) * load16(b + i);
+        for (int i = 0; i < n; i += 16) acc += load16(a + i) * kv_load16(b + i * kv_elem_bytes(kind), kind);
         float s = 0.0f;
         for (int i = 0; i < 16; ++i) s += acc[i];
         return s;
     }
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-    for (int i = 0; i < n; ++i) s += a[i] * b[i];
+    for (int i = 0; i < n; ++i) s += a[i] * kv_load1(b, i, kind);
     return s;
 }
 
@@ -93,12 +100,16 @@ static inline v16 hsum16x16(const v16 *P) {
     return __builtin_shuffle(Z[0], Z[1], m4lo) + __builtin_shuffle(Z[0], Z[1], m4hi);
 }
 
-/* Scores p[h][0..n) of one chunk, head_dim 64: query heads of KV heads [h0, h1). */
-static inline __attribute__((always_inline)) void scores64(const float *q0, const float *kb, int64_t row,
+/* Scores p[h][0..n) of one chunk, head_dim 64: query heads of KV heads [h0, h1). `kb` is the
+ * chunk's first row (bytes), `row` elements apart; `ks` int8's K scales of the block. */
+static inline __attribute__((always_inline)) void scores64(const float *q0, const char *kb, int64_t row,
                                                            int n, int h0, int h1, int group, float scale,
-                                                           float *p, const float *next) {
+                                                           float *p, const char *next, int kind,
+                                                           const float *ks) {
+    const int64_t esz = kv_elem_bytes(kind), rowb = row * esz;
     for (int kh = h0; kh < h1; ++kh) {
         const int hb = (kh - h0) * group;
+        const float sc = kind == KV_I8 ? scale * ks[kh] : scale;
         v16 qv[GMAX][4];
         for (int g = 0; g < group; ++g)
             for (int i = 0; i < 4; ++i) qv[g][i] = load16(q0 + (int64_t)(hb + g) * FAST_DIM + 16 * i);
@@ -107,10 +118,11 @@ static inline __attribute__((always_inline)) void scores64(const float *q0, cons
             for (int t = 0; t < 16; ++t) {
                 if (t16 + t < n) {
                     if (next != NULL && kh == h0) /* the next block's row, spread over the loop */
-                        for (int64_t off = (int64_t)h0 * FAST_DIM; off < (int64_t)h1 * FAST_DIM; off += 16)
-                            __builtin_prefetch(next + (int64_t)(t16 + t) * row + off, 0, PF_LOC);
-                    const float *k = kb + (int64_t)(t16 + t) * row + (int64_t)kh * FAST_DIM;
-                    const v16 k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
+                        for (int64_t off = (int64_t)h0 * FAST_DIM * esz; off < (int64_t)h1 * FAST_DIM * esz; off += 64)
+                            __builtin_prefetch(next + (int64_t)(t16 + t) * rowb + off, 0, PF_LOC);
+                    const char *k = kb + (int64_t)(t16 + t) * rowb + (int64_t)kh * FAST_DIM * esz;
+                    const v16 k0 = kv_load16(k, kind), k1 = kv_load16(k + 16 * esz, kind);
+                    const v16 k2 = kv_load16(k + 32 * esz, kind), k3 = kv_load16(k + 48 * esz, kind);
                     for (int g = 0; g < group; ++g)
                         P[g][t] = (qv[g][0] * k0 + qv[g][1] * k1) + (qv[g][2] * k2 + qv[g][3] * k3);
                 } else {
@@ -118,30 +130,34 @@ static inline __attribute__((always_inline)) void scores64(const float *q0, cons
                 }
             }
             for (int g = 0; g < group; ++g) {
-                const v16 r = hsum16x16(P[g]) * scale;
+                const v16 r = hsum16x16(P[g]) * sc;
                 memcpy(p + (int64_t)(hb + g) * MAX_BLOCK + t16, &r, sizeof(r));
             }
         }
     }
 }
 
-/* acc[h] += sum_t p[h][t] * V[t] for one chunk, head_dim 64, accumulators in registers. */
-static inline __attribute__((always_inline)) void accumulate64(const float *vb, int64_t row, int n, int h0,
+/* acc[h] += sum_t p[h][t] * V[t] for one chunk, head_dim 64, accumulators in registers; `vs`
+ * int8's V scales of the block (folded into the weights). */
+static inline __attribute__((always_inline)) void accumulate64(const char *vb, int64_t row, int n, int h0,
                                                                int h1, int group, const float *p, float *acc,
-                                                               const float *next) {
+                                                               const char *next, int kind, const float *vs) {
+    const int64_t esz = kv_elem_bytes(kind), rowb = row * esz;
     for (int kh = h0; kh < h1; ++kh) {
         const int hb = (kh - h0) * group;
+        const float sv = kind == KV_I8 ? vs[kh] : 1.0f;
         v16 a[GMAX][4];
         for (int g = 0; g < group; ++g)
             for (int i = 0; i < 4; ++i) a[g][i] = load16(acc + (int64_t)(hb + g) * FAST_DIM + 16 * i);
         for (int t = 0; t < n; ++t) {
             if (next != NULL && kh == h0)
-                for (int64_t off = (int64_t)h0 * FAST_DIM; off < (int64_t)h1 * FAST_DIM; off += 16)
-                    __builtin_prefetch(next + (int64_t)t * row + off, 0, PF_LOC);
-            const float *v = vb + (int64_t)t * row + (int64_t)kh * FAST_DIM;
-            const v16 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
+                for (int64_t off = (int64_t)h0 * FAST_DIM * esz; off < (int64_t)h1 * FAST_DIM * esz; off += 64)
+                    __builtin_prefetch(next + (int64_t)t * rowb + off, 0, PF_LOC);
+            const char *v = vb + (int64_t)t * rowb + (int64_t)kh * FAST_DIM * esz;
+            const v16 v0 = kv_load16(v, kind), v1 = kv_load16(v + 16 * esz, kind);
+            const v16 v2 = kv_load16(v + 32 * esz, kind), v3 = kv_load16(v + 48 * esz, kind);
             for (int g = 0; g < group; ++g) {
-                const float w = p[(int64_t)(hb + g) * MAX_BLOCK + t];
+                const float w = kind == KV_I8 ? p[(int64_t)(hb + g) * MAX_BLOCK + t] * sv : p[(int64_t)(hb + g) * MAX_BLOCK + t];
                 a[g][0] += w * v0;
                 a[g][1] += w * v1;
                 a[g][2] += w * v2;
@@ -154,23 +170,26 @@ static inline __attribute__((always_inline)) void accumulate64(const float *vb, 
 }
 
 /* Specialised per query-head count, so that the loops over g unroll and stay in registers. */
-static void scores64_any(const float *q0, const float *kb, int64_t row, int n, int h0, int h1, int group,
-                         float scale, float *p, const float *next) {
+static inline __attribute__((always_inline)) void scores64_any(const float *q0, const char *kb, int64_t row,
+                                                               int n, int h0, int h1, int group, float scale,
+                                                               float *p, const char *next, int kind,
+                                                               const float *ks) {
     switch (group) {
-    case 1: scores64(q0, kb, row, n, h0, h1, 1, scale, p, next); break;
-    case 2: scores64(q0, kb, row, n, h0, h1, 2, scale, p, next); break;
-    case 3: scores64(q0, kb, row, n, h0, h1, 3, scale, p, next); break;
-    default: scores64(q0, kb, row, n, h0, h1, 4, scale, p, next); break;
+    case 1: scores64(q0, kb, row, n, h0, h1, 1, scale, p, next, kind, ks); break;
+    case 2: scores64(q0, kb, row, n, h0, h1, 2, scale, p, next, kind, ks); break;
+    case 3: scores64(q0, kb, row, n, h0, h1, 3, scale, p, next, kind, ks); break;
+    default: scores64(q0, kb, row, n, h0, h1, 4, scale, p, next, kind, ks); break;
     }
 }
 
-static void accumulate64_any(const float *vb, int64_t row, int n, int h0, int h1, int group, const float *p,
-                             float *acc, const float *next) {
+static inline __attribute__((always_inline)) void accumulate64_any(const char *vb, int64_t row, int n, int h0,
+                                                                   int h1, int group, const float *p, float *acc,
+                                                                   const char *next, int kind, const float *vs) {
     switch (group) {
-    case 1: accumulate64(vb, row, n, h0, h1, 1, p, acc, next); break;
-    case 2: accumulate64(vb, row, n, h0, h1, 2, p, acc, next); break;
-    case 3: accumulate64(vb, row, n, h0, h1, 3, p, acc, next); break;
-    default: accumulate64(vb, row, n, h0, h1, 4, p, acc, next); break;
+    case 1: accumulate64(vb, row, n, h0, h1, 1, p, acc, next, kind, vs); break;
+    case 2: accumulate64(vb, row, n, h0, h1, 2, p, acc, next, kind, vs); break;
+    case 3: accumulate64(vb, row, n, h0, h1, 3, p, acc, next, kind, vs); break;
+    default: accumulate64(vb, row, n, h0, h1, 4, p, acc, next, kind, vs); break;
     }
 }
 #define HAVE_FAST64 1
@@ -178,13 +197,19 @@ static void accumulate64_any(const float *vb, int64_t row, int n, int h0, int h1
 #define HAVE_FAST64 0
 #endif
 
-/* One work item: one sequence, its KV heads [h0, h1) and their query heads. */
-static int attend(const float *query, const float *key_cache, const float *value_cache,
-                  const int64_t *table, int64_t ctx, float *out, int num_heads, int num_kv_heads,
-                  int head_dim, int block_size, int table_width, int64_t num_blocks, float scale,
-                  int window, int h0, int h1) {
+/* One work item: one sequence, its KV heads [h0, h1) and their query heads. Inlined into one
+ * copy per element kind (attend_kind), so that `kind` is a constant in every loop. */
+static inline __attribute__((always_inline)) int attend(const float *query, const char *key_cache,
+                                                        const char *value_cache, const int64_t *table,
+                                                        int64_t ctx, float *out, int num_heads,
+                                                        int num_kv_heads, int head_dim, int block_size,
+                                                        int table_width, int64_t num_blocks, float scale,
+                                                        int window, int h0, int h1, int kind) {
     const int group = num_heads / num_kv_heads;
     const int64_t row = (int64_t)num_kv_heads * head_dim;
+    const int64_t esz = kv_elem_bytes(kind), rowb = row * esz;
+    const int64_t bb = kv_block_bytes(kind, block_size, num_kv_heads, head_dim);
+    const int64_t hdr = kv_header_bytes(kind, num_kv_heads);
     const int64_t start = (window > 0 && ctx > window) ? ctx - window : 0;
     if (ctx - start <= 0 || (ctx + block_size - 1) / block_size > table_width) return 1;
     for (int64_t b = start / block_size; b <= (ctx - 1) / block_size; ++b) /* a compare per block */
@@ -209,34 +234,42 @@ static int attend(const float *query, const float *key_cache, const float *value
         int64_t t1 = (b + 1) * block_size < ctx ? (b + 1) * block_size : ctx;
         if (t1 - t0 > MAX_BLOCK) t1 = t0 + MAX_BLOCK;
         const int n = (int)(t1 - t0);
-        const int64_t base = (table[b] * block_size + in_block) * row;
-        const float *kb = key_cache + base, *vb = value_cache + base;
+        const char *kblk = key_cache + table[b] * bb, *vblk = value_cache + table[b] * bb;
+        const float *ks = (const float *)kblk, *vs = (const float *)vblk; /* int8 only */
+        const char *kb = kblk + hdr + in_block * rowb, *vb = vblk + hdr + in_block * rowb;
         /* Blocks lie at random places: fetch the rows of the block PF_DIST ahead while this one
          * computes (the hardware prefetcher alone left the loop at 12-14 GB/s against 40 with
          * the cache warm; 17-20 with this, benchmarks/NOTES.md). */
-        const float *next_k = NULL, *next_v = NULL;
+        const char *next_k = NULL, *next_v = NULL;
         const int64_t ahead = t1 + (PF_DIST - 1) * block_size;
         if (t1 % block_size == 0 && ahead < ctx && ahead / block_size < table_width) {
-            const int64_t nbase = table[ahead / block_size] * block_size * row;
-            next_k = key_cache + nbase;
-            next_v = value_cache + nbase;
+            const int64_t nbase = table[ahead / block_size] * bb;
+            next_k = key_cache + nbase + hdr;
+            next_v = value_cache + nbase + hdr;
+            if (kind == KV_I8) {
+                __builtin_prefetch(key_cache + nbase, 0, PF_LOC);
+                __builtin_prefetch(value_cache + nbase, 0, PF_LOC);
+            }
         }
         if (fast) {
 #if HAVE_FAST64
             /* The next K block's rows prefetched during the scores, its V rows during the sum. */
-            scores64_any(q0, kb, row, n, h0, h1, group, scale, p, next_k);
+            scores64_any(q0, kb, row, n, h0, h1, group, scale, p, next_k, kind, ks);
 #endif
         } else {
             for (int t = 0; t < n; ++t) {
                 if (next_k != NULL && t < block_size) {
-                    for (int64_t off = (int64_t)h0 * head_dim; off < (int64_t)h1 * head_dim; off += 16) {
-                        __builtin_prefetch(next_k + t * row + off, 0, PF_LOC);
-                        __builtin_prefetch(next_v + t * row + off, 0, PF_LOC);
+                    for (int64_t off = (int64_t)h0 * head_dim * esz; off < (int64_t)h1 * head_dim * esz; off += 64) {
+                        __builtin_prefetch(next_k + t * rowb + off, 0, PF_LOC);
+                        __builtin_prefetch(next_v + t * rowb + off, 0, PF_LOC);
                     }
                 }
-                const float *k = kb + t * row + (int64_t)h0 * head_dim;
-                for (int h = 0; h < nh; ++h)
-                    p[h * MAX_BLOCK + t] = dot(q0 + (int64_t)h * head_dim, k + (int64_t)(h / group) * head_dim, head_dim) * scale;
+                const char *k = kb + t * rowb + (int64_t)h0 * head_dim * esz;
+                for (int h = 0; h < nh; ++h) {
+                    const int kh = h / group;
+                    const float sc = kind == KV_I8 ? scale * ks[h0 + kh] : scale;
+                    p[h * MAX_BLOCK + t] = dot(q0 + (int64_t)h * head_dim, k + (int64_t)kh * head_dim * esz, head_dim, kind) * sc;
+                }
             }
         }
         for (int h = 0; h < nh; ++h) {
@@ -256,19 +289,20 @@ static int attend(const float *query, const float *key_cache, const float *value
         }
 #if HAVE_FAST64
         if (fast) {
-            accumulate64_any(vb, row, n, h0, h1, group, p, acc, next_v);
+            accumulate64_any(vb, row, n, h0, h1, group, p, acc, next_v, kind, vs);
             t0 = t1;
             continue;
         }
 #endif
         for (int t = 0; t < n; ++t) {
-            const float *v = vb + t * row + (int64_t)h0 * head_dim;
+            const char *v = vb + t * rowb + (int64_t)h0 * head_dim * esz;
             for (int h = 0; h < nh; ++h) {
-                const float w = p[h * MAX_BLOCK + t];
-                const float *vh = v + (int64_t)(h / group) * head_dim;
+                const int kh = h / group;
+                const float w = kind == KV_I8 ? p[h * MAX_BLOCK + t] * vs[h0 + kh] : p[h * MAX_BLOCK + t];
+                const char *vh = v + (int64_t)kh * head_dim * esz;
                 float *ah = acc + (int64_t)h * head_dim;
 #pragma omp simd
-                for (int i = 0; i < head_dim; ++i) ah[i] += w * vh[i];
+                for (int i = 0; i < head_dim; ++i) ah[i] += w * kv_load1(vh, i, kind);
             }
         }
         t0 = t1;
@@ -282,25 +316,42 @@ static int attend(const float *query, const float *key_cache, const float *value
     return 0;
 }
 
-/* Rows of query/key/value are `q_stride` / `kv_stride` floats apart (views into the fused qkv
- * projection need no copy). When `key` is not NULL, each sequence's new K/V row is first stored
- * at its flat cache slot `slots[s]`: one call instead of two scatter operators a layer. */
-int paged_decode_attention_f32(const float *query, int64_t q_stride, const float *key,
-                               const float *value, int64_t kv_stride, const int64_t *slots,
-                               float *key_cache, float *value_cache, const int64_t *block_tables,
-                               const int64_t *context_lens, float *out, int num_seqs,
-                               int num_heads, int num_kv_heads, int head_dim, int block_size,
-                               int table_width, int64_t num_blocks, float scale, int window,
-                               int num_threads) {
+#define ATTEND_ARGS query, key_cache, value_cache, table, ctx, out, num_heads, num_kv_heads, head_dim, \
+                    block_size, table_width, num_blocks, scale, window, h0, h1
+static int attend_kind(int kind, const float *query, const char *key_cache, const char *value_cache,
+                       const int64_t *table, int64_t ctx, float *out, int num_heads, int num_kv_heads,
+                       int head_dim, int block_size, int table_width, int64_t num_blocks, float scale,
+                       int window, int h0, int h1) {
+    switch (kind) {
+    case KV_BF16: return attend(ATTEND_ARGS, KV_BF16);
+    case KV_I8: return attend(ATTEND_ARGS, KV_I8);
+    default: return attend(ATTEND_ARGS, KV_F32);
+    }
+}
+
+/* `kind`: the cache's element type (KV_F32, KV_BF16, KV_I8). Rows of query/key/value are
+ * `q_stride` / `kv_stride` floats apart (views into the fused qkv projection need no copy).
+ * When `key` is not NULL, each sequence's new K/V row is first stored at its flat cache slot
+ * `slots[s]` (converted or quantized): one call instead of two scatter operators a layer.
+ * Returns 16 for an unknown kind. */
+int paged_decode_attention(int kind, const float *query, int64_t q_stride, const float *key,
+                           const float *value, int64_t kv_stride, const int64_t *slots,
+                           void *key_cache, void *value_cache, const int64_t *block_tables,
+                           const int64_t *context_lens, float *out, int num_seqs,
+                           int num_heads, int num_kv_heads, int head_dim, int block_size,
+                           int table_width, int64_t num_blocks, float scale, int window,
+                           int num_threads) {
+    if (kind != KV_F32 && kind != KV_BF16 && kind != KV_I8) return 16;
     const int split = num_seqs >= 2 * num_threads ? 1 : num_kv_heads;
     const int per = num_kv_heads / split;
-    const int64_t row = (int64_t)num_kv_heads * head_dim;
     if (key != NULL) { /* all writes before any read: another sequence may see a written slot */
         for (int s = 0; s < num_seqs; ++s)
             if (slots[s] < 0 || slots[s] >= num_blocks * block_size) return 2;
         for (int s = 0; s < num_seqs; ++s) {
-            memcpy(key_cache + slots[s] * row, key + s * kv_stride, sizeof(float) * row);
-            memcpy(value_cache + slots[s] * row, value + s * kv_stride, sizeof(float) * row);
+            kv_store_rows(kind, (char *)key_cache, key + s * kv_stride, kv_stride, slots + s, 1, block_size,
+                          num_kv_heads, head_dim);
+            kv_store_rows(kind, (char *)value_cache, value + s * kv_stride, kv_stride, slots + s, 1, block_size,
+                          num_kv_heads, head_dim);
         }
     }
     /* A small step (one short sequence) is cheaper on one thread than a fork and join. */
@@ -313,10 +364,10 @@ int paged_decode_attention_f32(const float *query, int64_t q_stride, const float
         const int s = item / split, part = item % split;
         const int h0 = part * per, h1 = (part + 1) * per;
         const unsigned csr = ftz_enter();
-        failed |= attend(query + s * q_stride, key_cache, value_cache,
-                         block_tables + (int64_t)s * table_width, context_lens[s],
-                         out + (int64_t)s * num_heads * head_dim, num_heads, num_kv_heads, head_dim,
-                         block_size, table_width, num_blocks, scale, window, h0, h1);
+        failed |= attend_kind(kind, query + s * q_stride, (const char *)key_cache, (const char *)value_cache,
+                              block_tables + (int64_t)s * table_width, context_lens[s],
+                              out + (int64_t)s * num_heads * head_dim, num_heads, num_kv_heads, head_dim,
+                              block_size, table_width, num_blocks, scale, window, h0, h1);
         ftz_leave(csr);
     }
     return failed;

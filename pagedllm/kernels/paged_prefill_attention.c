@@ -1,14 +1,19 @@
-/* Paged prefill attention for float32 on CPU: every prefill sequence of a step (a whole prompt,
- * a chunk on top of cached context, the uncached tail after a prefix hit) in one call, its keys
- * and values read in place from the block-paged cache. Replaces a Python loop over the
+/* Paged prefill attention on CPU (float32 queries): every prefill sequence of a step (a whole
+ * prompt, a chunk on top of cached context, the uncached tail after a prefix hit) in one call,
+ * its keys and values read in place from the block-paged cache, whose elements are float32,
+ * bfloat16 or int8 with a scale per (block, KV head) (`kind`, kv_cache_types.h): converted as
+ * they are loaded; the queries attend to the cache's values, their own included (the same
+ * numbers a later decode step reads). Replaces a Python loop over the
  * sequences in every layer, each gathering its whole cached context again (quadratic copying
  * for a long chunked prompt).
  *
  * Layouts (float32 unless noted):
  *   query        [T, num_heads, head_dim], rows `q_stride` floats apart (a view of fused qkv)
  *   key, value   [T, num_kv_heads, head_dim], rows `kv_stride` apart: this step's new K/V,
- *                stored first at the flat cache slots `slots[T]` (int64); NULL: already stored
- *   key_cache    [num_blocks, block_size, num_kv_heads, head_dim]   (value_cache alike)
+ *                stored first at the flat cache slots `slots[T]` (int64), converted to the
+ *                cache's kind; NULL: already stored
+ *   key_cache    num_blocks blocks of [block_size, num_kv_heads, head_dim] (+ int8's header of
+ *                scales; kv_cache_types.h)   (value_cache alike)
  *   block_tables [num_seqs, table_width] int64
  *   query_starts, query_lens, context_lens [num_seqs] int64: sequence s owns query rows
  *                query_starts[s] .. + query_lens[s]; its query i sits at absolute position
@@ -20,14 +25,16 @@
  * head (grouped-query attention) share every key row read. Keys are taken a chunk (at most KC
  * positions of one block) at a time; the chunk's keys are transposed into a small buffer so
  * that the scores of one query head against all of them are KC vector lanes (no horizontal
- * sums), then an online softmax (running maximum and sum) folds the chunk into the output.
+ * sums; int8 codes are scaled as they are transposed), then an online softmax (running maximum
+ * and sum) folds the chunk into the output (int8's V scale folded into the chunk's weights).
  *
  * Compiled with -ffast-math (vectorised expf): masked lanes get weight 0 explicitly (no -inf is
  * ever computed), the running maximum starts at -FLT_MAX, and every query sees its own key.
  *
  * Returns 0, or: 1 a sequence's lengths are inconsistent (query_len < 1, query_len >
  * context_len, context past its table, query rows past T), 2 a slot outside the cache, 3 a
- * block id outside [0, num_blocks) in a used table entry. Nothing is read or written out of
+ * block id outside [0, num_blocks) in a used table entry, 4 an unknown element kind. Nothing
+ * is read or written out of
  * bounds then (the checks run before any work). */
 #include <float.h>
 #include <math.h>
@@ -36,18 +43,23 @@
 #include <string.h>
 
 #include "kernel_common.h"
+#include "kv_cache_types.h"
 
 #define QT 16 /* query rows per work item */
 #define KC 16 /* key positions per chunk: one vector of scores */
 #define STACK_FLOATS 8192
 
-static int attend_tile(const float *query, int64_t q_stride, const float *key_cache,
-                       const float *value_cache, const int64_t *table, int64_t q_len, int64_t ctx,
-                       int64_t r0, int64_t r1, int kvh, float *out, int num_heads, int num_kv_heads,
-                       int head_dim, int block_size, float scale, int window) {
+/* Inlined into one copy per element kind (attend_tile_kind): `kind` is a constant inside. */
+static inline __attribute__((always_inline)) int attend_tile(
+    const float *query, int64_t q_stride, const char *key_cache, const char *value_cache,
+    const int64_t *table, int64_t q_len, int64_t ctx, int64_t r0, int64_t r1, int kvh, float *out,
+    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window, int kind) {
     const int group = num_heads / num_kv_heads;
     const int nr = (int)(r1 - r0), nc = nr * group; /* (row, head) combinations */
     const int64_t row = (int64_t)num_kv_heads * head_dim;
+    const int64_t esz = kv_elem_bytes(kind), rowb = row * esz;
+    const int64_t bb = kv_block_bytes(kind, block_size, num_kv_heads, head_dim);
+    const int64_t hdr = kv_header_bytes(kind, num_kv_heads);
     const int64_t first_pos = ctx - q_len; /* absolute position of query row 0 */
     /* Work buffer: q [nc][D] pre-scaled, acc [nc][D], kt [D][KC], mx, sum [nc]. */
     const int64_t floats = 2 * (int64_t)nc * head_dim + (int64_t)head_dim * KC + 2 * nc;
@@ -75,11 +87,14 @@ static int attend_tile(const float *query, int64_t q_stride, const float *key_ca
         if (t1 > last + 1) t1 = last + 1;
         if (t1 - t0 > KC) t1 = t0 + KC;
         const int n = (int)(t1 - t0);
-        const int64_t base = (table[b] * block_size + in_block) * row + (int64_t)kvh * head_dim;
-        const float *kb = key_cache + base, *vb = value_cache + base;
+        const char *kblk = key_cache + table[b] * bb, *vblk = value_cache + table[b] * bb;
+        const float ks = kind == KV_I8 ? ((const float *)kblk)[kvh] : 1.0f;
+        const float vs = kind == KV_I8 ? ((const float *)vblk)[kvh] : 1.0f;
+        const int64_t base = hdr + (in_block * row + (int64_t)kvh * head_dim) * esz;
+        const char *kb = kblk + base, *vb = vblk + base;
         for (int d = 0; d < head_dim; ++d) {
             float *ktd = kt + (int64_t)d * KC;
-            for (int t = 0; t < n; ++t) ktd[t] = kb[t * row + d];
+            for (int t = 0; t < n; ++t) ktd[t] = kind == KV_I8 ? kv_load1(kb + t * rowb, d, kind) * ks : kv_load1(kb + t * rowb, d, kind);
             for (int t = n; t < KC; ++t) ktd[t] = 0.0f;
         }
         for (int r = 0; r < nr; ++r) {
@@ -111,6 +126,8 @@ static int attend_tile(const float *query, int64_t q_stride, const float *key_ca
                     w[t] = (t >= lo && t < hi) ? expf(s[t] - m) : 0.0f;
                     ws += w[t];
                 }
+                float wv[KC]; /* the weights of the values: int8's V scale folded in */
+                for (int t = 0; t < KC; ++t) wv[t] = kind == KV_I8 ? w[t] * vs : w[t];
                 sum[c] = sum[c] * corr + ws;
                 mx[c] = m;
                 float *ac = acc + (int64_t)c * head_dim;
@@ -124,12 +141,12 @@ static int attend_tile(const float *query, int64_t q_stride, const float *key_ca
                     v16 a0 = load16(ac + d0), a1 = load16(ac + d0 + 16);
                     v16 a2 = load16(ac + d0 + 32), a3 = load16(ac + d0 + 48);
                     for (int t = (int)lo; t < (int)hi; ++t) {
-                        const float wt = w[t];
-                        const float *vt = vb + t * row + d0;
-                        a0 += wt * load16(vt);
-                        a1 += wt * load16(vt + 16);
-                        a2 += wt * load16(vt + 32);
-                        a3 += wt * load16(vt + 48);
+                        const float wt = wv[t];
+                        const char *vt = vb + t * rowb + d0 * esz;
+                        a0 += wt * kv_load16(vt, kind);
+                        a1 += wt * kv_load16(vt + 16 * esz, kind);
+                        a2 += wt * kv_load16(vt + 32 * esz, kind);
+                        a3 += wt * kv_load16(vt + 48 * esz, kind);
                     }
                     memcpy(ac + d0, &a0, sizeof(a0));
                     memcpy(ac + d0 + 16, &a1, sizeof(a1));
@@ -137,10 +154,10 @@ static int attend_tile(const float *query, int64_t q_stride, const float *key_ca
                     memcpy(ac + d0 + 48, &a3, sizeof(a3));
                 }
                 for (int t = (int)lo; t < (int)hi; ++t) {
-                    const float wt = w[t];
-                    const float *vt = vb + t * row;
+                    const float wt = wv[t];
+                    const char *vt = vb + t * rowb;
 #pragma omp simd
-                    for (int d = d0; d < head_dim; ++d) ac[d] += wt * vt[d];
+                    for (int d = d0; d < head_dim; ++d) ac[d] += wt * kv_load1(vt, d, kind);
                 }
             }
         }
@@ -158,15 +175,28 @@ static int attend_tile(const float *query, int64_t q_stride, const float *key_ca
     return 0;
 }
 
-int paged_prefill_attention_f32(const float *query, int64_t q_stride, const float *key,
-                                const float *value, int64_t kv_stride, const int64_t *slots,
-                                int64_t num_tokens, float *key_cache, float *value_cache,
-                                const int64_t *block_tables, int table_width,
-                                const int64_t *query_starts, const int64_t *query_lens,
-                                const int64_t *context_lens, int num_seqs, float *out,
-                                int num_heads, int num_kv_heads, int head_dim, int block_size,
-                                int64_t num_blocks, float scale, int window, int num_threads) {
-    const int64_t row = (int64_t)num_kv_heads * head_dim;
+#define TILE_ARGS query, q_stride, key_cache, value_cache, table, q_len, ctx, r0, r1, kvh, out, num_heads, \
+                  num_kv_heads, head_dim, block_size, scale, window
+static int attend_tile_kind(int kind, const float *query, int64_t q_stride, const char *key_cache,
+                            const char *value_cache, const int64_t *table, int64_t q_len, int64_t ctx,
+                            int64_t r0, int64_t r1, int kvh, float *out, int num_heads, int num_kv_heads,
+                            int head_dim, int block_size, float scale, int window) {
+    switch (kind) {
+    case KV_BF16: return attend_tile(TILE_ARGS, KV_BF16);
+    case KV_I8: return attend_tile(TILE_ARGS, KV_I8);
+    default: return attend_tile(TILE_ARGS, KV_F32);
+    }
+}
+
+int paged_prefill_attention(int kind, const float *query, int64_t q_stride, const float *key,
+                            const float *value, int64_t kv_stride, const int64_t *slots,
+                            int64_t num_tokens, void *key_cache, void *value_cache,
+                            const int64_t *block_tables, int table_width,
+                            const int64_t *query_starts, const int64_t *query_lens,
+                            const int64_t *context_lens, int num_seqs, float *out,
+                            int num_heads, int num_kv_heads, int head_dim, int block_size,
+                            int64_t num_blocks, float scale, int window, int num_threads) {
+    if (kind != KV_F32 && kind != KV_BF16 && kind != KV_I8) return 4;
     if (num_heads < 1 || num_kv_heads < 1 || num_heads % num_kv_heads || head_dim < 1 || block_size < 1)
         return 1;
     /* Checks first, then all writes, then the reads: a query may see a key written by itself. */
@@ -185,10 +215,9 @@ int paged_prefill_attention_f32(const float *query, int64_t q_stride, const floa
     if (key != NULL) {
         for (int64_t t = 0; t < num_tokens; ++t)
             if (slots[t] < 0 || slots[t] >= num_blocks * block_size) return 2;
-        for (int64_t t = 0; t < num_tokens; ++t) {
-            memcpy(key_cache + slots[t] * row, key + t * kv_stride, sizeof(float) * row);
-            memcpy(value_cache + slots[t] * row, value + t * kv_stride, sizeof(float) * row);
-        }
+        kv_store_rows(kind, (char *)key_cache, key, kv_stride, slots, num_tokens, block_size, num_kv_heads, head_dim);
+        kv_store_rows(kind, (char *)value_cache, value, kv_stride, slots, num_tokens, block_size, num_kv_heads,
+                      head_dim);
     }
     /* Item i -> (sequence, tile): a prefix sum over tiles, searched per item (few sequences). */
     int64_t *tile_start = (int64_t *)malloc(sizeof(int64_t) * (num_seqs + 1));
@@ -207,7 +236,8 @@ int paged_prefill_attention_f32(const float *query, int64_t q_stride, const floa
         const int64_t r1 = r0 + QT < query_lens[s] ? r0 + QT : query_lens[s];
         const int64_t start = query_starts[s];
         const unsigned csr = ftz_enter();
-        failed |= attend_tile(query + start * q_stride, q_stride, key_cache, value_cache,
+        failed |= attend_tile_kind(kind, query + start * q_stride, q_stride, (const char *)key_cache,
+                              (const char *)value_cache,
                               block_tables + (int64_t)s * table_width, query_lens[s], context_lens[s],
                               r0, r1, kvh, out + start * (int64_t)num_heads * head_dim, num_heads,
                               num_kv_heads, head_dim, block_size, scale, window);

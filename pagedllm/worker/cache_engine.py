@@ -1,5 +1,7 @@
 """The KV cache tensors: per layer one zero-initialised tensor `[2, num_blocks, block_size,
-kv_heads, head_dim]` (index 0: keys, 1: values).
+kv_heads, head_dim]` (index 0: keys, 1: values) of the cache's dtype (float32, bfloat16), or
+for int8 `[2, num_blocks, block_bytes]` raw blocks that carry their own scales
+(layers/kv_cache_format.py): the copies and swaps below move whole blocks, scales included.
 
 Why one allocation per layer and not one for all layers: a compiled decode graph takes every
 layer's cache as an input that its attention op mutates in place, and inductor can only do that
@@ -15,6 +17,8 @@ import ctypes
 import sys
 
 import torch
+
+from pagedllm.layers import kv_cache_format
 
 
 class CacheEngine:
@@ -39,9 +43,10 @@ class CacheEngine:
         self.device = torch.device(device)
         # Zeros, not empty: padded reads of unused slots are masked out, but a NaN in garbage
         # memory would still poison `softmax @ V` (0 * NaN = NaN).
+        # Zero int8 blocks are all-zero scales and codes: value 0, like the float caches.
+        shape = kv_cache_format.layer_shape(dtype, num_blocks, block_size, num_kv_heads, head_dim)
         self.kv_caches: list[torch.Tensor] = [
-            _zeros_on_huge_pages((2, num_blocks, block_size, num_kv_heads, head_dim), dtype, self.device)
-            for _ in range(num_layers)
+            _zeros_on_huge_pages(shape, dtype, self.device) for _ in range(num_layers)
         ]
         self._host_cache: torch.Tensor | None = None
 
@@ -89,9 +94,9 @@ class CacheEngine:
     def bytes_per_block(
         num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
     ) -> int:
-        """2 (K and V) x layers x block_size x kv_heads x head_dim x bytes per element."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+        """2 (K and V) x layers x (block_size x kv_heads x head_dim x bytes per element + int8's
+        scale per KV head, padded to 16 bytes)."""
+        return 2 * num_layers * kv_cache_format.block_bytes(dtype, block_size, num_kv_heads, head_dim)
 
     @property
     def total_bytes(self) -> int:

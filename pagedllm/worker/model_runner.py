@@ -63,7 +63,9 @@ class ModelRunner:
         device: torch.device | str,
         max_model_len: int | None = None,
         compile_batch_sizes: list[int] | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
+        """`kv_cache_dtype`: the cache's storage dtype (layers/kv_cache_format.py); None: `dtype`."""
         self.model = model
         self.hf_config = hf_config
         self.block_size = block_size
@@ -76,7 +78,7 @@ class ModelRunner:
             head_dim=head_dim_of(hf_config),
             num_blocks=num_blocks + (1 if compile_batch_sizes else 0),  # + the scratch block
             block_size=block_size,
-            dtype=dtype,
+            dtype=kv_cache_dtype or dtype,
             device=self.device,
         )
         max_len = max_model_len or int(getattr(hf_config, "max_position_embeddings", 0) or 4096)

@@ -7,9 +7,10 @@ model around it, while the op's own data-dependent work (context lengths, block 
 eager. The eager path calls the same function (`paged_decode_attention_eager`) directly, without
 the dispatcher's ~35 us per call, so both paths run one implementation.
 
-On CPU with float32 the attention runs in the C kernel (kernels/paged_decode_attention.c), which
-reads K/V in place from their blocks; otherwise (other dtypes, GPU, no compiler) the torch path
-gathers the used blocks and calls SDPA with an additive mask.
+On CPU with float32 queries the attention runs in the C kernel (kernels/paged_decode_attention.c),
+which reads K/V in place from their blocks, float32, bfloat16 or int8 (layers/kv_cache_format.py);
+otherwise (other model dtypes, GPU, no compiler) the torch path gathers the used blocks
+(converted or dequantized) and calls SDPA with an additive mask.
 
 No `from __future__ import annotations` here: `custom_op` reads the signature's real types.
 """
@@ -21,27 +22,29 @@ import torch.nn.functional as F
 
 from pagedllm.kernels import decode_attention_kernel
 from pagedllm.layers.backends.paged_ops import decode_mask, gather_blocks, write_to_kv_cache
+from pagedllm.layers.kv_cache_format import KERNEL_KIND, KVHalf, split_kv_cache
 
 _c_kernel = decode_attention_kernel
 
 
 def decode_attention_torch(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: KVHalf,
+    value_cache: KVHalf,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: Optional[int],
 ) -> torch.Tensor:
-    """Portable decode attention: gather the used blocks, mask, SDPA. `query [D, Hq, dh]`."""
+    """Portable decode attention: gather the used blocks (in the query's dtype), mask, SDPA.
+    `query [D, Hq, dh]`; the caches `[blocks, block_size, Hk, dh]` tensors or int8 views."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     max_blocks = -(-int(context_lens.max()) // block_size)
     tables = block_tables[:, :max_blocks]
     mask = decode_mask(context_lens, max_blocks * block_size, sliding_window, query.dtype)
-    k = gather_blocks(key_cache, tables).transpose(1, 2)  # [D, Hk, L, dh]
-    v = gather_blocks(value_cache, tables).transpose(1, 2)
+    k = gather_blocks(key_cache, tables, query.dtype).transpose(1, 2)  # [D, Hk, L, dh]
+    v = gather_blocks(value_cache, tables, query.dtype).transpose(1, 2)
     q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # grouped by KV head
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return o.reshape(num_seqs, num_heads, head_dim)
@@ -55,21 +58,25 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def decode_attention_c(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: KVHalf,
+    value_cache: KVHalf,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: Optional[int],
     new_kv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
 ) -> Optional[torch.Tensor]:
-    """The C kernel's decode attention, or None where it does not apply. With `new_kv = (key,
-    value, slot_mapping)` the kernel first stores the new K/V rows at their slots."""
+    """The C kernel's decode attention, or None where it does not apply (not CPU, queries not
+    float32, a cache type the kernel lacks). With `new_kv = (key, value, slot_mapping)` the
+    kernel first stores the new K/V rows at their slots (converted / quantized)."""
     kernel = _c_kernel()
+    kind = KERNEL_KIND.get(key_cache.dtype)
     if (
         kernel is None
+        or kind is None
         or query.device.type != "cpu"
-        or not (query.dtype == key_cache.dtype == value_cache.dtype == torch.float32)
+        or query.dtype != torch.float32
+        or value_cache.dtype != key_cache.dtype
         or not (key_cache.is_contiguous() and value_cache.is_contiguous())
     ):
         return None
@@ -93,7 +100,7 @@ def decode_attention_c(
         key_ptr, value_ptr, slots_ptr, kv_stride = key.data_ptr(), value.data_ptr(), slots.data_ptr(), key.stride(0)
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
     failed = kernel(
-        query.data_ptr(), query.stride(0), key_ptr, value_ptr, kv_stride, slots_ptr,
+        kind, query.data_ptr(), query.stride(0), key_ptr, value_ptr, kv_stride, slots_ptr,
         key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
         out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
         num_blocks, scale, sliding_window or 0, torch.get_num_threads(),
@@ -106,7 +113,7 @@ def decode_attention_c(
 def _check_shapes(query, key_cache, value_cache, block_tables, context_lens, new_kv) -> None:
     """What the kernel is about to read must have the shapes it assumes (a few integer compares:
     this runs in every layer of every decode step)."""
-    if query.dim() != 3 or key_cache.dim() != 4:
+    if query.dim() != 3 or len(key_cache.shape) != 4:
         raise ValueError(f"paged decode attention: query must be [seqs, heads, head_dim] and the cache "
                          f"[blocks, block_size, kv_heads, head_dim], got query {tuple(query.shape)}, "
                          f"key_cache {tuple(key_cache.shape)}")
@@ -176,7 +183,7 @@ def paged_decode_attention_eager(
     """Write `key/value [D, Hk, dh]` at `slot_mapping` of `kv_cache [2, blocks, block_size, Hk,
     dh]`, then attend `query [D, Hq, dh]` over the first `context_lens[i]` positions of block
     table row `i` -> `[D, Hq, dh]`."""
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    key_cache, value_cache = split_kv_cache(kv_cache, key.shape[1], key.shape[2])
     args = (query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window)
     out = decode_attention_c(*args, new_kv=(key, value, slot_mapping))
     if out is not None:

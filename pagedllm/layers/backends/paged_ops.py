@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.layers.kv_cache_format import KVHalf, gather_blocks, write_rows
+
+__all__ = ["decode_mask", "gather_blocks", "prefill_mask", "write_to_kv_cache"]
+
 
 def write_to_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: KVHalf,
+    value_cache: KVHalf,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store `key/value [T, Hk, D]` at the flat slots `slot_mapping [T]` of the paged caches."""
-    num_kv_heads, head_dim = key_cache.shape[-2:]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    """Store `key/value [T, Hk, D]` at the flat slots `slot_mapping [T]` of the paged caches
+    (converted to the cache's element type: layers/kv_cache_format.py)."""
+    write_rows(key_cache, key, slot_mapping)
+    write_rows(value_cache, value, slot_mapping)
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -48,11 +52,3 @@ def prefill_mask(
     if sliding_window is not None:
         visible &= k_pos > q_pos - sliding_window
     return _additive(visible, dtype)
-
-
-def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """The blocks `block_table [..., n]` of `cache [num_blocks, block_size, Hk, D]`, flattened to
-    `[..., n * block_size, Hk, D]` (one `index_select`: several times faster than `cache[table]`)."""
-    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    rows = torch.index_select(cache.view(num_blocks, -1), 0, block_table.reshape(-1))
-    return rows.view(*block_table.shape[:-1], block_table.shape[-1] * block_size, num_kv_heads, head_dim)

@@ -3,9 +3,12 @@
 query over its sequence's context read in place from the blocks (bottom-right aligned causal
 mask, optional sliding window). No Python loop over the sequences, no gather of cached context.
 
+The cache may hold float32, bfloat16 or int8 (layers/kv_cache_format.py): the kernel converts
+as it loads, and its queries attend to the cache's values, their own new rows included.
+
 `prefill_attention_c` returns None where the kernel does not apply (no compiler, kernels
-disabled, not CPU float32, no 2-D prefill block table in the metadata); the caller then takes
-the portable torch path (layers/backends/torch_paged.py: per sequence, SDPA).
+disabled, not CPU, not float32 activations, no 2-D prefill block table in the metadata); the
+caller then takes the portable torch path (layers/backends/torch_paged.py: per sequence, SDPA).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.kernels import prefill_attention_kernel
+from pagedllm.layers.kv_cache_format import KERNEL_KIND, KVHalf
 
 if TYPE_CHECKING:
     from pagedllm.layers.attention import AttentionMetadata
@@ -42,8 +46,8 @@ def prefill_attention_c(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: KVHalf,
+    value_cache: KVHalf,
     md: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
@@ -54,11 +58,14 @@ def prefill_attention_c(
     when given: a contiguous tensor of that shape), or None where the kernel does not apply."""
     kernel = _c_kernel()
     tables = md.prefill_block_tables_padded
+    kind = KERNEL_KIND.get(key_cache.dtype)
     if (
         kernel is None
         or tables is None
+        or kind is None
         or query.device.type != "cpu"
-        or not (query.dtype == key.dtype == value.dtype == key_cache.dtype == value_cache.dtype == torch.float32)
+        or not (query.dtype == key.dtype == value.dtype == torch.float32)
+        or value_cache.dtype != key_cache.dtype
         or not (key_cache.is_contiguous() and value_cache.is_contiguous())
     ):
         return None
@@ -84,7 +91,7 @@ def prefill_attention_c(
     if out is None:
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
     failed = kernel(
-        query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(), key.stride(0),
+        kind, query.data_ptr(), query.stride(0), key.data_ptr(), value.data_ptr(), key.stride(0),
         slots.data_ptr(), num_tokens, key_cache.data_ptr(), value_cache.data_ptr(),
         tables.data_ptr(), tables.shape[1], lens[0].data_ptr(), lens[1].data_ptr(),
         lens[2].data_ptr(), num_seqs, out.data_ptr(), num_heads, num_kv_heads, head_dim,

@@ -4,6 +4,10 @@ Decode: all decode sequences of the step in one call of the `pagedllm::paged_dec
 operator (layers/backends/decode_op.py), which writes their K/V and attends over the blocks in
 place (a C kernel on CPU float32; a gather + SDPA torch path elsewhere).
 
+The cache's element type (float32, bfloat16, int8: layers/kv_cache_format.py) is read and
+written by both paths; every query attends to the cache's values, never to fresher ones, so
+that a prompt computed whole or in chunks sees the same numbers.
+
 Prefill: on CPU float32 all prefill sequences in one call of the C kernel
 (layers/backends/prefill_op.py), which writes their K/V and reads the context in place from the
 blocks. Otherwise (the portable path) per sequence: a plain prefill (no cached context) attends over its own fresh K/V with a
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 from pagedllm.layers.backends.decode_op import paged_decode_attention_eager
 from pagedllm.layers.backends.paged_ops import gather_blocks, prefill_mask, write_to_kv_cache
 from pagedllm.layers.backends.prefill_op import prefill_attention_c
+from pagedllm.layers.kv_cache_format import KVHalf, split_kv_cache
 
 if TYPE_CHECKING:
     from pagedllm.layers.attention import AttentionMetadata
@@ -58,7 +63,7 @@ class TorchPagedAttentionBackend:
             )  # fmt: skip
             if md.num_prefills == 0:
                 return decoded
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        key_cache, value_cache = split_kv_cache(kv_cache, key.shape[1], key.shape[2])
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if decoded is not None:
             out[:nd] = decoded
@@ -83,8 +88,8 @@ def _prefill_one(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: KVHalf,
+    value_cache: KVHalf,
     md: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
@@ -94,12 +99,12 @@ def _prefill_one(
         ("prefill", i, sliding_window),
         lambda: prefill_mask(q_len, ctx_len, sliding_window, query.dtype, query.device),
     )
-    if ctx_len == q_len:
-        k, v = key, value  # no cached context: the fresh K/V are the whole context
-    else:
+    if ctx_len == q_len and key_cache.dtype == key.dtype:
+        k, v = key, value  # no cached context, an exact cache: the fresh K/V are the context
+    else:  # the cache's values (converted / dequantized), as the C kernel and decode read them
         block_table = md.prefill_block_tables[i]
-        k = gather_blocks(key_cache, block_table)[:ctx_len]
-        v = gather_blocks(value_cache, block_table)[:ctx_len]
+        k = gather_blocks(key_cache, block_table, query.dtype)[:ctx_len]
+        v = gather_blocks(value_cache, block_table, query.dtype)[:ctx_len]
     o = F.scaled_dot_product_attention(
         query.transpose(0, 1).unsqueeze(0),  # [1, Hq, q, dh]
         k.transpose(0, 1).unsqueeze(0),  # [1, Hk, ctx, dh]
