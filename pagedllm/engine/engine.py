@@ -57,8 +57,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         t0 = time.perf_counter()
-        if config.quant_compute == "int8":  # being built (issue 11)
-            raise ValueError("quant_compute='int8' is not implemented yet (auto / exact are)")
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
@@ -72,7 +70,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(tok_source.path, tok_source.gguf_file)
         self.model = load_model(
             self.source.path, self.source.gguf_file, self.hf_config, self.dtype, self.device,
-            quantization=config.quantization,
+            quantization=config.quantization, quant_compute=config.quant_compute,
         )
         self.max_model_len = self._resolve_max_model_len()
         self.block_size = config.block_size

@@ -47,6 +47,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
     quantization: str | None = None,
+    quant_compute: str = "auto",
 ) -> nn.Module:
     """The model for `hf_config` with its weights, in `dtype` on `device`, in eval mode.
 
@@ -55,12 +56,14 @@ def load_model(
     `model_path` may also be the path of a `.gguf` file itself.
     A folder whose config.json has a `quantization_config` (GPTQ, AWQ, compressed-tensors) gets
     quantized linear layers (layers/quantization/); `quantization` (the user's knob), when
-    given, must name the same method (ValueError otherwise).
+    given, must name the same method (ValueError otherwise); `quant_compute` picks their CPU
+    arithmetic (exact / int8 / auto).
     """
     model_cls = get_model_class(hf_config)
     device = torch.device(device)
     gguf_path = resolve_gguf_path(model_path, gguf_file)
-    quant_config = get_quantization_config(hf_config, quantization, is_gguf=gguf_path is not None)
+    quant_config = get_quantization_config(hf_config, quantization, is_gguf=gguf_path is not None,
+                                          compute=quant_compute)
     if quant_config is None:
         model = model_cls(hf_config, dtype=dtype, device=device)
     else:

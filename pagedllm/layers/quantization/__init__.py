@@ -38,9 +38,22 @@ def checkpoint_quantization(hf_config: Any) -> dict[str, Any] | None:
     return qc
 
 
-def get_quantization_config(hf_config: Any, forced: str | None, is_gguf: bool = False) -> QuantizationConfig | None:
+def resolve_compute(compute: str, is_gguf: bool) -> str:
+    """`quant_compute` "auto": int8 activations for AWQ / GPTQ / compressed-tensors checkpoints
+    (perplexity within 0.5% of exact, docs/quantization.md), exact for GGUF files (greedy
+    parity with transformers float32 is pinned there)."""
+    if compute not in ("auto", "exact", "int8"):
+        raise ValueError(f"quant_compute must be 'auto', 'exact' or 'int8', got {compute!r}")
+    if compute == "auto":
+        return "exact" if is_gguf else "int8"
+    return compute
+
+
+def get_quantization_config(hf_config: Any, forced: str | None, is_gguf: bool = False,
+                            compute: str = "auto") -> QuantizationConfig | None:
     """The checkpoint's quantization config (None: float or GGUF weights). `forced` is the user's
-    `quantization=`: it must agree with what the checkpoint says (ValueError otherwise)."""
+    `quantization=`: it must agree with what the checkpoint says (ValueError otherwise).
+    `compute` is the engine's `quant_compute` (see `resolve_compute`)."""
     forced = normalize_method_name(forced) if forced is not None else None
     if is_gguf:
         if forced not in (None, "gguf"):
@@ -66,8 +79,10 @@ def get_quantization_config(hf_config: Any, forced: str | None, is_gguf: bool = 
     if cls is None:
         raise ValueError(f"Quantization method {detected!r} (config.json's quant_method) is not supported. "
                          f"Supported: {sorted(QUANTIZATION_CONFIGS)} and GGUF files")
-    return cls.from_config(qc)
+    config = cls.from_config(qc)
+    config.compute = resolve_compute(compute, is_gguf)
+    return config
 
 
 __all__ = ["LinearMethod", "PackedIntLinearMethod", "QuantizationConfig", "QUANTIZATION_CONFIGS",
-           "get_quantization_config", "checkpoint_quantization", "normalize_method_name"]
+           "get_quantization_config", "resolve_compute", "checkpoint_quantization", "normalize_method_name"]

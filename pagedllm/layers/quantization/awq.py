@@ -68,4 +68,4 @@ class AWQConfig(QuantizationConfig):
             raise ValueError(f"AWQ modules_to_not_convert skips only some of the fused modules {shard_prefixes}")
         if all(skipped):
             return None
-        return AWQLinearMethod(prefix, self.bits, self.group_size)
+        return AWQLinearMethod(prefix, self.bits, self.group_size, self.compute)

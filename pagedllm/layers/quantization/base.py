@@ -24,6 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.layers.quantization.int_kernel import (
+    PackedIntWeight,
+    int_matmul,
+    kernel_supports,
+    pack_int_weight,
+    unpack_int_weight,
+)
 from pagedllm.layers.quantization.packing import dequantize
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -50,6 +57,9 @@ class LinearMethod(ABC):
 
 class QuantizationConfig(ABC):
     name: str
+    # The arithmetic of the CPU kernel (int_kernel.py): "exact" float32 or "int8" activations;
+    # set by get_quantization_config from the engine's `quant_compute`.
+    compute: str = "exact"
 
     @classmethod
     @abstractmethod
@@ -83,18 +93,31 @@ class TensorSpec:
     required: bool = True
 
 
+def dequantize_codes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """The unsigned codes `[in, out]` (uint8) of a canonical `qweight [in / pf, out]`."""
+    pf = 32 // bits
+    shifts = torch.arange(pf, dtype=torch.int32, device=qweight.device).mul_(bits).view(1, pf, 1)
+    codes = (qweight.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(qweight.shape[0] * pf, qweight.shape[1]).to(torch.uint8)
+
+
 class PackedIntLinearMethod(LinearMethod):
-    """Weight-only int4 / int8 with groups: the loader shared by the formats, and the portable
-    forward (dequantize to float32 in torch per call, then one matrix product). Nothing but the
-    packed tensors stays resident; the per-call dequantization is the portable path until the
-    packed-weight kernels (issue 11's next slice) take over `apply`."""
+    """Weight-only int4 / int8 with groups: the loader shared by the formats, and the forward.
+
+    On CPU, where kernels/int_gemm.c takes the shape (groups of a multiple of 32), the layer
+    keeps only the kernel's packed form (`int_weight`; the checkpoint's and the canonical
+    tensors are dropped after loading) and `apply` runs the `compute` path on it: "exact"
+    (float32 arithmetic) or "int8" (activations quantized per block of 32). Elsewhere (GPU,
+    other group sizes, no compiler) it keeps the canonical form and dequantizes per call
+    (the Triton kernel on CUDA, triton_int_gemm.py)."""
 
     format_name = "packed"
 
-    def __init__(self, prefix: str, bits: int, group_size: int) -> None:
+    def __init__(self, prefix: str, bits: int, group_size: int, compute: str = "exact") -> None:
         self.prefix = prefix
         self.bits = bits
         self.group_size = group_size  # -1: one group over the whole input
+        self.compute = compute
 
     # ---- what the formats provide ------------------------------------------------------------
     @abstractmethod
@@ -194,16 +217,31 @@ class PackedIntLinearMethod(LinearMethod):
                   "scales": (groups, layer.output_size), "zeros": (groups, layer.output_size)}
         for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros)):
             assert tuple(t.shape) == expect[name], (name, tuple(t.shape), expect[name])
+        layer.register_buffer("perm", None if perm is None else perm.to(torch.int64), persistent=False)
+        del layer.quant_specs, layer.quant_loaded
+        gs = layer.input_size if self.group_size == -1 else self.group_size
+        layer.int_weight = None
+        if qweight.device.type == "cpu" and kernel_supports(self.bits, layer.input_size, gs):
+            codes = dequantize_codes(qweight, self.bits)  # [in, out]
+            layer.int_weight = pack_int_weight(codes.T, scales.T.float(), zeros.T.to(torch.uint8),
+                                               self.bits, gs)
+            return  # the kernel's form is all the layer keeps
         layer.register_buffer("qweight", qweight.contiguous(), persistent=False)
         layer.register_buffer("scales", scales.contiguous(), persistent=False)
         layer.register_buffer("zeros", zeros.to(torch.uint8).contiguous(), persistent=False)
-        layer.register_buffer("perm", None if perm is None else perm.to(torch.int64), persistent=False)
-        del layer.quant_specs, layer.quant_loaded
 
     def dequantized_weight(self, layer) -> torch.Tensor:
         """The float32 `[in, out]` weight (in the canonical, possibly permuted, row order)."""
+        if getattr(layer, "int_weight", None) is not None:
+            return unpack_int_weight(layer.int_weight).T
         gs = layer.input_size if self.group_size == -1 else self.group_size
         return dequantize(layer.qweight, layer.scales, layer.zeros, self.bits, gs)
+
+    def weight_bytes(self, layer) -> int:
+        """Bytes of the weight tensors this layer keeps (for the memory benchmark)."""
+        if getattr(layer, "int_weight", None) is not None:
+            return layer.int_weight.data.numel()
+        return sum(t.numel() * t.element_size() for t in (layer.qweight, layer.scales, layer.zeros))
 
     def apply(self, layer, x, bias) -> torch.Tensor:
         if x.is_cuda:  # the Triton dequantize-fused matmul (triton_int_gemm.py), where Triton is installed
@@ -212,6 +250,11 @@ class PackedIntLinearMethod(LinearMethod):
                 return out
         if layer.perm is not None:
             x = x.index_select(-1, layer.perm)
+        packed: PackedIntWeight | None = getattr(layer, "int_weight", None)
+        if packed is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            lead = x.shape[:-1]
+            out = int_matmul(x.reshape(-1, x.shape[-1]), packed, self.compute).view(*lead, packed.out_features)
+            return out if bias is None else out.add_(bias)
         w = self.dequantized_weight(layer)
         out = torch.matmul(x, w if x.dtype == torch.float32 else w.to(x.dtype))
         return out if bias is None else out + bias

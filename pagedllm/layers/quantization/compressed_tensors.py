@@ -29,8 +29,8 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 class CompressedTensorsWNA16Method(PackedIntLinearMethod):
     format_name = "compressed-tensors"
 
-    def __init__(self, prefix: str, bits: int, group_size: int, symmetric: bool) -> None:
-        super().__init__(prefix, bits, group_size)
+    def __init__(self, prefix: str, bits: int, group_size: int, symmetric: bool, compute: str = "exact") -> None:
+        super().__init__(prefix, bits, group_size, compute)
         self.symmetric = symmetric
 
     def checkpoint_specs(self, input_size, output_sizes):
@@ -148,4 +148,5 @@ class CompressedTensorsConfig(QuantizationConfig):
         group_size = int(w.get("group_size") or -1) if w["strategy"] == "group" else -1
         if w["strategy"] == "group" and group_size <= 0:
             raise ValueError(f"compressed-tensors: group strategy without a group_size for {prefix}")
-        return CompressedTensorsWNA16Method(prefix, int(w["num_bits"]), group_size, bool(w.get("symmetric", True)))
+        return CompressedTensorsWNA16Method(prefix, int(w["num_bits"]), group_size, bool(w.get("symmetric", True)),
+                                            self.compute)

@@ -53,7 +53,7 @@ class GPTQLinearMethod(PackedIntLinearMethod):
     format_name = "GPTQ"
 
     def __init__(self, prefix: str, config: "GPTQConfig") -> None:
-        super().__init__(prefix, config.bits, config.group_size)
+        super().__init__(prefix, config.bits, config.group_size, config.compute)
         self.config = config
 
     def checkpoint_specs(self, input_size, output_sizes):
