@@ -52,6 +52,7 @@ if HAS_TRITON:
         stride_ys, stride_ym, stride_yn,
         BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_ALIGNED: tl.constexpr, HAS_PERM: tl.constexpr, X_FLOAT32: tl.constexpr,
+        UPCAST_DOT: tl.constexpr,
     ):
         PF: tl.constexpr = 32 // BITS
         CODE_MASK: tl.constexpr = (1 << BITS) - 1
@@ -65,8 +66,10 @@ if HAS_TRITON:
         n_mask = offs_n < N
         arange_k = tl.arange(0, BLOCK_K)
 
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        k_tiles = tl.cdiv(K, BLOCK_K)
+        # core builtins only (tl.full, not tl.zeros / tl.cdiv: Triton's standard library is jitted
+        # when triton is imported, so it is interpretable only if TRITON_INTERPRET was set before)
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        k_tiles = (K + BLOCK_K - 1) // BLOCK_K
         t_begin = pid_k * k_tiles_per_split
         t_end = tl.minimum(t_begin + k_tiles_per_split, k_tiles)
         for t in range(t_begin, t_end):
@@ -101,6 +104,8 @@ if HAS_TRITON:
 
             if X_FLOAT32:
                 acc = tl.dot(a, w, acc, input_precision="ieee")
+            elif UPCAST_DOT:  # interpreter only: its tl.dot multiplies bfloat16 operands' raw bits
+                acc = tl.dot(a.to(tl.float32), w.to(a.dtype).to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, w.to(a.dtype), acc)
 
@@ -130,6 +135,16 @@ def _pick_block_k(group_size: int, K: int) -> tuple[int, bool]:
     return 32, False  # a group size that is not a multiple of 16 (e.g. 8): per-row groups
 
 
+_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
 def _pick_config(M: int, N: int, K: int, group_size: int, device: torch.device) -> dict:
     block_k, aligned = _pick_block_k(group_size, K)
     if M <= 16:
@@ -144,13 +159,21 @@ def _pick_config(M: int, N: int, K: int, group_size: int, device: torch.device) 
             block_k = 64  # keeps the [BLOCK_K, BLOCK_N] dequantized tile within registers
     split_k = 1
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = _num_sms(device)
         tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
         k_tiles = triton.cdiv(K, block_k)
         while tiles * split_k < 2 * sms and split_k * 2 <= k_tiles and split_k < 16:
             split_k *= 2
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps,
                 num_stages=3, group_aligned=aligned)
+
+
+def _constexprs(cfg: dict, bits: int, x_dtype: torch.dtype, has_perm: bool) -> dict:
+    """The kernel's compile-time arguments for a configuration of `_pick_config`."""
+    return dict(BITS=bits, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+                GROUP_ALIGNED=cfg["group_aligned"], HAS_PERM=has_perm, X_FLOAT32=x_dtype == torch.float32,
+                # the interpreter's bfloat16 tl.dot is wrong; the same products upcast are exact in float32
+                UPCAST_DOT=x_dtype == torch.bfloat16 and _interpreting())
 
 
 def _check(x, qweight, scales, zeros, bits, group_size, perm) -> tuple[int, int, int]:
@@ -247,9 +270,8 @@ def int_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         x2.stride(0), x2.stride(1), qweight.stride(0), qweight.stride(1),
         scales.stride(0), scales.stride(1), zeros.stride(0), zeros.stride(1),
         out.stride(0) if split > 1 else 0, out.stride(-2), out.stride(-1),
-        BITS=bits, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-        GROUP_ALIGNED=cfg["group_aligned"], HAS_PERM=perm is not None, X_FLOAT32=x.dtype == torch.float32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **_constexprs(cfg, bits, x.dtype, perm is not None), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     if split > 1:
         torch.sum(out, dim=0, out=y) if x.dtype == torch.float32 else y.copy_(out.sum(dim=0))
@@ -258,8 +280,9 @@ def int_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 
 def apply_packed_int(method, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """`PackedIntLinearMethod.apply` on CUDA: the kernel's output (plus bias), or None where Triton
-    is not installed (the caller then takes the portable torch path)."""
-    if not HAS_TRITON:
+    is not installed or the layer does not hold the canonical tensors (`qweight`, `scales`,
+    `zeros`, `perm`): the caller then takes its other paths."""
+    if not HAS_TRITON or getattr(layer, "qweight", None) is None:
         return None
     out = int_gemm_triton(x, layer.qweight, layer.scales, layer.zeros, method.bits, method.group_size,
                           layer.perm)
