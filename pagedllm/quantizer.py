@@ -1,64 +1,54 @@
 """`pagedllm quantize`: write a quantized checkpoint folder (GPTQ, AWQ or compressed-tensors
 layout) from a float model, so that tests and benchmarks own their quantized fixtures.
 
-Method: `rtn` (round to nearest, per group of `group_size` input columns, per output row;
-asymmetric min/max or symmetric absmax, the scale rounded to float16 before the codes are
-chosen, so the written checkpoint dequantizes exactly to what was intended). GPTQ's Hessian
-error compensation and AWQ's activation-aware scales (`--method gptq|awq`) are not implemented
-yet and are refused by name. `act_order` (GPTQ format only) orders each layer's input columns
-by descending column norm of the weights that read that input (a calibration-free stand-in for
-GPTQ's Hessian diagonal) before forming groups, and writes the resulting `g_idx`: it exists to
-produce real act-order checkpoints for the loader, not better quality.
+Methods (`pagedllm/quantization_algorithms/`):
+- `rtn`: round to nearest per group of `group_size` input columns and output row (asymmetric
+  min/max or symmetric absmax, the scale rounded to float16 before the codes are chosen, so the
+  written checkpoint dequantizes exactly to what was intended). With `act_order` (GPTQ format)
+  the columns are ordered by descending norm of the weights reading that input (a
+  calibration-free stand-in for GPTQ's Hessian order) before groups are formed; it produces
+  real act-order checkpoints for the loader, not better quality.
+- `gptq`: GPTQ's Hessian-based error compensation, layer by layer on calibration samples;
+  `act_order` orders the columns by the Hessian's diagonal.
+- `awq`: AWQ's activation-aware scale search (and clipping search), the scales folded into the
+  norms / preceding projections, then round to nearest.
+`gptq` and `awq` read calibration samples: `num_samples` windows of `seq_len` tokens of the
+shipped calibration text (`pagedllm/data/calibration.txt`) or of a given file.
 
-Only the decoder's projections (q/k/v/o, gate/up/down) are quantized; embeddings, norms and the
-LM head are written as they are in the source.
+Only the decoder's projections (q/k/v/o, gate/up/down) are quantized; embeddings and the LM head
+are written as they are in the source, the norms too except where AWQ folded scales into them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pagedllm.layers.quantization.packing import pack_awq, pack_int32
+from pagedllm.quantization_algorithms.gptq import QuantizedWeight
+from pagedllm.quantization_algorithms.grid import rtn_quantize
 
-METHODS = ("rtn",)
-NOT_YET = {"gptq": "GPTQ's Hessian-based error compensation", "awq": "AWQ's activation-aware scale search"}
+__all__ = ["quantize_model", "quantize_tensors", "rtn_quantize", "METHODS", "FORMATS"]
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("rtn", "gptq", "awq")
 FORMATS = ("gptq", "awq", "compressed-tensors")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _SAME_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 
-def rtn_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool, min_zero: int = 0):
-    """Round-to-nearest of `w [out, in]` in groups along the input: unsigned codes int32
-    `[out, in]`, float16 scales `[out, groups]`, int32 zero points `[out, groups]`, with
-    `W ~= (code - zero) * scale`."""
-    out, k = w.shape
-    gs = k if group_size == -1 else group_size
-    if k % gs:
-        raise ValueError(f"group size {group_size} does not divide the input size {k}")
-    g = w.detach().to(torch.float32).reshape(out, k // gs, gs)
-    maxq = (1 << bits) - 1
-    if sym:
-        scale = 2 * g.abs().amax(-1) / maxq
-        zero = torch.full(scale.shape, float(1 << (bits - 1)))
-    else:
-        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-        scale = (hi - lo) / maxq
-        zero = torch.round(-lo / torch.where(scale > 0, scale, torch.ones_like(scale))).clamp(min_zero, maxq)
-    scale = scale.clamp(min=2.0**-14).to(torch.float16)  # no zero / subnormal scales
-    codes = torch.round(g / scale.float().unsqueeze(-1)) + zero.unsqueeze(-1)
-    codes = codes.clamp(0, maxq).to(torch.int32).reshape(out, k)
-    return codes, scale, zero.to(torch.int32)
-
-
 def _act_order_perms(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per projection, the column order (descending norm over the weights reading its input)."""
+    """RTN's act-order: per projection, the column order (descending norm over the weights
+    reading its input)."""
     by_input: dict[str, list[str]] = {}
     for name in weights:
         parent, _, proj = name.rpartition(".")
@@ -72,29 +62,42 @@ def _act_order_perms(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return perms
 
 
-def quantize_tensors(weights: dict[str, torch.Tensor], fmt: str, bits: int, group_size: int, sym: bool,
-                     act_order: bool = False, checkpoint_format: str = "gptq") -> dict[str, torch.Tensor]:
-    """The checkpoint tensors of `fmt` for `weights` (`{module name: W [out, in]}`)."""
+def rtn_weights(weights: dict[str, torch.Tensor], bits: int, group_size: int, sym: bool, act_order: bool = False,
+                min_zero: int = 0) -> dict[str, QuantizedWeight]:
+    """Round to nearest of every `{module name: W [out, in]}`."""
     perms = _act_order_perms(weights) if act_order else {}
-    out: dict[str, torch.Tensor] = {}
+    out = {}
     for name, w in weights.items():
-        n, k = w.shape
+        k = w.shape[1]
+        gs = k if group_size == -1 else group_size
         perm = perms.get(name)
-        wp = w if perm is None else w[:, perm]
-        codes, scales, zeros = rtn_quantize(wp, bits, group_size, sym,
-                                            min_zero=1 if fmt == "gptq" and checkpoint_format == "gptq" else 0)
+        codes, scales, zeros = rtn_quantize(w if perm is None else w[:, perm], bits, group_size, sym, min_zero)
+        g_idx = torch.arange(k, dtype=torch.int32) // gs
         if perm is not None:  # back to the checkpoint's column order; g_idx says each column's group
             codes = torch.empty_like(codes).index_copy_(1, perm, codes)
-            gs = k if group_size == -1 else group_size
-            g_idx = torch.empty(k, dtype=torch.int32).index_copy_(0, perm, torch.arange(k, dtype=torch.int32) // gs)
-        else:
-            g_idx = torch.arange(k, dtype=torch.int32) // (k if group_size == -1 else group_size)
+            g_idx = torch.empty_like(g_idx).index_copy_(0, perm, g_idx)
+        out[name] = QuantizedWeight(codes, scales, zeros, g_idx)
+    return out
+
+
+def pack_weights(results: dict[str, QuantizedWeight], fmt: str, bits: int, sym: bool,
+                 checkpoint_format: str = "gptq") -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of `fmt` for quantized weights `{module name: QuantizedWeight}`."""
+    out: dict[str, torch.Tensor] = {}
+    for name, q in results.items():
+        n, k = q.codes.shape
+        codes, scales, zeros = q.codes, q.scales, q.zeros
+        trivial = bool(torch.equal(q.g_idx, torch.arange(k, dtype=torch.int32) // (k // scales.shape[1])))
+        if fmt != "gptq" and not trivial:
+            raise ValueError(f"{name}: act-order (a g_idx) is only written in the gptq format")
         if fmt == "gptq":
+            if checkpoint_format == "gptq" and int(zeros.min()) < 1:
+                raise ValueError(f"{name}: a zero point of 0 cannot be stored in gptq v1 (use gptq_v2)")
             stored = zeros - 1 if checkpoint_format == "gptq" else zeros
             out[f"{name}.qweight"] = pack_int32(codes.t(), bits, dim=0)
             out[f"{name}.qzeros"] = pack_int32(stored.t(), bits, dim=1)
             out[f"{name}.scales"] = scales.t().contiguous()
-            out[f"{name}.g_idx"] = g_idx
+            out[f"{name}.g_idx"] = q.g_idx.to(torch.int32).clone()
         elif fmt == "awq":
             out[f"{name}.qweight"] = pack_awq(codes.t().contiguous())
             out[f"{name}.qzeros"] = pack_awq(zeros.t().contiguous())
@@ -108,18 +111,30 @@ def quantize_tensors(weights: dict[str, torch.Tensor], fmt: str, bits: int, grou
     return out
 
 
+def quantize_tensors(weights: dict[str, torch.Tensor], fmt: str, bits: int, group_size: int, sym: bool,
+                     act_order: bool = False, checkpoint_format: str = "gptq") -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of `fmt` for `weights` (`{module name: W [out, in]}`), by RTN."""
+    min_zero = 1 if fmt == "gptq" and checkpoint_format == "gptq" else 0
+    return pack_weights(rtn_weights(weights, bits, group_size, sym, act_order, min_zero), fmt, bits, sym,
+                        checkpoint_format)
+
+
 def quantization_config(fmt: str, bits: int, group_size: int, sym: bool, act_order: bool,
-                        checkpoint_format: str) -> dict[str, Any]:
+                        checkpoint_format: str, method: str = "rtn", damp_percent: float = 0.01) -> dict[str, Any]:
     if fmt == "gptq":
-        return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order,
-                "sym": sym, "checkpoint_format": checkpoint_format, "static_groups": False,
-                "true_sequential": True, "lm_head": False, "meta": {"quantizer": ["pagedllm:rtn"]}}
+        qc = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order,
+              "sym": sym, "checkpoint_format": checkpoint_format, "static_groups": False,
+              "true_sequential": True, "lm_head": False, "meta": {"quantizer": [f"pagedllm:{method}"]}}
+        if method == "gptq":
+            qc["damp_percent"] = damp_percent
+        return qc
     if fmt == "awq":
         return {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True,
                 "version": "gemm", "modules_to_not_convert": None}
     weights = {"num_bits": bits, "type": "int", "symmetric": sym, "dynamic": False, "actorder": None,
                "strategy": "channel" if group_size == -1 else "group",
-               "group_size": None if group_size == -1 else group_size, "observer": "minmax"}
+               "group_size": None if group_size == -1 else group_size,
+               "observer": "minmax" if method == "rtn" else method}
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
                                           "output_activations": None, "format": "pack-quantized"}},
@@ -127,20 +142,21 @@ def quantization_config(fmt: str, bits: int, group_size: int, sym: bool, act_ord
 
 
 def _source(model: str | None):
-    """(config dict, weight iterator, a function that writes the tokenizer files into a folder)."""
+    """(config, weight iterator, a function that writes the tokenizer files into a folder,
+    a function that loads the tokenizer)."""
     from pagedllm.model.gguf_loader import iter_gguf_weights
     from pagedllm.model.loader import iter_safetensors_weights
     from pagedllm.model_source import load_hf_config, resolve_model
+    from pagedllm.tokenizer import load_tokenizer
 
     src = resolve_model(model)
     hf_config = load_hf_config(src)
     if src.is_gguf:
         def write_tokenizer(dst: Path) -> None:
-            from pagedllm.tokenizer import load_tokenizer
-
             load_tokenizer(src.path, src.gguf_file).save_pretrained(dst)
 
-        return hf_config, iter_gguf_weights(os.path.join(src.path, src.gguf_file), hf_config), write_tokenizer
+        return (hf_config, iter_gguf_weights(os.path.join(src.path, src.gguf_file), hf_config), write_tokenizer,
+                lambda: load_tokenizer(src.path, src.gguf_file))
 
     def copy_files(dst: Path) -> None:
         for f in Path(src.path).iterdir():
@@ -148,18 +164,24 @@ def _source(model: str | None):
                     "config.json", "model.safetensors.index.json"):
                 shutil.copy2(f, dst / f.name)
 
-    return hf_config, iter_safetensors_weights(src.path), copy_files
+    return hf_config, iter_safetensors_weights(src.path), copy_files, lambda: load_tokenizer(src.path)
 
 
 def quantize_model(model: str | None, out: str, method: str = "rtn", bits: int = 4, group_size: int = 64,
                    fmt: str = "gptq", sym: bool | None = None, act_order: bool = False,
-                   checkpoint_format: str = "gptq") -> Path:
+                   checkpoint_format: str = "gptq", calibration: str | None = None, num_samples: int | None = None,
+                   seq_len: int = 512, damp_percent: float = 0.01, awq_clip: bool = True,
+                   awq_search_samples: int = 8, batch_size: int = 8) -> Path:
     """Write the quantized checkpoint folder `out` from `model` (an HF folder, a .gguf file, or
-    None for the default SmolLM2). Returns the folder."""
-    if method in NOT_YET:
-        raise ValueError(f"--method {method} ({NOT_YET[method]}) is not implemented yet; use --method rtn")
+    None for the default SmolLM2). Returns the folder.
+
+    `calibration` (gptq, awq): a text file, or None for the shipped calibration text;
+    `num_samples` windows of `seq_len` tokens of it (None: as many non-overlapping windows as
+    the text holds, at most 128; the shipped text holds 40 of 512 SmolLM2 tokens). `damp_percent`: GPTQ's dampening (of the
+    Hessian's mean diagonal). `awq_clip`: AWQ's clipping search; `awq_search_samples`: how many
+    of the samples AWQ's searches evaluate on (its mean |x| reads all)."""
     if method not in METHODS:
-        raise ValueError(f"--method must be one of {list(METHODS) + list(NOT_YET)}, got {method!r}")
+        raise ValueError(f"--method must be one of {list(METHODS)}, got {method!r}")
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {list(FORMATS)}, got {fmt!r}")
     if bits not in (4, 8) or (fmt == "awq" and bits != 4):
@@ -169,8 +191,12 @@ def quantize_model(model: str | None, out: str, method: str = "rtn", bits: int =
         raise ValueError(f"--group-size must be -1 (per channel) or positive, got {group_size}")
     if act_order and fmt != "gptq":
         raise ValueError("--act-order is only written in the gptq format")
+    if act_order and method == "awq":
+        raise ValueError("--act-order is a GPTQ / RTN column order; AWQ does not use it")
     if checkpoint_format not in ("gptq", "gptq_v2"):
         raise ValueError(f"--checkpoint-format must be gptq or gptq_v2, got {checkpoint_format!r}")
+    if method != "rtn" and ((num_samples is not None and num_samples < 1) or seq_len < 2):
+        raise ValueError(f"--num-samples must be >= 1 and --seq-len >= 2, got {num_samples} and {seq_len}")
     if sym is None:
         sym = fmt != "awq"  # AutoGPTQ's and llm-compressor's W4A16 default; AWQ is asymmetric
     out_path = Path(out)
@@ -178,7 +204,7 @@ def quantize_model(model: str | None, out: str, method: str = "rtn", bits: int =
         raise ValueError(f"--out {out!r} exists and is not empty")
     from safetensors.torch import save_file
 
-    hf_config, weights, write_tokenizer = _source(model)
+    hf_config, weights, write_tokenizer, tokenizer = _source(model)
     if getattr(hf_config, "quantization_config", None) is not None:
         raise ValueError(f"{model!r} is already a quantized checkpoint")
     tensors: dict[str, torch.Tensor] = {}
@@ -194,7 +220,28 @@ def quantize_model(model: str | None, out: str, method: str = "rtn", bits: int =
             tensors[name] = t.contiguous()
     if not projections:
         raise ValueError(f"{model!r} has no decoder projections to quantize")
-    tensors.update(quantize_tensors(projections, fmt, bits, group_size, sym, act_order, checkpoint_format))
+    min_zero = 1 if fmt == "gptq" and checkpoint_format == "gptq" else 0
+    if method == "rtn":
+        results = rtn_weights(projections, bits, group_size, sym, act_order, min_zero)
+    else:
+        from pagedllm.quantization_algorithms import pipeline
+        from pagedllm.quantization_algorithms.calibration import calibration_samples, read_text
+
+        t0 = time.perf_counter()
+        samples = calibration_samples(tokenizer(), read_text(calibration), num_samples, seq_len)
+        grid = pipeline.Grid(bits, group_size, sym, min_zero)
+        everything = {**tensors, **{m + ".weight": w for m, w in projections.items()}}
+        if method == "gptq":
+            results = pipeline.gptq_model(everything, hf_config, samples, grid, act_order, damp_percent,
+                                          batch_size=batch_size)
+        else:
+            pipeline.awq_model(everything, hf_config, samples, grid, clip=awq_clip,
+                               search_samples=awq_search_samples, batch_size=batch_size)
+            tensors.update({n: everything[n] for n in tensors})  # the norms AWQ scaled
+            results = rtn_weights({m: everything[m + ".weight"] for m in projections}, bits, group_size, sym,
+                                  min_zero=min_zero)
+        logger.info("%s on %d x %d calibration tokens: %.1f s", method, *samples.shape, time.perf_counter() - t0)
+    tensors.update(pack_weights(results, fmt, bits, sym, checkpoint_format))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_path.name + ".", dir=out_path.parent))
     try:
@@ -204,7 +251,8 @@ def quantize_model(model: str | None, out: str, method: str = "rtn", bits: int =
         if not config.get("architectures"):
             config["architectures"] = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                         "qwen2": "Qwen2ForCausalLM"}.get(config.get("model_type"), "LlamaForCausalLM")]
-        config["quantization_config"] = quantization_config(fmt, bits, group_size, sym, act_order, checkpoint_format)
+        config["quantization_config"] = quantization_config(fmt, bits, group_size, sym, act_order, checkpoint_format,
+                                                            method, damp_percent)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         write_tokenizer(tmp)
         if not (tmp / "generation_config.json").exists():

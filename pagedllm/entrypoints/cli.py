@@ -94,7 +94,9 @@ def add_quantize_parser(sub) -> None:
                                    "write a checkpoint folder that pagedllm (and vLLM) load. See docs/quantization.md.")
     q.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
     q.add_argument("--out", required=True, help="the folder to write (must not exist or be empty)")
-    q.add_argument("--method", default="rtn", help="rtn (gptq and awq: not implemented yet)")
+    q.add_argument("--method", default="rtn", choices=("rtn", "gptq", "awq"),
+                   help="rtn: round to nearest; gptq: Hessian error compensation; awq: activation-aware scales "
+                        "(gptq and awq read calibration text)")
     q.add_argument("--bits", type=int, default=4, choices=(4, 8))
     q.add_argument("--group-size", type=int, default=64,
                    help="input columns per scale, -1 per channel (SmolLM2: 64 or 32; 128 does not divide 576)")
@@ -106,6 +108,15 @@ def add_quantize_parser(sub) -> None:
     q.add_argument("--act-order", action="store_true", help="gptq format: act-order columns and g_idx")
     q.add_argument("--checkpoint-format", default="gptq", choices=("gptq", "gptq_v2"),
                    help="gptq format: v1 stores zero - 1 (the default, what AutoGPTQ writes), v2 the zero")
+    q.add_argument("--calibration", default=None,
+                   help="gptq / awq: a UTF-8 text file to calibrate on (default: the text shipped with pagedllm)")
+    q.add_argument("--num-samples", type=int, default=None,
+                   help="gptq / awq: calibration windows (default: as many as the text holds, at most 128)")
+    q.add_argument("--seq-len", type=int, default=512, help="gptq / awq: tokens per calibration window")
+    q.add_argument("--damp-percent", type=float, default=0.01, help="gptq: dampening, a fraction of mean diag(H)")
+    q.add_argument("--no-awq-clip", dest="awq_clip", action="store_false", help="awq: skip the clipping search")
+    q.add_argument("--awq-search-samples", type=int, default=8,
+                   help="awq: how many calibration windows the scale and clip searches evaluate on")
 
 
 def run_quantize(args: argparse.Namespace) -> int:
@@ -113,7 +124,9 @@ def run_quantize(args: argparse.Namespace) -> int:
 
     path = quantize_model(args.model, args.out, method=args.method, bits=args.bits, group_size=args.group_size,
                           fmt=args.format, sym=args.sym, act_order=args.act_order,
-                          checkpoint_format=args.checkpoint_format)
+                          checkpoint_format=args.checkpoint_format, calibration=args.calibration,
+                          num_samples=args.num_samples, seq_len=args.seq_len, damp_percent=args.damp_percent,
+                          awq_clip=args.awq_clip, awq_search_samples=args.awq_search_samples)
     print(f"wrote {path}")
     return 0
 

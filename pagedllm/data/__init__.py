@@ -1,0 +1,1 @@
+"""Texts shipped with pagedllm: calibration.txt (quantization calibration) and heldout.txt (perplexity)."""
