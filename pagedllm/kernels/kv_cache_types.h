@@ -27,8 +27,10 @@
 
 #include "kernel_common.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define KV_HAVE_BF16_INSN 1
 #else
 #define KV_HAVE_BF16_INSN 0
@@ -51,20 +53,39 @@ static inline int64_t kv_block_bytes(int kind, int block_size, int num_kv_heads,
     return kv_header_bytes(kind, num_kv_heads) + (int64_t)block_size * num_kv_heads * head_dim * kv_elem_bytes(kind);
 }
 
-/* 16 consecutive elements at `p` as floats (int8: the codes, not yet scaled). */
+/* 16 consecutive elements at `p` as floats (int8: the codes, not yet scaled). With AVX-512 or
+ * AVX2 through intrinsics: GCC 12 turns the generic int8 vector conversion into 16 scalar ones. */
 static inline __attribute__((always_inline)) v16 kv_load16(const char *p, int kind) {
     if (kind == KV_F32) return load16((const float *)p);
+    v16 f;
+#if defined(__AVX512F__)
+    __m512 r;
+    if (kind == KV_BF16)
+        r = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    else
+        r = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    memcpy(&f, &r, sizeof(f));
+#elif defined(__AVX2__)
+    __m256 r[2];
+    for (int i = 0; i < 2; ++i) {
+        if (kind == KV_BF16)
+            r[i] = _mm256_castsi256_ps(
+                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * i))), 16));
+        else
+            r[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * i))));
+    }
+    memcpy(&f, r, sizeof(f));
+#else
     if (kind == KV_BF16) {
         kv_v16u16 h;
         memcpy(&h, p, sizeof(h));
         const kv_v16u32 w = __builtin_convertvector(h, kv_v16u32) << 16;
-        v16 f;
         memcpy(&f, &w, sizeof(f));
-        return f;
+    } else {
+        for (int i = 0; i < 16; ++i) f[i] = (float)((const int8_t *)p)[i];
     }
-    kv_v16i8 c;
-    memcpy(&c, p, sizeof(c));
-    return __builtin_convertvector(c, v16);
+#endif
+    return f;
 }
 
 /* Element `i` of the row at `p` as a float (int8: the code). */
