@@ -114,6 +114,13 @@ FORMATS = {
     "awq-4bit-g32": dict(fmt="awq", bits=4, group_size=32),
     "ct-4bit-g32-sym": dict(fmt="compressed-tensors", bits=4, group_size=32),
     "ct-8bit-channel-asym": dict(fmt="compressed-tensors", bits=8, group_size=-1, sym=False),
+    # the calibrated methods, on a few windows of the shipped calibration text
+    "gptq-method-4bit-g16-actorder": dict(fmt="gptq", bits=4, group_size=16, method="gptq", act_order=True,
+                                          num_samples=4, seq_len=64),
+    "gptq-method-ct-8bit-channel": dict(fmt="compressed-tensors", bits=8, group_size=-1, method="gptq",
+                                        num_samples=2, seq_len=64),
+    "awq-method-4bit-g32": dict(fmt="awq", bits=4, group_size=32, method="awq", num_samples=4, seq_len=64,
+                                awq_search_samples=2),
 }
 
 
@@ -150,8 +157,22 @@ def test_cli_quantize_and_forced_quantization(tiny_llama, tmp_path, capsys):
         LLM(str(out), quantization="gptq", kv_cache_space=0.05)
     with pytest.raises(ValueError, match="has no quantization_config"):
         LLM(str(tiny_llama), quantization="awq", kv_cache_space=0.05)
-    assert cli_main(["quantize", str(tiny_llama), "--method", "gptq", "--out", str(tmp_path / "x")]) == 2
-    assert "--method gptq (GPTQ's Hessian-based error compensation) is not implemented yet" in capsys.readouterr().err
+    cal = tmp_path / "cal.txt"
+    cal.write_text("A short calibration text of our own, repeated to make a few windows. " * 40)
+    out = tmp_path / "awq"
+    assert cli_main(["quantize", str(tiny_llama), "--method", "awq", "--group-size", "32", "--format", "gptq",
+                     "--calibration", str(cal), "--num-samples", "3", "--seq-len", "32", "--no-awq-clip",
+                     "--out", str(out)]) == 0
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["meta"]["quantizer"] == ["pagedllm:awq"] and qc["sym"] is True  # gptq format: symmetric default
+    sd, src = load_file(str(out / "model.safetensors")), load_file(str(tiny_llama / "model.safetensors"))
+    norms = [n for n in src if n.endswith("layernorm.weight")]
+    assert len(norms) == 4 and any(not torch.equal(sd[n], src[n]) for n in norms)  # AWQ folded scales into them
+    with pytest.raises(SystemExit):
+        cli_main(["quantize", str(tiny_llama), "--method", "hqq", "--out", str(tmp_path / "x")])
+    assert cli_main(["quantize", str(tiny_llama), "--method", "gptq", "--calibration", str(cal), "--seq-len", "4096",
+                     "--out", str(tmp_path / "x")]) == 2
+    assert "fewer than one window of seq_len=4096" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--group-size 128 does not divide the input size 64"):
         quantize_model(str(tiny_llama), str(tmp_path / "y"), group_size=128)
 
