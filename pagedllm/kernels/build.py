@@ -327,6 +327,7 @@ class IntGemm(NamedTuple):
     int8: Callable[..., int]  # (bits, kind, x, packed, y, scratch, M, N, K, gs, threads)
     int8_scratch: Callable[..., int]  # (M, K) -> bytes of scratch for `int8`
     isa: Callable[..., int]  # () -> 3 AVX-512 VNNI, 2 AVX-VNNI, 1 AVX2, 0 portable C
+    rows: Callable[..., int]  # (bits, kind, packed, ids, n_ids, out, N, K, gs): embedding lookup
 
 
 @functools.cache
@@ -344,6 +345,7 @@ def int_gemm_kernel() -> IntGemm | None:
         _kernel_function(src, "int_gemm_int8", (_I32, _I32) + (_PTR,) * 4 + (_I64,) * 4 + (_I32,)),
         _kernel_function(src, "int_gemm_int8_scratch", (_I64, _I64), _I64),
         _kernel_function(src, "int_gemm_isa", ()),
+        _kernel_function(src, "int_gemm_rows", (_I32, _I32, _PTR, _PTR, _I64, _PTR) + (_I64,) * 3),
     )
 
 

@@ -508,3 +508,41 @@ int int_gemm_int8(int bits, int kind, const float *x, const uint8_t *wp, float *
     }
     return 0;
 }
+
+/* Rows `ids` of the [N, K] weight, as float32 `out [n_ids, K]`: an embedding lookup straight
+ * from the packed form (a tied LM head and its embedding share one packed table). Returns 0,
+ * 1 (bad arguments) or 3 (an id outside 0..N-1). */
+int int_gemm_rows(int bits, int kind, const uint8_t *packed, const int64_t *ids, int64_t n_ids,
+                  float *out, int64_t N, int64_t K, int64_t gs) {
+    if (!valid(bits, kind, N, K, gs)) return 1;
+    const int64_t G = K / gs, gb = group_bytes(bits, kind, gs), hb = header_bytes(kind);
+    const int64_t panel_bytes = G * gb;
+    for (int64_t r = 0; r < n_ids; ++r)
+        if (ids[r] < 0 || ids[r] >= N) return 3;
+    for (int64_t r = 0; r < n_ids; ++r) {
+        const int64_t n = ids[r], c = n % NR, h = c / 16, cc = c % 16;
+        for (int64_t g = 0; g < G; ++g) {
+            const uint8_t *hdr = packed + (n / NR) * panel_bytes + g * gb;
+            float d, m;
+            memcpy(&d, hdr + 4 * c, 4);
+            if (kind == OFFSET_ZERO)
+                m = -(d * (float)hdr[NR * 4 + c]);
+            else
+                memcpy(&m, hdr + NR * 4 + 4 * c, 4);
+            const uint8_t *codes = hdr + hb;
+            float *dst = out + r * K + g * gs;
+            for (int64_t k = 0; k < gs; ++k) {
+                int q;
+                if (bits == 4) {
+                    const int64_t o = k / 8, jj = k % 8;
+                    const uint8_t byte = codes[(o * 2 + h) * 64 + 4 * cc + (jj & 3)];
+                    q = jj < 4 ? (byte & 15) : (byte >> 4);
+                } else {
+                    q = codes[((k / 4) * 2 + h) * 64 + 4 * cc + (k % 4)];
+                }
+                dst[k] = (float)q * d + m;
+            }
+        }
+    }
+    return 0;
+}

@@ -219,7 +219,10 @@ class MergedLinear(Linear):
 
 
 class VocabEmbedding(nn.Module):
-    """Token embedding table `[vocab, hidden]`; its weight doubles as a tied LM head."""
+    """Token embedding table `[vocab, hidden]`; its weight doubles as a tied LM head.
+
+    A GGUF file's quantized table (Q8_0, Q4_x) stays packed (`load_blocks`): the lookup reads
+    rows from the packed form and a tied head multiplies by it, so no float32 table is kept."""
 
     def __init__(
         self,
@@ -234,8 +237,36 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device), requires_grad=False
         )
+        self.int_weight = None  # int_kernel.PackedIntWeight, for a packed GGUF table
+
+    @torch.no_grad()
+    def load_blocks(self, blocks) -> None:
+        """Load a GGUF table given as blocks (model/gguf_loader.GGUFBlockWeight)."""
+        from pagedllm.layers.quantization.gguf import pack_gguf_blocks
+
+        if tuple(blocks.shape) != tuple(self.weight.shape):
+            raise ValueError(f"Shape mismatch loading the embedding: checkpoint has {tuple(blocks.shape)}, "
+                             f"model expects {tuple(self.weight.shape)}")
+        packed = None
+        if self.weight.device.type == "cpu" and self.weight.dtype == torch.float32:
+            packed = pack_gguf_blocks([blocks])
+        if packed is None:  # no kernel, GPU, another dtype: the float table
+            self.weight.data.copy_(blocks.dequantize())
+            return
+        self.int_weight = packed
+        del self.weight  # the packed form is the only copy
+        self.weight = None
+
+    def packed_logits(self, hidden: torch.Tensor, compute: str) -> torch.Tensor:
+        from pagedllm.layers.quantization.int_kernel import int_matmul
+
+        return int_matmul(hidden.reshape(-1, hidden.shape[-1]).float(), self.int_weight, compute)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.int_weight is not None:
+            from pagedllm.layers.quantization.int_kernel import int_weight_rows
+
+            return int_weight_rows(self.int_weight, input_ids)
         return F.embedding(input_ids, self.weight)
 
     def extra_repr(self) -> str:

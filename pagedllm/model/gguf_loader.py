@@ -15,7 +15,7 @@ import os
 import re
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -91,6 +91,57 @@ def dequantize_tensor(data: np.ndarray, tensor_type: Any) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(dequantize(data, tensor_type)))
 
 
+class GGUFBlockWeight(NamedTuple):
+    """A Q4_0 / Q4_1 / Q8_0 matrix kept as its blocks of 32: `W = d * codes + offset` per block,
+    with unsigned `codes` (Q8_0's int8 shifted by 128), float32 `d` (float16 values) and either
+    uint8 zero points (Q4_0: 8, Q8_0: 128; offset = -d * zero) or float32 minimums (Q4_1)."""
+
+    codes: torch.Tensor  # uint8 [N, K]
+    d: torch.Tensor  # float32 [N, K / 32]
+    offsets: torch.Tensor  # uint8 zero points or float32 m, [N, K / 32]
+    bits: int
+    type_name: str
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 values, bit-identical to `dequantize_tensor` of the same tensor."""
+        n, k = self.codes.shape
+        m = -self.d * self.offsets.float() if self.offsets.dtype == torch.uint8 else self.offsets
+        w = self.codes.float().view(n, k // 32, 32) * self.d.unsqueeze(-1) + m.unsqueeze(-1)
+        return w.view(n, k)
+
+    def permute_rows(self, fn) -> "GGUFBlockWeight":
+        return self._replace(codes=fn(self.codes), d=fn(self.d), offsets=fn(self.offsets))
+
+
+def gguf_blocks(data: np.ndarray, tensor_type: Any, shape: tuple[int, ...]) -> GGUFBlockWeight | None:
+    """The blocks of a 2-D Q4_0 / Q4_1 / Q8_0 tensor of `shape` (rows, row length); None for
+    other types and shapes."""
+    from gguf import GGMLQuantizationType as T
+
+    if tensor_type not in (T.Q4_0, T.Q4_1, T.Q8_0) or len(shape) != 2 or shape[1] % 32:
+        return None
+    n, k = shape
+    raw = _as_tensor(data.view(np.uint8))
+    if tensor_type == T.Q8_0:  # f16 scale, 32 x int8
+        blocks = raw.reshape(n, k // 32, 34)
+        d = blocks[..., 0:2].contiguous().view(torch.float16).float().view(n, k // 32)
+        codes = (blocks[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        return GGUFBlockWeight(codes.view(n, k), d, torch.full((n, k // 32), 128, dtype=torch.uint8), 8, "Q8_0")
+    header = 2 if tensor_type == T.Q4_0 else 4
+    blocks = raw.reshape(n, k // 32, header + 16)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float().view(n, k // 32)
+    qs = blocks[..., header:]
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(n, k)  # low nibbles: weights 0-15
+    if tensor_type == T.Q4_0:
+        return GGUFBlockWeight(codes, d, torch.full((n, k // 32), 8, dtype=torch.uint8), 4, "Q4_0")
+    m = blocks[..., 2:4].contiguous().view(torch.float16).float().view(n, k // 32)
+    return GGUFBlockWeight(codes, d, m, 4, "Q4_1")
+
+
 def gguf_to_hf_name(name: str) -> str | None:
     """transformers name of a llama.cpp tensor name; None for one to ignore; ValueError if unknown."""
     if name in _IGNORED:
@@ -133,8 +184,11 @@ def resolve_gguf_path(model_path: str, gguf_file: str | None) -> str | None:
     return path
 
 
-def iter_gguf_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(transformers name, float32 tensor)` for every tensor of the GGUF file at `path`."""
+def iter_gguf_weights(path: str, hf_config: Any, keep_blocks: bool = False
+                      ) -> Iterator[tuple[str, torch.Tensor | GGUFBlockWeight]]:
+    """Yield `(transformers name, tensor)` for every tensor of the GGUF file at `path`: float32
+    values, or with `keep_blocks` a `GGUFBlockWeight` for each Q4_0 / Q4_1 / Q8_0 matrix (the
+    linear layers and the embedding keep those packed: no float32 copy is ever made)."""
     import gguf
 
     reader = gguf.GGUFReader(path)
@@ -153,6 +207,15 @@ def iter_gguf_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Te
                 f"supported types: {names}"
             )
         shape = tuple(int(d) for d in reversed(tensor.shape))
+        blocks = gguf_blocks(tensor.data, tensor.tensor_type, shape) if keep_blocks else None
+        if blocks is not None:
+            weight = blocks
+            if permute and ".self_attn.q_proj." in hf_name:
+                weight = blocks.permute_rows(lambda t: reverse_permute(t, n_head))
+            elif permute and ".self_attn.k_proj." in hf_name:
+                weight = blocks.permute_rows(lambda t: reverse_permute(t, n_kv_head))
+            yield hf_name, weight
+            continue
         weight = dequantize_tensor(tensor.data, tensor.tensor_type).reshape(shape)
         if permute and ".self_attn.q_proj." in hf_name:
             weight = reverse_permute(weight, n_head)

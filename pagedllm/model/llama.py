@@ -216,22 +216,29 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        embed = self.model.embed_tokens
+        if self.lm_head is None and embed.int_weight is not None:  # tied to a packed GGUF table
+            compute = self.quant_config.compute if self.quant_config is not None else "exact"
+            return embed.packed_logits(hidden, compute)
         return linear(hidden, self._head_weight()).float()
 
-    def _head_weight(self) -> torch.Tensor:
+    def _head_weight(self) -> torch.Tensor | None:
+        """The LM head's float weight (None: a tied head on a packed embedding table)."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def projection_weights(self) -> list[torch.Tensor]:
         """Every float weight that goes through `linear` (the projections and the LM head)."""
-        weights = [m.weight for m in self.modules() if isinstance(m, Linear) and m.quant_method is None]
-        return weights + [self._head_weight()]
+        weights = [m.weight for m in self.modules() if isinstance(m, Linear) and getattr(m, "weight", None) is not None]
+        head = self._head_weight()
+        return weights + ([head] if head is not None else [])
 
     def process_weights_after_loading(self) -> None:
         """Once, after loading: each layer's compute form (quantized methods, C kernel forms)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
-        prepare_weight(self._head_weight())
+        if self._head_weight() is not None:
+            prepare_weight(self._head_weight())
 
     # ---- weights -------------------------------------------------------------------------
     def _expected_weights(self) -> set[tuple[str, int | None]]:
@@ -282,6 +289,12 @@ class LlamaForCausalLM(nn.Module):
                 module.load_weight(parts[-1], tensor)  # the method checks names, shapes, dtypes
                 loaded.add((name, None))
                 continue
+            if isinstance(module, VocabEmbedding) and hasattr(tensor, "codes"):
+                module.load_blocks(tensor)  # a GGUF Q8_0 / Q4 table: kept packed
+                loaded.add((name, None))
+                continue
+            if hasattr(tensor, "codes"):  # GGUF blocks for a float parameter (an untied head)
+                tensor = tensor.dequantize()
             param = params.get(name)
             if param is None:
                 raise ValueError(f"Unexpected weight {name!r} in checkpoint")

@@ -69,7 +69,10 @@ def load_model(
     else:
         model = model_cls(hf_config, dtype=dtype, device=device, quant_config=quant_config)
     if gguf_path is not None:
-        weights = iter_gguf_weights(gguf_path, hf_config)
+        # Q4_0 / Q4_1 / Q8_0 matrices stay packed (layers/quantization/gguf.py); with
+        # PAGEDLLM_GGUF_BLOCKS=0 they are dequantized to float32 as before (for A/B checks).
+        keep = os.environ.get("PAGEDLLM_GGUF_BLOCKS", "1") not in ("0", "")
+        weights = iter_gguf_weights(gguf_path, hf_config, keep_blocks=keep)
     else:
         weights = iter_safetensors_weights(model_path)
     model.load_weights(weights)

@@ -12,6 +12,7 @@ from typing import Any
 from pagedllm.layers.quantization.awq import AWQConfig
 from pagedllm.layers.quantization.base import LinearMethod, PackedIntLinearMethod, QuantizationConfig
 from pagedllm.layers.quantization.compressed_tensors import CompressedTensorsConfig
+from pagedllm.layers.quantization.gguf import GGUFConfig
 from pagedllm.layers.quantization.gptq import GPTQConfig
 
 QUANTIZATION_CONFIGS: dict[str, type[QuantizationConfig]] = {
@@ -51,7 +52,7 @@ def resolve_compute(compute: str, is_gguf: bool) -> str:
 
 def get_quantization_config(hf_config: Any, forced: str | None, is_gguf: bool = False,
                             compute: str = "auto") -> QuantizationConfig | None:
-    """The checkpoint's quantization config (None: float or GGUF weights). `forced` is the user's
+    """The checkpoint's quantization config (None: float weights; GGUFConfig for a GGUF file). `forced` is the user's
     `quantization=`: it must agree with what the checkpoint says (ValueError otherwise).
     `compute` is the engine's `quant_compute` (see `resolve_compute`)."""
     forced = normalize_method_name(forced) if forced is not None else None
@@ -59,7 +60,9 @@ def get_quantization_config(hf_config: Any, forced: str | None, is_gguf: bool = 
         if forced not in (None, "gguf"):
             raise ValueError(f"quantization={forced!r} was given, but the model is a GGUF file "
                              "(use quantization='gguf' or none)")
-        return None
+        config = GGUFConfig()
+        config.compute = resolve_compute(compute, is_gguf)
+        return config
     qc = checkpoint_quantization(hf_config)
     detected = normalize_method_name(qc.get("quant_method", "")) if qc is not None else None
     if forced == "gguf":
@@ -84,5 +87,5 @@ def get_quantization_config(hf_config: Any, forced: str | None, is_gguf: bool = 
     return config
 
 
-__all__ = ["LinearMethod", "PackedIntLinearMethod", "QuantizationConfig", "QUANTIZATION_CONFIGS",
+__all__ = ["GGUFConfig", "LinearMethod", "PackedIntLinearMethod", "QuantizationConfig", "QUANTIZATION_CONFIGS",
            "get_quantization_config", "resolve_compute", "checkpoint_quantization", "normalize_method_name"]

@@ -76,6 +76,7 @@ def pack_int_weight(codes: torch.Tensor, d: torch.Tensor, offsets: torch.Tensor,
     return PackedIntWeight(out, bits, kind, n, k, group_size)
 
 
+@torch.compiler.disable
 def unpack_int_weight(w: PackedIntWeight) -> torch.Tensor:
     """The float32 weight `[N, K]` the packed form stands for (exactly what the exact path uses)."""
     out = torch.empty(w.out_features, w.in_features, dtype=torch.float32)
@@ -86,6 +87,21 @@ def unpack_int_weight(w: PackedIntWeight) -> torch.Tensor:
     return out
 
 
+@torch.compiler.disable
+def int_weight_rows(w: PackedIntWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of W as float32 `[*ids.shape, K]` (an embedding lookup from the packed form)."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.numel(), w.in_features, dtype=torch.float32)
+    failed = int_gemm_kernel().rows(w.bits, w.kind, w.data.data_ptr(), flat.data_ptr(), flat.numel(),
+                                    out.data_ptr(), w.out_features, w.in_features, w.group_size)
+    if failed == 3:
+        raise IndexError(f"token id out of range 0..{w.out_features - 1}")
+    if failed:
+        raise ValueError("int_gemm_rows refused its arguments")
+    return out.view(*ids.shape, w.in_features)
+
+
+@torch.compiler.disable  # a ctypes call: runs eagerly inside compiled graphs
 def int_matmul(x: torch.Tensor, w: PackedIntWeight, compute: str = "exact") -> torch.Tensor:
     """`x @ W^T` for float32 CPU `x [M, K]`."""
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
