@@ -39,7 +39,8 @@ def run_pagedllm(args, model: str | None) -> dict:
 
     t0 = time.perf_counter()
     kwargs = dict(kv_cache_space=args.kv_cache_space, block_size=args.block_size,
-                  max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager)
+                  max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+                  quant_compute=args.quant_compute, kv_cache_dtype=args.kv_cache_dtype)
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(model, **kwargs)
@@ -49,6 +50,7 @@ def run_pagedllm(args, model: str | None) -> dict:
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
               for r in reqs]
     llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    first_token = time.perf_counter() - t0  # start-up to the first generated tokens
     t = time.perf_counter()
     compiled = llm.wait_for_compilation()  # opt-in decode graphs compile in the background
     compile_s = time.perf_counter() - t
@@ -65,6 +67,8 @@ def run_pagedllm(args, model: str | None) -> dict:
     stats = llm.kv_cache_stats()
     return _result("pagedllm", reqs, elapsed_runs, out_tokens, startup,
                    extra={"compiled": compiled, "compile_wait_s": round(compile_s, 1),
+                          "quant_compute": args.quant_compute, "kv_cache_dtype": args.kv_cache_dtype,
+                          "startup_to_first_token_s": round(first_token, 2),
                           "waste_at_peak": round(stats.waste_at_peak, 4),
                           "peak_used_blocks": stats.peak_used_blocks,
                           "num_preemptions": stats.num_preemptions})
@@ -256,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--quant-compute", default="auto", choices=["auto", "exact", "int8"],
+                   help="pagedllm: integer-weight arithmetic (docs/quantization.md)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="pagedllm: KV cache element type")
     p.add_argument("--enforce-eager", action="store_true",
                    help="pagedllm: no compiled decode graphs (default: wait for them, then time)")
     p.add_argument("--base-url", default=None, help="server URL for llamacpp/openai backends")

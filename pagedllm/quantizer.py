@@ -81,12 +81,17 @@ def rtn_weights(weights: dict[str, torch.Tensor], bits: int, group_size: int, sy
 
 
 def pack_weights(results: dict[str, QuantizedWeight], fmt: str, bits: int, sym: bool,
-                 checkpoint_format: str = "gptq") -> dict[str, torch.Tensor]:
-    """The checkpoint tensors of `fmt` for quantized weights `{module name: QuantizedWeight}`."""
+                 checkpoint_format: str = "gptq", activations: str | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of `fmt` for quantized weights `{module name: QuantizedWeight}`
+    (`activations="int8"`: compressed-tensors int-quantized W8A8)."""
     out: dict[str, torch.Tensor] = {}
     for name, q in results.items():
         n, k = q.codes.shape
         codes, scales, zeros = q.codes, q.scales, q.zeros
+        if activations == "int8":  # int8 weights, symmetric per channel: zero 128 on unsigned codes
+            out[f"{name}.weight"] = (codes.to(torch.int32) - 128).to(torch.int8).contiguous()
+            out[f"{name}.weight_scale"] = scales.contiguous()
+            continue
         trivial = bool(torch.equal(q.g_idx, torch.arange(k, dtype=torch.int32) // (k // scales.shape[1])))
         if fmt != "gptq" and not trivial:
             raise ValueError(f"{name}: act-order (a g_idx) is only written in the gptq format")
@@ -120,7 +125,8 @@ def quantize_tensors(weights: dict[str, torch.Tensor], fmt: str, bits: int, grou
 
 
 def quantization_config(fmt: str, bits: int, group_size: int, sym: bool, act_order: bool,
-                        checkpoint_format: str, method: str = "rtn", damp_percent: float = 0.01) -> dict[str, Any]:
+                        checkpoint_format: str, method: str = "rtn", damp_percent: float = 0.01,
+                        activations: str | None = None) -> dict[str, Any]:
     if fmt == "gptq":
         qc = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order,
               "sym": sym, "checkpoint_format": checkpoint_format, "static_groups": False,
@@ -135,6 +141,12 @@ def quantization_config(fmt: str, bits: int, group_size: int, sym: bool, act_ord
                "strategy": "channel" if group_size == -1 else "group",
                "group_size": None if group_size == -1 else group_size,
                "observer": "minmax" if method == "rtn" else method}
+    if activations == "int8":
+        acts = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token"}
+        return {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
+                                              "output_activations": None, "format": "int-quantized"}},
+                "ignore": ["lm_head"], "kv_cache_scheme": None}
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
                                           "output_activations": None, "format": "pack-quantized"}},
@@ -171,7 +183,7 @@ def quantize_model(model: str | None, out: str, method: str = "rtn", bits: int =
                    fmt: str = "gptq", sym: bool | None = None, act_order: bool = False,
                    checkpoint_format: str = "gptq", calibration: str | None = None, num_samples: int | None = None,
                    seq_len: int = 512, damp_percent: float = 0.01, awq_clip: bool = True,
-                   awq_search_samples: int = 8, batch_size: int = 8) -> Path:
+                   awq_search_samples: int = 8, batch_size: int = 8, activations: str | None = None) -> Path:
     """Write the quantized checkpoint folder `out` from `model` (an HF folder, a .gguf file, or
     None for the default SmolLM2). Returns the folder.
 
@@ -197,6 +209,11 @@ def quantize_model(model: str | None, out: str, method: str = "rtn", bits: int =
         raise ValueError(f"--checkpoint-format must be gptq or gptq_v2, got {checkpoint_format!r}")
     if method != "rtn" and ((num_samples is not None and num_samples < 1) or seq_len < 2):
         raise ValueError(f"--num-samples must be >= 1 and --seq-len >= 2, got {num_samples} and {seq_len}")
+    if activations not in (None, "int8"):
+        raise ValueError(f"--activations must be int8 (or absent), got {activations!r}")
+    if activations == "int8" and (fmt != "compressed-tensors" or bits != 8 or group_size != -1 or sym is False):
+        raise ValueError("--activations int8 (W8A8) is written as compressed-tensors int-quantized: "
+                         "--format compressed-tensors --bits 8 --group-size -1, symmetric")
     if sym is None:
         sym = fmt != "awq"  # AutoGPTQ's and llm-compressor's W4A16 default; AWQ is asymmetric
     out_path = Path(out)
@@ -241,7 +258,7 @@ def quantize_model(model: str | None, out: str, method: str = "rtn", bits: int =
             results = rtn_weights({m: everything[m + ".weight"] for m in projections}, bits, group_size, sym,
                                   min_zero=min_zero)
         logger.info("%s on %d x %d calibration tokens: %.1f s", method, *samples.shape, time.perf_counter() - t0)
-    tensors.update(pack_weights(results, fmt, bits, sym, checkpoint_format))
+    tensors.update(pack_weights(results, fmt, bits, sym, checkpoint_format, activations))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_path.name + ".", dir=out_path.parent))
     try:
@@ -252,7 +269,7 @@ def quantize_model(model: str | None, out: str, method: str = "rtn", bits: int =
             config["architectures"] = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                         "qwen2": "Qwen2ForCausalLM"}.get(config.get("model_type"), "LlamaForCausalLM")]
         config["quantization_config"] = quantization_config(fmt, bits, group_size, sym, act_order, checkpoint_format,
-                                                            method, damp_percent)
+                                                            method, damp_percent, activations=activations)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         write_tokenizer(tmp)
         if not (tmp / "generation_config.json").exists():

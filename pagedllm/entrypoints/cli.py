@@ -114,6 +114,9 @@ def add_quantize_parser(sub) -> None:
                    help="gptq / awq: calibration windows (default: as many as the text holds, at most 128)")
     q.add_argument("--seq-len", type=int, default=512, help="gptq / awq: tokens per calibration window")
     q.add_argument("--damp-percent", type=float, default=0.01, help="gptq: dampening, a fraction of mean diag(H)")
+    q.add_argument("--activations", default=None, choices=("int8",),
+                   help="int8: W8A8, written as compressed-tensors int-quantized (dynamic int8 activations); "
+                        "needs --format compressed-tensors --bits 8 --group-size -1")
     q.add_argument("--no-awq-clip", dest="awq_clip", action="store_false", help="awq: skip the clipping search")
     q.add_argument("--awq-search-samples", type=int, default=8,
                    help="awq: how many calibration windows the scale and clip searches evaluate on")
@@ -126,7 +129,8 @@ def run_quantize(args: argparse.Namespace) -> int:
                           fmt=args.format, sym=args.sym, act_order=args.act_order,
                           checkpoint_format=args.checkpoint_format, calibration=args.calibration,
                           num_samples=args.num_samples, seq_len=args.seq_len, damp_percent=args.damp_percent,
-                          awq_clip=args.awq_clip, awq_search_samples=args.awq_search_samples)
+                          awq_clip=args.awq_clip, awq_search_samples=args.awq_search_samples,
+                          activations=args.activations)
     print(f"wrote {path}")
     return 0
 

@@ -233,3 +233,30 @@ def test_smollm2_gptq_int4_g64_generates_sensible_text(tmp_path):
     packed = sum(t.numel() * t.element_size() for m in quantized for t in m.buffers())
     fp16 = sum(2 * m.input_size * m.output_size for m in quantized)
     assert packed <= 0.30 * fp16, (packed, fp16)  # issue 11's memory target for int4 linear layers
+
+
+def test_w8a8_int_quantized_loads_and_runs_int8(tiny_llama, tmp_path):
+    """compressed-tensors int-quantized (W8A8): int8 weights per channel, dynamic int8
+    activations; the layer runs the int8 path whatever quant_compute says, within 1e-2 of the
+    float product of its own (dequantized) weights."""
+    from safetensors.torch import load_file
+
+    from pagedllm.layers.quantization.compressed_tensors import CompressedTensorsW8A8Method
+
+    out = quantize_model(str(tiny_llama), str(tmp_path / "w8a8"), bits=8, group_size=-1,
+                         fmt="compressed-tensors", activations="int8")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "int-quantized" and qc["config_groups"]["group_0"]["input_activations"]["dynamic"]
+    sd = load_file(str(out / "model.safetensors"))
+    assert sd["model.layers.0.mlp.down_proj.weight"].dtype == torch.int8
+    llm = LLM(str(out), kv_cache_space=0.05, quant_compute="exact")
+    layer = llm.llm_engine.model.model.layers[0].mlp.down_proj
+    assert isinstance(layer.quant_method, CompressedTensorsW8A8Method) and layer.quant_method.compute == "int8"
+    w = (sd["model.layers.0.mlp.down_proj.weight"].float() * sd["model.layers.0.mlp.down_proj.weight_scale"].float())
+    x = torch.randn(6, w.shape[1])
+    ref = x.double() @ w.double().t()
+    assert float((layer(x).double() - ref).norm() / ref.norm()) <= 1e-2
+    o = llm.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert all(len(r.outputs[0].token_ids) == 8 for r in o)
+    with pytest.raises(ValueError, match="int-quantized"):
+        quantize_model(str(tiny_llama), str(tmp_path / "bad"), bits=4, fmt="compressed-tensors", activations="int8")

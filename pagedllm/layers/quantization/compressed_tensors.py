@@ -9,7 +9,12 @@ Per linear layer `W [out, in]`, with `pf = 32 // num_bits` and signed codes `q` 
 - `weight_shape` `[2]` = `(out, in)`; `weight_g_idx` `[in]` with `actorder: group`.
 `W = (q - zero_point) * scale`. Which layers are quantized is the config's business:
 `config_groups.*.targets` (a class name such as `Linear`, a module name, or `re:<regex>`) minus
-`ignore` (same syntax). `int-quantized` (W8A8, int8 activations) is not loaded yet.
+`ignore` (same syntax).
+
+`format: int-quantized` W8A8 (int8 weights per channel, symmetric, and dynamic int8 activations):
+`weight` int8 `[out, in]` and `weight_scale` `[out, 1]`; `W = weight * scale`. Such layers always
+run the int8 path (the checkpoint asks for int8 activations); pagedllm quantizes activations per
+block of 32 inputs, which is finer than the per-token scales the scheme names (never coarser).
 """
 
 from __future__ import annotations
@@ -85,6 +90,36 @@ class CompressedTensorsWNA16Method(PackedIntLinearMethod):
         return pack_int32(codes, self.bits, dim=0), scales, zeros, perm
 
 
+class CompressedTensorsW8A8Method(PackedIntLinearMethod):
+    format_name = "compressed-tensors W8A8"
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__(prefix, 8, -1, "int8")
+
+    def checkpoint_specs(self, input_size, output_sizes):
+        out = sum(output_sizes)
+        return [TensorSpec("weight", (out, input_size), (torch.int8,), shard_dim=0),
+                TensorSpec("weight_scale", (out, 1), _FLOAT_DTYPES, shard_dim=0)]
+
+    def to_canonical(self, layer, tensors):
+        codes = (tensors["weight"].to(torch.int32) + 128).t()  # [in, out], unsigned, zero 128
+        scales = tensors["weight_scale"].t()
+        zeros = torch.full(scales.shape, 128, dtype=torch.uint8, device=scales.device)
+        return pack_int32(codes, 8, dim=0), scales, zeros, None
+
+
+def _check_w8a8(gname: str, group: dict[str, Any]) -> None:
+    w, a = group.get("weights") or {}, group.get("input_activations") or {}
+    if not (w.get("type", "int") == "int" and int(w.get("num_bits", 0)) == 8 and w.get("strategy") == "channel"
+            and w.get("symmetric", True) and not w.get("dynamic")):
+        raise ValueError(f"compressed-tensors config group {gname!r}: int-quantized weights must be int8, "
+                         f"symmetric, per channel (got {w})")
+    if not (a.get("type", "int") == "int" and int(a.get("num_bits", 0)) == 8 and a.get("dynamic")
+            and a.get("symmetric", True) and a.get("strategy") in ("token", "tensor")):
+        raise ValueError(f"compressed-tensors config group {gname!r}: int-quantized activations must be dynamic "
+                         f"symmetric int8 per token or tensor (got {a}); static activation scales are not supported")
+
+
 def _matches(name: str, target: str) -> bool:
     if target.startswith("re:"):
         return re.match(target[3:], name) is not None
@@ -106,9 +141,16 @@ class CompressedTensorsConfig(QuantizationConfig):
         schemes = []
         for gname, group in (config.get("config_groups") or {}).items():
             fmt = group.get("format") or top_format
+            if fmt == "int-quantized":
+                _check_w8a8(gname, group)
+                targets = list(group.get("targets") or [])
+                if not targets:
+                    raise ValueError(f"compressed-tensors config group {gname!r} has no targets")
+                schemes.append((targets, dict(group.get("weights") or {}, _w8a8=True)))
+                continue
             if fmt != "pack-quantized":
                 raise ValueError(f"compressed-tensors config group {gname!r}: format {fmt!r} is not supported yet "
-                                 "(only 'pack-quantized' W4A16 / W8A16)")
+                                 "('pack-quantized' W4A16 / W8A16, 'int-quantized' W8A8)")
             if group.get("input_activations") or group.get("output_activations"):
                 raise ValueError(f"compressed-tensors config group {gname!r}: activation quantization (W8A8) "
                                  "is not supported yet")
@@ -145,6 +187,8 @@ class CompressedTensorsConfig(QuantizationConfig):
         w = found[0]
         if w is None:
             return None
+        if w.get("_w8a8"):
+            return CompressedTensorsW8A8Method(prefix)
         group_size = int(w.get("group_size") or -1) if w["strategy"] == "group" else -1
         if w["strategy"] == "group" and group_size <= 0:
             raise ValueError(f"compressed-tensors: group strategy without a group_size for {prefix}")
