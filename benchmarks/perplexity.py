@@ -69,11 +69,20 @@ def describe(model: str) -> dict:
             "group_size": qc.get("group_size", qc.get("q_group_size"))}
 
 
-def nll_pagedllm(model: str, ids: list[int], spans, window: int) -> tuple[float, int, float]:
+def split_compute(spec: str) -> tuple[str, str]:
+    """`MODEL@int8` / `MODEL@exact`: the model and its quant_compute (default auto)."""
+    model, sep, compute = spec.rpartition("@")
+    if sep and compute in ("auto", "exact", "int8"):
+        return model, compute
+    return spec, "auto"
+
+
+def nll_pagedllm(spec: str, ids: list[int], spans, window: int) -> tuple[float, int, float]:
     from pagedllm import LLM, SamplingParams
 
+    model, compute = split_compute(spec)
     llm = LLM(None if model == "default" else model, max_model_len=window + 8, kv_cache_space=1.0,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, quant_compute=compute)
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": ids[s:e]} for s, e, _ in spans], params, use_tqdm=False)
@@ -110,7 +119,8 @@ def nll_transformers(model: str, ids: list[int], spans) -> tuple[float, int, flo
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("models", nargs="+", help="HF / quantized folders, .gguf files, or 'default' (SmolLM2 GGUF)")
+    ap.add_argument("models", nargs="+", help="HF / quantized folders, .gguf files, or 'default' (SmolLM2 GGUF); "
+                    "a suffix @exact / @int8 picks the quant_compute path")
     ap.add_argument("--hf-reference", default=None, help="a float folder (or GGUF): transformers float32 row")
     ap.add_argument("--text", default=None, help="a UTF-8 text file (default: pagedllm/data/heldout.txt)")
     ap.add_argument("--window", type=int, default=512)
@@ -125,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     from pagedllm.tokenizer import load_tokenizer
 
     text = shipped_text(HELDOUT) if args.text is None else Path(args.text).read_text(encoding="utf-8")
-    first = resolve_model(None if args.models[0] == "default" else args.models[0])
+    first_model = split_compute(args.models[0])[0]
+    first = resolve_model(None if first_model == "default" else first_model)
     ids = load_tokenizer(first.path, first.gguf_file)(text, add_special_tokens=False)["input_ids"]
     spans = windows(len(ids), args.window, args.stride)[: args.max_windows]
     labels = dict(lbl.split("=", 1) for lbl in args.label)
@@ -139,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"transformers {args.hf_reference}: {rows[-1]['ppl']:.4f}", file=sys.stderr)
     for model in args.models:
         total, count, el = nll_pagedllm(model, ids, spans, args.window)
-        rows.append({"model": labels.get(model, model), "engine": "pagedllm", **describe(model), "tokens": count,
+        rows.append({"model": labels.get(model, model), "engine": "pagedllm", **describe(split_compute(model)[0]),
+                     "quant_compute": split_compute(model)[1], "tokens": count,
                      "ppl": math.exp(total / count), "seconds": el})
         print(f"pagedllm {model}: {rows[-1]['ppl']:.4f}", file=sys.stderr)
     base = rows[0]["ppl"] if args.hf_reference else next(
