@@ -70,6 +70,9 @@ class KernelReport(NamedTuple):
         for name, state in self.kernels.items():
             lines.append(f"  {name}: {'active' if state.active else 'off'} ({state.reason})")
         lines.append(f"CPU features: {' '.join(self.cpu_features) or 'unknown'} ({platform.machine()})")
+        isa = int_gemm_isa_name()
+        if isa is not None:
+            lines.append(f"int_gemm instruction set: {isa}")
         return "\n".join(lines)
 
     def info_labels(self) -> dict[str, str]:
@@ -95,7 +98,15 @@ def log_kernel_status(device: object = "cpu") -> None:
         return
     report = kernel_status()
     features = " ".join(report.cpu_features) or "unknown"
-    logger.info("%s (CPU features: %s)", report.summary(), features)
+    isa = int_gemm_isa_name()
+    logger.info("%s (CPU features: %s%s)", report.summary(), features, f"; int_gemm: {isa}" if isa else "")
+
+
+def int_gemm_isa_name() -> str | None:
+    """The instruction set int_gemm.c was built for here (None: not active)."""
+    from pagedllm.layers.quantization.int_kernel import int_gemm_isa
+
+    return int_gemm_isa()
 
 
 __all__ = ["DISABLE_ENV", "KernelReport", "cpu_features", "kernel_status", "log_kernel_status"]
