@@ -223,11 +223,15 @@ def run_openai_server(args, model: str | None) -> dict:
     name = httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers,
                      timeout=30).json()["data"][0]["id"]
     reqs = _requests(args, None, args.vocab_size)
-    row = asyncio.run(run_rate(args.base_url, name, reqs, float("inf"), args.max_num_seqs,
-                               args.seed, args.api_key))
-    if row["failed"]:
-        raise SystemExit(f"{row['failed']} requests failed: {row['errors']}")
-    return _result(f"{args.backend}({name})", reqs, [row["duration_s"]], row["output_tokens"], 0.0)
+    rows = []
+    for _ in range(args.repeats):  # like the in-process backends: `--repeats` timed runs
+        row = asyncio.run(run_rate(args.base_url, name, reqs, float("inf"), args.max_num_seqs,
+                                   args.seed, args.api_key))
+        if row["failed"]:
+            raise SystemExit(f"{row['failed']} requests failed: {row['errors']}")
+        rows.append(row)
+    return _result(f"{args.backend}({name})", reqs, [r["duration_s"] for r in rows],
+                   rows[0]["output_tokens"], 0.0)
 
 
 BACKENDS = {"pagedllm": run_pagedllm, "hf": run_hf, "vllm": run_vllm,
