@@ -189,7 +189,7 @@ def quantize_model(model: str | None, out: str, method: str = "rtn", bits: int =
 
     `calibration` (gptq, awq): a text file, or None for the shipped calibration text;
     `num_samples` windows of `seq_len` tokens of it (None: as many non-overlapping windows as
-    the text holds, at most 128; the shipped text holds 40 of 512 SmolLM2 tokens). `damp_percent`: GPTQ's dampening (of the
+    the text holds, at most 128; the shipped text holds 122 of 512 SmolLM2 tokens). `damp_percent`: GPTQ's dampening (of the
     Hessian's mean diagonal). `awq_clip`: AWQ's clipping search; `awq_search_samples`: how many
     of the samples AWQ's searches evaluate on (its mean |x| reads all)."""
     if method not in METHODS:

@@ -201,7 +201,7 @@ def test_token_windows():
 
 def test_shipped_texts_are_separate_and_large_enough():
     cal, held = shipped_text(CALIBRATION), shipped_text(HELDOUT)
-    assert len(cal.encode()) > 80_000 and 50_000 < len(held.encode()) < 120_000
+    assert len(cal.encode()) > 250_000 and 50_000 < len(held.encode()) < 120_000
     cal_paragraphs = {p.strip() for p in cal.split("\n\n") if len(p.strip()) > 80}
     held_paragraphs = {p.strip() for p in held.split("\n\n") if len(p.strip()) > 80}
     assert len(held_paragraphs) > 100 and not cal_paragraphs & held_paragraphs
