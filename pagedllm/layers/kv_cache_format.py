@@ -34,7 +34,7 @@ KV_CACHE_TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 # The C kernels' element kinds (kernels/kv_cache_types.h: KV_F32, KV_BF16, KV_I8).
 KERNEL_KIND: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
-_INV127 = torch.tensor(1.0 / 127.0, dtype=torch.float32)  # the C kernels' 1.0f / 127.0f
+_INV127 = 1.0 / 127.0  # as float32: the C kernels' 1.0f / 127.0f
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -143,13 +143,14 @@ def _quantize_rows(cache: Int8Blocks, x: torch.Tensor, slots: torch.Tensor) -> N
     first = torch.full((uniq.numel(),), block_size, dtype=torch.long, device=x.device)
     first.scatter_reduce_(0, inverse, offsets, "amin")  # the write's first offset in each block
     old = torch.where((first > 0)[:, None], scales[uniq], 0.0)  # offset 0: the block starts afresh
-    new = torch.maximum(old, amax * _INV127.to(x.device))
+    new = torch.maximum(old, amax * _INV127)  # float32 x float32(1/127), as the kernels
+    # Requantize the codes already there (rows before `first`) where the scale grew; factor 1
+    # elsewhere leaves a code as it is. Unconditional: no host sync on a GPU.
     grow = (old > 0) & (new > old)
-    if bool(grow.any()):  # requantize the codes already there (rows before `first`) to `new`
-        ratio = torch.where(grow, old / torch.where(grow, new, 1.0), 1.0)  # [U, Hk]
-        kept = torch.arange(block_size, device=x.device)[None, :] < first[:, None]  # [U, B]
-        factor = torch.where(kept[:, :, None], ratio[:, None, :], 1.0)  # [U, B, Hk]
-        codes[uniq] = torch.round(codes[uniq].float() * factor[..., None]).to(torch.int8)
+    ratio = torch.where(grow, old / torch.where(grow, new, 1.0), 1.0)  # [U, Hk]
+    kept = torch.arange(block_size, device=x.device)[None, :] < first[:, None]  # [U, B]
+    factor = torch.where(kept[:, :, None], ratio[:, None, :], 1.0)  # [U, B, Hk]
+    codes[uniq] = torch.round(codes[uniq].float() * factor[..., None]).to(torch.int8)
     scales[uniq] = new
     inv = torch.where(new > 0, 1.0 / torch.where(new > 0, new, 1.0), 0.0)
     q = torch.round(xf * inv[inverse][:, :, None]).clamp_(-127, 127).to(torch.int8)

@@ -66,6 +66,16 @@ def test_unknown_kv_cache_dtype_is_a_value_error(bad):
         F.resolve_kv_cache_dtype(bad, torch.float32)
 
 
+def test_cli_flag():
+    from pagedllm.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["generate", "--kv-cache-dtype", "int8", "hi"]).kv_cache_dtype == "int8"
+    assert parser.parse_args(["generate", "hi"]).kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--kv-cache-dtype", "fp8", "hi"])
+
+
 def test_auto_is_the_model_dtype():
     assert F.resolve_kv_cache_dtype("auto", torch.float32) == torch.float32
     assert F.resolve_kv_cache_dtype("auto", BF16) == BF16
