@@ -23,7 +23,7 @@ def rss():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 from pagedllm.model_source import resolve_model, load_hf_config
 from pagedllm.model.loader import load_model
-from pagedllm.layers.linear import Linear, VocabEmbedding, _PREPARED_ATTR
+from pagedllm.layers.linear import Linear, VocabEmbedding
 src = resolve_model(None if sys.argv[1] == "default" else sys.argv[1])
 cfg = load_hf_config(src)
 gc.collect(); before = rss()
@@ -31,8 +31,7 @@ model = load_model(src.path, src.gguf_file, cfg, torch.float32, "cpu", quant_com
 gc.collect(); after = rss()
 def tensor_bytes(t):
     return 0 if t is None else t.numel() * t.element_size()
-def prepared_bytes(t):
-    p = getattr(t, _PREPARED_ATTR, None) if t is not None else None
+def prepared_bytes(p):
     return 0 if p is None else tensor_bytes(p.blocks) + tensor_bytes(p.packed)
 lin = lin_fp16 = 0
 for m in model.modules():
@@ -41,11 +40,13 @@ for m in model.modules():
         iw = getattr(m, "int_weight", None)
         lin += iw.data.numel() if iw is not None else 0
         for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
-            lin += tensor_bytes(t) + prepared_bytes(t)
+            lin += tensor_bytes(t)
+        lin += prepared_bytes(getattr(m, "prepared", None))
 emb = model.model.embed_tokens
-emb_bytes = (emb.int_weight.data.numel() if emb.int_weight is not None else 0) + tensor_bytes(emb.weight) + prepared_bytes(emb.weight)
+emb_bytes = (emb.int_weight.data.numel() if emb.int_weight is not None else 0) + tensor_bytes(emb.weight)
+emb_bytes += prepared_bytes(model.head_prepared)
 if model.lm_head is not None:
-    emb_bytes += tensor_bytes(model.lm_head.weight) + prepared_bytes(model.lm_head.weight)
+    emb_bytes += tensor_bytes(model.lm_head.weight) + prepared_bytes(model.lm_head.prepared)
 total = lin + emb_bytes + sum(tensor_bytes(p) for n, p in model.named_parameters()
                               if "embed_tokens" not in n and "lm_head" not in n and not isinstance(
                                   model.get_submodule(n.rpartition(".")[0]), Linear))

@@ -4,21 +4,19 @@
 input (q/k/v, gate/up) into one matrix product; the checkpoint's separate matrices are copied into
 row slices of the fused weight at load time.
 
-Every projection goes through `linear`. On CPU in float32 it runs hand-written C kernels against
-a form of the weight prepared once (`prepare_weight`, at load time, or on first use):
-- when the weight is exactly a grid of 4-bit or 8-bit blocks (a GGUF model's weights are;
-  layers/block_formats.py checks it bit for bit), kernels/block_gemm.c on that compact form
-  (0.75-1.1 bytes a weight instead of 4): up to 16 rows it dequantizes in registers (decode at
-  small batch is bound by memory bandwidth: 3x faster than float32 at 1 row), from 17 rows it
-  dequantizes each 32-column panel once and runs the float32 panel kernel (as fast as float32
-  panels, measured, with a fifth of the memory);
+A layer's weights belong to its *method* (vLLM's shape, layers/quantization/base.LinearMethod):
+a quantized checkpoint's method (layers/quantization/), or `FloatLinearMethod` for float weights.
+On CPU in float32, `FloatLinearMethod` runs hand-written C kernels against a form of the weight
+prepared once after loading (`prepare_weight`) and kept on the layer (`layer.prepared`):
+- when the weight is exactly a grid of 4-bit or 8-bit blocks (a float folder exported from a
+  GGUF file is; layers/block_formats.py checks it bit for bit), kernels/block_gemm.c on that
+  compact form (0.75-1.1 bytes a weight instead of 4);
 - otherwise kernels/packed_gemm.c on a copy packed into 32-column panels, which beats MKL
   2.6x at 1 row, 2.3x at 20, 1.6x at 64 and 1.1-1.2x at 512-2048 (benchmarks/NOTES.md).
 Elsewhere (other dtypes, GPU, under torch.compile, no compiler) `F.linear`.
 
-The prepared form lives on the weight tensor itself, tagged with its data pointer and version
-counter, so an in-place change of the weight (loading) prepares it again. It costs a fifth to a
-quarter of the float32 weight's memory (block form) or as much again (float32 panels).
+A prepared form records the weight's data pointer and version counter: if the weight changes in
+place after loading, the layer prepares it again on its next call instead of using a stale copy.
 Setting `PAGEDLLM_BLOCK_WEIGHTS=0` turns the block form off (for A/B measurements).
 """
 
@@ -39,7 +37,6 @@ from pagedllm.layers.quantization.base import LinearMethod
 USE_BLOCK_WEIGHTS = os.environ.get("PAGEDLLM_BLOCK_WEIGHTS", "1") not in ("0", "")  # read once
 _kernel = packed_gemm_kernel
 _block_kernel = block_gemm_kernel
-_PREPARED_ATTR = "_pagedllm_prepared"
 _X_CHUNK_ROWS = 144  # packed_gemm.c's M_CHUNK: the scratch holds one chunk of packed activations
 
 
@@ -50,16 +47,17 @@ class PreparedWeight(NamedTuple):
     packed: torch.Tensor | None  # float32 panels for packed_gemm.c, when it has none
 
 
+def _key(weight: torch.Tensor) -> tuple[int, int, bool]:
+    return (weight.data_ptr(), weight._version, USE_BLOCK_WEIGHTS)
+
+
 def prepare_weight(weight: torch.Tensor) -> PreparedWeight | None:
-    """The kernel-ready form of a 2-D float32 CPU weight (made now if missing or stale), or None
-    where the C kernels are unavailable."""
+    """The kernel-ready form of a 2-D float32 CPU weight, made now (the caller keeps it), or None
+    where the C kernels do not apply."""
     kernel = _kernel()
     if kernel is None or weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
         return None
-    key = (weight.data_ptr(), weight._version, USE_BLOCK_WEIGHTS)
-    cached = getattr(weight, _PREPARED_ATTR, None)
-    if cached is not None and cached.key == key:
-        return cached
+    key = _key(weight)
     n, k = weight.shape
     source = weight.detach().contiguous()
     block_kernel = _block_kernel() if USE_BLOCK_WEIGHTS else None
@@ -73,12 +71,20 @@ def prepare_weight(weight: torch.Tensor) -> PreparedWeight | None:
         packed = torch.empty(kernel.packed_size(n, k), dtype=torch.float32)
         kernel.pack(source.data_ptr(), packed.data_ptr(), n, k)
         prepared = PreparedWeight(key, None, None, packed)
-    setattr(weight, _PREPARED_ATTR, prepared)
     return prepared
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ weight.T (+ bias)` for `x [M, K]`, `weight [N, K]`: the C kernels where they apply."""
+def current_prepared(weight: torch.Tensor, prepared: PreparedWeight | None) -> PreparedWeight | None:
+    """`prepared` if it is still the form of `weight` (not changed in place since), else a new one."""
+    if prepared is not None and prepared.key == _key(weight):
+        return prepared
+    return prepare_weight(weight)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           prepared: PreparedWeight | None = None) -> torch.Tensor:
+    """`x @ weight.T (+ bias)` for `x [M, K]`, `weight [N, K]`: the C kernels where they apply,
+    on `prepared` (the caller's kept form of `weight`; made for this call if missing or stale)."""
     if (
         x.dim() == 2
         and x.shape[0] > 0
@@ -86,7 +92,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and x.dtype == torch.float32
         and not torch.compiler.is_compiling()
     ):
-        prepared = prepare_weight(weight)
+        prepared = current_prepared(weight, prepared)
         if prepared is not None:
             m, k = x.shape
             n = weight.shape[0]
@@ -118,10 +124,40 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     dst.copy_(src)
 
 
+class FloatLinearMethod(LinearMethod):
+    """A float weight `[out, in]` (fused shards as row slices) and the C kernels' form of it,
+    prepared once after loading and kept on the layer as `layer.prepared`."""
+
+    def create_weights(self, layer, input_size, output_sizes, dtype, device) -> None:
+        layer.weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype, device=device),
+                                    requires_grad=False)
+        layer.prepared = None
+
+    def required_weights(self, layer) -> list[str]:
+        return ["weight"]
+
+    def load_weight(self, layer, name, tensor, shard_id) -> None:
+        if name != "weight":
+            raise ValueError(f"Checkpoint has a {name} for a layer built without one")
+        if shard_id is None:
+            _copy_checked(layer.weight.data, tensor, name)
+            return
+        start, size = sum(layer.output_sizes[:shard_id]), layer.output_sizes[shard_id]
+        _copy_checked(layer.weight.data[start : start + size], tensor, f"{name} shard {shard_id}")
+
+    def process_weights_after_loading(self, layer) -> None:
+        layer.prepared = prepare_weight(layer.weight)
+
+    def apply(self, layer, x, bias) -> torch.Tensor:
+        if not torch.compiler.is_compiling() and x.device.type == "cpu":
+            layer.prepared = current_prepared(layer.weight, layer.prepared)  # once, then kept
+        return linear(x, layer.weight, bias, layer.prepared)
+
+
 class Linear(nn.Module):
-    """`quant_method` (layers/quantization/): a quantized layer holds the tensors its method
-    creates instead of a float `weight`, and its forward is the method's `apply`; the bias stays
-    a float parameter of the layer."""
+    """The layer's tensors belong to its method: `quant_method` (layers/quantization/) for a
+    quantized checkpoint (None: float), else a `FloatLinearMethod`; its forward is the method's
+    `apply`. The bias stays a float parameter of the layer."""
 
     def __init__(
         self,
@@ -138,44 +174,34 @@ class Linear(nn.Module):
         self.output_size = output_size
         self.output_sizes = list(_output_sizes) if _output_sizes is not None else [output_size]
         self.quant_method = quant_method
-        if quant_method is None:
-            self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype, device=device),
-                                       requires_grad=False)
-        else:
-            quant_method.create_weights(self, input_size, self.output_sizes, dtype, device)
+        self.method: LinearMethod = quant_method if quant_method is not None else FloatLinearMethod()
+        self.method.create_weights(self, input_size, self.output_sizes, dtype, device)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype, device=device), requires_grad=False)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant_method is not None:
-            return self.quant_method.apply(self, x, self.bias)
-        return linear(x, self.weight, self.bias)
+        return self.method.apply(self, x, self.bias)
 
     def required_weights(self) -> list[str]:
         """The checkpoint tensors (leaf names) this layer (each shard of it) must get."""
-        names = ["weight"] if self.quant_method is None else self.quant_method.required_weights(self)
-        return names + (["bias"] if self.bias is not None else [])
+        return self.method.required_weights(self) + (["bias"] if self.bias is not None else [])
 
     def process_weights_after_loading(self) -> None:
-        """Once, after loading: the quantized method's compute form, or the C kernels' form of
-        the float weight."""
-        if self.quant_method is not None:
-            self.quant_method.process_weights_after_loading(self)
-        else:
-            prepare_weight(self.weight)
+        """Once, after loading: the method's compute form (the C kernels' form of a float weight,
+        a quantized method's packed form)."""
+        self.method.process_weights_after_loading(self)
 
     @torch.no_grad()
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
-        """Load the checkpoint's `weight` or `bias` (or a quantized method's tensor)."""
-        if name != "bias" and self.quant_method is not None:
-            self.quant_method.load_weight(self, name, tensor, None)
+        """Load the checkpoint's `bias`, or a tensor of the method (`weight`, `qweight`, ...)."""
+        if name != "bias":
+            self.method.load_weight(self, name, tensor, None)
             return
-        param = self.weight if name == "weight" else self.bias if name == "bias" else None
-        if param is None:
+        if self.bias is None:
             raise ValueError(f"Checkpoint has a {name} for a layer built without one")
-        _copy_checked(param.data, tensor, name)
+        _copy_checked(self.bias.data, tensor, name)
 
     def extra_repr(self) -> str:
         quant = "" if self.quant_method is None else f", quant={type(self.quant_method).__name__}"
@@ -203,16 +229,15 @@ class MergedLinear(Linear):
 
     @torch.no_grad()
     def load_shard(self, shard_id: int, name: str, tensor: torch.Tensor) -> None:
-        """Copy one of the separate checkpoint projections (`weight` or `bias`, or a quantized
-        method's tensor: the method concatenates along its output dimension) into its rows."""
-        if name != "bias" and self.quant_method is not None:
-            self.quant_method.load_weight(self, name, tensor, shard_id)
+        """Copy one of the separate checkpoint projections into its rows: the method's tensors
+        (it concatenates along its output dimension), or the bias."""
+        if name != "bias":
+            self.method.load_weight(self, name, tensor, shard_id)
             return
-        param = self.weight if name == "weight" else self.bias if name == "bias" else None
-        if param is None:
+        if self.bias is None:
             raise ValueError(f"Checkpoint has a {name} for a layer built without one")
         start, size = self.offsets[shard_id], self.output_sizes[shard_id]
-        _copy_checked(param.data[start : start + size], tensor, f"{name} shard {shard_id}")
+        _copy_checked(self.bias.data[start : start + size], tensor, f"{name} shard {shard_id}")
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, outs={self.output_sizes}, bias={self.bias is not None}"

@@ -20,7 +20,7 @@ from torch import nn
 
 from pagedllm.layers.activation import get_act_and_mul
 from pagedllm.layers.attention import Attention, AttentionMetadata
-from pagedllm.layers.linear import Linear, MergedLinear, VocabEmbedding, linear, prepare_weight
+from pagedllm.layers.linear import Linear, MergedLinear, VocabEmbedding, current_prepared, linear, prepare_weight
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.quantization import LinearMethod, QuantizationConfig
 from pagedllm.layers.rotary import RotaryEmbedding, head_dim_of, rotate_qkv
@@ -183,6 +183,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
+        self.head_prepared = None  # the C kernels' form of a tied head (an untied one is a Linear)
 
     # Shapes the model runner / cache engine need.
     @property
@@ -220,7 +221,12 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None and embed.int_weight is not None:  # tied to a packed GGUF table
             compute = self.quant_config.compute if self.quant_config is not None else "exact"
             return embed.packed_logits(hidden, compute)
-        return linear(hidden, self._head_weight()).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        head = embed.weight
+        if not torch.compiler.is_compiling() and head.device.type == "cpu":
+            self.head_prepared = current_prepared(head, self.head_prepared)  # made once, kept
+        return linear(hidden, head, prepared=self.head_prepared).float()
 
     def _head_weight(self) -> torch.Tensor | None:
         """The LM head's float weight (None: a tied head on a packed embedding table)."""
@@ -237,8 +243,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
-        if self._head_weight() is not None:
-            prepare_weight(self._head_weight())
+        if self.lm_head is None and self.model.embed_tokens.weight is not None:
+            self.head_prepared = prepare_weight(self.model.embed_tokens.weight)
 
     # ---- weights -------------------------------------------------------------------------
     def _expected_weights(self) -> set[tuple[str, int | None]]:

@@ -24,23 +24,37 @@ def test_matches_f_linear(rows, out_features, in_features):
     torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
+def _layer(out_features: int, in_features: int) -> linear_mod.Linear:
+    layer = linear_mod.Linear(in_features, out_features)
+    layer.load_weight("weight", torch.randn(out_features, in_features))
+    layer.process_weights_after_loading()
+    return layer
+
+
 @needs_kernel
 def test_kernel_is_used_and_weight_packed_once(monkeypatch):
+    """A layer's FloatLinearMethod packs its weight once (after loading) and keeps the panels on
+    the layer; calls reuse them."""
     calls = []
     real = linear_mod._kernel()
     monkeypatch.setattr(linear_mod, "_kernel", lambda: real._replace(pack=lambda *a: calls.append(a) or real.pack(*a)))
-    x, w = torch.randn(4, 64), torch.randn(8, 64)
+    layer, x = _layer(8, 64), torch.randn(4, 64)
+    assert layer.prepared is not None and layer.prepared.packed is not None
     for _ in range(3):
-        torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-4)
     assert len(calls) == 1
 
 
 @needs_kernel
 def test_in_place_weight_change_repacks():
-    x, w = torch.randn(3, 32), torch.randn(16, 32)
-    torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
-    w.copy_(torch.randn(16, 32))  # as loading a checkpoint into the parameter does
-    torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    layer, x = _layer(16, 32), torch.randn(3, 32)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-4)
+    first = layer.prepared
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(16, 32))  # an in-place change of the parameter (its version moves)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-4)
+    assert layer.prepared is not first  # a new form for the new values, kept on the layer
+    torch.testing.assert_close(linear(x, layer.weight), F.linear(x, layer.weight), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize(

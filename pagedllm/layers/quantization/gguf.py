@@ -59,6 +59,7 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_shards = {}
         layer.gguf_dtype, layer.gguf_device = dtype or torch.float32, torch.device(device or "cpu")
         layer.int_weight = None
+        layer.prepared = None  # the float fallback's kernel form
 
     def required_weights(self, layer) -> list[str]:
         return ["weight"]
@@ -85,7 +86,7 @@ class GGUFLinearMethod(LinearMethod):
                 return
         w = torch.cat([s.dequantize() if _is_blocks(s) else s.float() for s in shards])
         layer.weight = nn.Parameter(w.to(layer.gguf_dtype).to(layer.gguf_device), requires_grad=False)
-        prepare_weight(layer.weight)
+        layer.prepared = prepare_weight(layer.weight)  # the float path's kernel form, kept
 
     def weight_bytes(self, layer) -> int:
         if layer.int_weight is not None:
@@ -106,7 +107,7 @@ class GGUFLinearMethod(LinearMethod):
             return out if bias is None else out.add_(bias)
         if packed is not None:  # a non-float32 input: the values, then the float product
             return torch.nn.functional.linear(x, unpack_int_weight(packed).to(x.dtype), bias)
-        return linear(x, layer.weight, bias)
+        return linear(x, layer.weight, bias, layer.prepared)
 
 
 class GGUFConfig(QuantizationConfig):
