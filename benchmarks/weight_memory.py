@@ -32,7 +32,7 @@ gc.collect(); after = rss()
 def tensor_bytes(t):
     return 0 if t is None else t.numel() * t.element_size()
 def prepared_bytes(p):
-    return 0 if p is None else tensor_bytes(p.blocks) + tensor_bytes(p.packed)
+    return 0 if p is None else (p.blocks.data.numel() if p.blocks is not None else 0) + tensor_bytes(p.packed)
 lin = lin_fp16 = 0
 for m in model.modules():
     if isinstance(m, Linear):

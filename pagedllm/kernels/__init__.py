@@ -5,10 +5,9 @@
   K/V read in place (layers/backends/prefill_op.py);
 - `packed_gemm.c`: `x @ W^T` against weights packed once into 32-column panels (layers/linear.py
   `linear`), every projection on CPU in float32;
-- `block_gemm.c`: the same product for 1-16 rows against weights kept as exact 4-bit / 8-bit
-  blocks (layers/block_formats.py), a quarter of the memory traffic of float32;
 - `int_gemm.c`: the same product against integer weights kept packed (GPTQ / AWQ /
-  compressed-tensors / GGUF), exact float32 arithmetic or int8 activations with VNNI
+  compressed-tensors / GGUF, and float weights that are exactly 4-bit / 8-bit blocks,
+  layers/block_formats.py), exact float32 arithmetic or int8 activations with VNNI
   (layers/quantization/int_kernel.py);
 - `fused_ops.c`: residual add + RMSNorm, SiLU-and-mul, rotary embedding in place, one call each
   (layers/norm.py, activation.py, rotary.py).
@@ -18,7 +17,6 @@ compiler) or kernels are disabled with `PAGEDLLM_DISABLE_C_KERNELS=1`.
 """
 
 from pagedllm.kernels.build import (
-    block_gemm_kernel,
     decode_attention_kernel,
     fused_ops_kernel,
     int_gemm_kernel,
@@ -26,4 +24,4 @@ from pagedllm.kernels.build import (
     prefill_attention_kernel,
 )
 
-__all__ = ["block_gemm_kernel", "decode_attention_kernel", "fused_ops_kernel", "int_gemm_kernel", "packed_gemm_kernel", "prefill_attention_kernel"]
+__all__ = ["decode_attention_kernel", "fused_ops_kernel", "int_gemm_kernel", "packed_gemm_kernel", "prefill_attention_kernel"]

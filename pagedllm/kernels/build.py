@@ -298,25 +298,6 @@ def packed_gemm_kernel() -> PackedGemm | None:
     return PackedGemm(size, pack, gemm)
 
 
-class BlockGemm(NamedTuple):
-    """The three functions of `block_gemm.c` (see there for the formats and the layout)."""
-
-    packed_size: Callable[..., int]  # (format, N, K) -> bytes of the packed weight
-    pack: Callable[..., None]  # (format, codes, scales, offsets, out, N, K)
-    gemm: Callable[..., int]  # (format, x, packed, y, scratch, M, N, K, threads) -> 0 on success
-
-
-@functools.cache
-def block_gemm_kernel() -> BlockGemm | None:
-    """The block-format GEMM of `block_gemm.c` (built and loaded once), or None."""
-    size = _kernel_function("block_gemm.c", "block_packed_size", (_I32, _I64, _I64), _I64)
-    if size is None:
-        return None
-    pack = _kernel_function("block_gemm.c", "block_pack", (_I32,) + (_PTR,) * 4 + (_I64, _I64), None)
-    gemm = _kernel_function("block_gemm.c", "block_gemm_f32", (_I32,) + (_PTR,) * 4 + (_I64,) * 3 + (_I32,))
-    return BlockGemm(size, pack, gemm)
-
-
 class IntGemm(NamedTuple):
     """The functions of `int_gemm.c` (see there for the layout and the two arithmetic paths)."""
 

@@ -2,9 +2,9 @@
 `d * q + m` with 4-bit q (Q4A) or `d * q` with 8-bit q (Q8S), d and m float16 values.
 
 Why: a GGUF model's weights were quantized (Q4_1, Q8_0) before we dequantized them to float32,
-so they still lie exactly on such grids; kernels/block_gemm.c can then read 0.75 or 1.125 bytes
-per weight instead of 4 in the memory-bound decode products and still multiply by exactly the
-same float32 values. The encoding is recovered from the float32 values themselves and accepted
+so they still lie exactly on such grids; kernels/int_gemm.c's exact path can then read 0.75 or
+1.2 bytes per weight instead of 4 in the memory-bound decode products and still multiply by
+exactly the same float32 values (layers/linear.prepare_weight packs the encoding for it). The encoding is recovered from the float32 values themselves and accepted
 only if every block reproduces bit for bit (d * q is exact in float32 for a float16 d, and
 `d * q + m` rounds once, as GGUF's dequantization does), so it is never an approximation and
 needs nothing from the loader. Weights that are not on such a grid (a safetensors float model)
@@ -18,8 +18,8 @@ from typing import NamedTuple
 import torch
 
 BLOCK = 32
-FORMAT_Q4A = 0  # the format ids of kernels/block_gemm.c
-FORMAT_Q8S = 1
+FORMAT_Q4A = 0  # d * q + m, q 0..15
+FORMAT_Q8S = 1  # d * q, q int8
 _MAX_FIRST_TRY_MISSES = 0.01  # give up on a format when more blocks than this miss at first
 
 

@@ -9,8 +9,8 @@ a quantized checkpoint's method (layers/quantization/), or `FloatLinearMethod` f
 On CPU in float32, `FloatLinearMethod` runs hand-written C kernels against a form of the weight
 prepared once after loading (`prepare_weight`) and kept on the layer (`layer.prepared`):
 - when the weight is exactly a grid of 4-bit or 8-bit blocks (a float folder exported from a
-  GGUF file is; layers/block_formats.py checks it bit for bit), kernels/block_gemm.c on that
-  compact form (0.75-1.1 bytes a weight instead of 4);
+  GGUF file is; layers/block_formats.py checks it bit for bit), kernels/int_gemm.c's exact path
+  on that compact form (0.75-1.2 bytes a weight instead of 4; the very same float32 products);
 - otherwise kernels/packed_gemm.c on a copy packed into 32-column panels, which beats MKL
   2.6x at 1 row, 2.3x at 20, 1.6x at 64 and 1.1-1.2x at 512-2048 (benchmarks/NOTES.md).
 Elsewhere (other dtypes, GPU, under torch.compile, no compiler) `F.linear`.
@@ -30,20 +30,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels import block_gemm_kernel, packed_gemm_kernel
-from pagedllm.layers.block_formats import find_block_encoding
+from pagedllm.kernels import int_gemm_kernel, packed_gemm_kernel
+from pagedllm.layers.block_formats import FORMAT_Q8S, find_block_encoding
 from pagedllm.layers.quantization.base import LinearMethod
+from pagedllm.layers.quantization.int_kernel import PackedIntWeight, int_matmul, pack_int_weight
 
 USE_BLOCK_WEIGHTS = os.environ.get("PAGEDLLM_BLOCK_WEIGHTS", "1") not in ("0", "")  # read once
 _kernel = packed_gemm_kernel
-_block_kernel = block_gemm_kernel
+_block_kernel = int_gemm_kernel  # the kernel of the exact block form
 _X_CHUNK_ROWS = 144  # packed_gemm.c's M_CHUNK: the scratch holds one chunk of packed activations
 
 
 class PreparedWeight(NamedTuple):
     key: tuple[int, int, bool]  # (data pointer, version, block form allowed) it was made for
-    block_format: int | None  # block_gemm.c's format id, when the weight has an exact one
-    blocks: torch.Tensor | None  # uint8: the weight in that format
+    blocks: PackedIntWeight | None  # the exact block form for int_gemm.c, when the weight has one
     packed: torch.Tensor | None  # float32 panels for packed_gemm.c, when it has none
 
 
@@ -63,14 +63,17 @@ def prepare_weight(weight: torch.Tensor) -> PreparedWeight | None:
     block_kernel = _block_kernel() if USE_BLOCK_WEIGHTS else None
     encoding = find_block_encoding(source) if block_kernel is not None else None
     if encoding is not None:
-        blocks = torch.empty(block_kernel.packed_size(encoding.format, n, k), dtype=torch.uint8)
-        block_kernel.pack(encoding.format, encoding.codes.data_ptr(), encoding.scales.data_ptr(),
-                          encoding.offsets.data_ptr(), blocks.data_ptr(), n, k)  # fmt: skip
-        prepared = PreparedWeight(key, encoding.format, blocks, None)
+        if encoding.format == FORMAT_Q8S:  # d * q, q int8: unsigned codes q + 128, zero point 128
+            codes = (encoding.codes.view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+            offsets = torch.full(encoding.scales.shape, 128, dtype=torch.uint8)
+            blocks = pack_int_weight(codes, encoding.scales, offsets, 8, 32)
+        else:  # d * q + m, q 0..15
+            blocks = pack_int_weight(encoding.codes, encoding.scales, encoding.offsets, 4, 32)
+        prepared = PreparedWeight(key, blocks, None)
     else:
         packed = torch.empty(kernel.packed_size(n, k), dtype=torch.float32)
         kernel.pack(source.data_ptr(), packed.data_ptr(), n, k)
-        prepared = PreparedWeight(key, None, None, packed)
+        prepared = PreparedWeight(key, None, packed)
     return prepared
 
 
@@ -102,16 +105,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             if bias is not None and bias.shape != (n,):
                 raise ValueError(f"linear: bias shape {tuple(bias.shape)} does not match the weight's {n} "
                                  "out-features")
+            if prepared.blocks is not None:
+                out = int_matmul(x, prepared.blocks, "exact")
+                return out if bias is None else out.add_(bias)
             x = x.contiguous()
             out = torch.empty(m, n, dtype=torch.float32)
             scratch = torch.empty(min(m, _X_CHUNK_ROWS) * k, dtype=torch.float32)
-            threads = torch.get_num_threads()
-            if prepared.blocks is not None:
-                failed = _block_kernel().gemm(prepared.block_format, x.data_ptr(), prepared.blocks.data_ptr(),
-                                              out.data_ptr(), scratch.data_ptr(), m, n, k, threads)  # fmt: skip
-            else:
-                failed = _kernel().gemm(x.data_ptr(), prepared.packed.data_ptr(), out.data_ptr(), scratch.data_ptr(),
-                                        m, n, k, threads)  # fmt: skip
+            failed = _kernel().gemm(x.data_ptr(), prepared.packed.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+                                    m, n, k, torch.get_num_threads())  # fmt: skip
             if failed:
                 raise MemoryError("linear: the C GEMM kernel could not allocate its panel buffer")
             return out if bias is None else out.add_(bias)

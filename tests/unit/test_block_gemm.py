@@ -1,5 +1,5 @@
-"""Exact block encodings of float32 weights (layers/block_formats.py) and the block-format GEMM
-that uses them for small batches (kernels/block_gemm.c via `layers.linear.linear`)."""
+"""Exact block encodings of float32 weights (layers/block_formats.py) and the GEMM that uses
+them (kernels/int_gemm.c's exact path via `layers.linear.linear`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from pagedllm.layers import linear as linear_mod
 from pagedllm.layers.block_formats import FORMAT_Q4A, FORMAT_Q8S, find_block_encoding
 from pagedllm.layers.linear import linear, prepare_weight
+from pagedllm.layers.quantization.int_kernel import unpack_int_weight
 from pagedllm.model.gguf_loader import dequantize_tensor
 
 needs_kernel = pytest.mark.skipif(linear_mod._block_kernel() is None, reason="no C compiler: F.linear only")
@@ -69,8 +70,10 @@ def test_block_kernel_matches_f_linear(kind, rows, out_features, in_features, mo
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     real = linear_mod.packed_gemm_kernel()
     monkeypatch.setattr(linear_mod, "_kernel", lambda: real._replace(gemm=lambda *a: pytest.fail("packed gemm used")))
-    assert prepare_weight(w).blocks is not None
-    torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    prepared = prepare_weight(w)
+    assert prepared.blocks is not None and prepared.blocks.bits == (4 if kind == "q4_1" else 8)
+    assert torch.equal(unpack_int_weight(prepared.blocks), w)  # the packed form is the weight, bit for bit
+    torch.testing.assert_close(linear(x, w, prepared=prepared), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
 @needs_kernel
@@ -80,7 +83,6 @@ def test_block_form_replaces_the_float32_panels_unless_disabled(monkeypatch):
     prepared = prepare_weight(w)
     assert prepared.blocks is not None and prepared.packed is None  # no float32 copy kept
     monkeypatch.setattr(linear_mod, "USE_BLOCK_WEIGHTS", False)  # PAGEDLLM_BLOCK_WEIGHTS=0
-    real = linear_mod._block_kernel()
-    monkeypatch.setattr(linear_mod, "_block_kernel", lambda: real._replace(gemm=lambda *a: pytest.fail("block gemm")))
+    monkeypatch.setattr(linear_mod, "int_matmul", lambda *a: pytest.fail("block form used"))
     torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
     assert prepare_weight(w).packed is not None

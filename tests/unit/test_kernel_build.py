@@ -20,7 +20,7 @@ import pytest
 from pagedllm.kernels import build as kernel_build
 from pagedllm.kernels.status import kernel_status
 
-SOURCES = ["paged_decode_attention.c", "packed_gemm.c", "block_gemm.c", "fused_ops.c"]
+SOURCES = ["paged_decode_attention.c", "packed_gemm.c", "int_gemm.c", "fused_ops.c"]
 HAVE_GCC = shutil.which("gcc") is not None or shutil.which("cc") is not None
 needs_compiler = pytest.mark.skipif(not HAVE_GCC, reason="no C compiler")
 
@@ -246,6 +246,6 @@ def test_version_shows_a_missing_compiler(tmp_path):
 def test_version_lists_the_active_kernels():
     proc = _version()
     assert proc.returncode == 0, proc.stderr
-    for name in ("paged_decode_attention", "packed_gemm", "block_gemm", "fused_ops"):
+    for name in ("paged_decode_attention", "packed_gemm", "int_gemm", "fused_ops"):
         assert name in proc.stdout
     assert "CPU features" in proc.stdout

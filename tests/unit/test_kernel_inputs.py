@@ -99,7 +99,7 @@ def test_decode_attention_bad_shape_is_a_value_error(what, args, name):
 def test_linear_in_features_mismatch_is_a_value_error(form, rows):
     w = torch.randn(48, 64) if form == "packed" else gguf_blocks("q8_0", 48, 64)  # exact Q8S: block form
     prepared = linear_mod.prepare_weight(w)
-    assert (prepared.blocks is not None) == (form == "block") or linear_mod._block_kernel() is None
+    assert (prepared.blocks is not None) == (form == "block") or linear_mod._block_kernel() is None  # int_gemm.c
     with pytest.raises(ValueError, match=r"96 in-features.*takes 64"):
         linear_mod.linear(torch.randn(rows, 96), w)
     with pytest.raises(ValueError, match=r"32 in-features.*takes 64"):
