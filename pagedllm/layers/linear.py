@@ -88,14 +88,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            prepared: PreparedWeight | None = None) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for `x [M, K]`, `weight [N, K]`: the C kernels where they apply,
     on `prepared` (the caller's kept form of `weight`; made for this call if missing or stale)."""
-    if (
-        x.dim() == 2
-        and x.shape[0] > 0
-        and x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and not torch.compiler.is_compiling()
-    ):
+    if _kernel_input(x):
         prepared = current_prepared(weight, prepared)
+    return linear_prepared(x, weight, bias, prepared)
+
+
+def _kernel_input(x: torch.Tensor) -> bool:
+    return (x.dim() == 2 and x.shape[0] > 0 and x.device.type == "cpu" and x.dtype == torch.float32
+            and not torch.compiler.is_compiling())
+
+
+def linear_prepared(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    prepared: PreparedWeight | None) -> torch.Tensor:
+    """`linear` with `prepared` already checked current (a layer that keeps its form, per call)."""
+    if _kernel_input(x):
         if prepared is not None:
             m, k = x.shape
             n = weight.shape[0]
@@ -150,9 +156,9 @@ class FloatLinearMethod(LinearMethod):
         layer.prepared = prepare_weight(layer.weight)
 
     def apply(self, layer, x, bias) -> torch.Tensor:
-        if not torch.compiler.is_compiling() and x.device.type == "cpu":
+        if _kernel_input(x):
             layer.prepared = current_prepared(layer.weight, layer.prepared)  # once, then kept
-        return linear(x, layer.weight, bias, layer.prepared)
+        return linear_prepared(x, layer.weight, bias, layer.prepared)
 
 
 class Linear(nn.Module):

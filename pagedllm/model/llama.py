@@ -20,7 +20,7 @@ from torch import nn
 
 from pagedllm.layers.activation import get_act_and_mul
 from pagedllm.layers.attention import Attention, AttentionMetadata
-from pagedllm.layers.linear import Linear, MergedLinear, VocabEmbedding, current_prepared, linear, prepare_weight
+from pagedllm.layers.linear import Linear, MergedLinear, VocabEmbedding, current_prepared, linear_prepared, prepare_weight
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.quantization import LinearMethod, QuantizationConfig
 from pagedllm.layers.rotary import RotaryEmbedding, head_dim_of, rotate_qkv
@@ -226,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
         head = embed.weight
         if not torch.compiler.is_compiling() and head.device.type == "cpu":
             self.head_prepared = current_prepared(head, self.head_prepared)  # made once, kept
-        return linear(hidden, head, prepared=self.head_prepared).float()
+        return linear_prepared(hidden, head, None, self.head_prepared).float()
 
     def _head_weight(self) -> torch.Tensor | None:
         """The LM head's float weight (None: a tied head on a packed embedding table)."""

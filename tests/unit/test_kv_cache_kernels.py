@@ -14,6 +14,7 @@ from pagedllm.layers.backends.prefill_op import prefill_attention_c
 from pagedllm.layers.backends.torch_paged import TorchPagedAttentionBackend
 from tests.unit.test_prefill_attention_kernel import CASES as PREFILL_CASES
 from tests.unit.test_prefill_attention_kernel import _case as prefill_case
+from tests.unit.test_prefill_attention_kernel import attend_prefills
 
 DTYPES = [torch.bfloat16, torch.int8]
 needs_kernels = pytest.mark.skipif(decode_op._c_kernel() is None or prefill_op._c_kernel() is None,
@@ -132,25 +133,8 @@ def _prefill_reference(q, k, v, kv, md, scale, window):
     nd = md.num_decode_tokens
     F.write_rows(keys, k[nd:], md.slot_mapping[nd:])
     F.write_rows(values, v[nd:], md.slot_mapping[nd:])
-    kf, vf = F.dequantize(keys).double(), F.dequantize(values).double()
-    outs = []
-    for i in range(md.num_prefills):
-        start, q_len, ctx = md.prefill_query_starts[i], md.prefill_query_lens[i], md.prefill_context_lens[i]
-        table = md.prefill_block_tables[i]
-        keys_i = kf[table].reshape(-1, hk, d)[:ctx]
-        vals_i = vf[table].reshape(-1, hk, d)[:ctx]
-        qs = q[start : start + q_len].double()
-        group = qs.shape[1] // hk
-        keys_i, vals_i = keys_i.repeat_interleave(group, 1), vals_i.repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", qs, keys_i) * scale
-        qpos = torch.arange(ctx - q_len, ctx)[:, None]
-        kpos = torch.arange(ctx)[None, :]
-        visible = kpos <= qpos
-        if window is not None:
-            visible &= kpos > qpos - window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals_i).float())
-    return torch.cat(outs), ref
+    kf, vf = F.dequantize(keys), F.dequantize(values)
+    return attend_prefills(q, kf, vf, md, scale, window), ref
 
 
 @needs_kernels

@@ -58,6 +58,30 @@ def _case(seqs, num_heads, num_kv_heads, head_dim, block_size, num_decodes=0, se
     return q, k, v, kc, vc, md
 
 
+def attend_prefills(q, keys, vals, md, scale, window):
+    """Float64 causal attention of each prefill's queries over its gathered context: `keys` and
+    `vals` are the cache's blocks `[num_blocks, block, Hk, dh]` (any float dtype)."""
+    hk, dh = keys.shape[-2:]
+    outs = []
+    for i in range(md.num_prefills):
+        start, q_len, ctx = md.prefill_query_starts[i], md.prefill_query_lens[i], md.prefill_context_lens[i]
+        table = md.prefill_block_tables[i]
+        keys_i = keys[table].reshape(-1, hk, dh)[:ctx].double()  # [ctx, Hk, dh]
+        vals_i = vals[table].reshape(-1, hk, dh)[:ctx].double()
+        qs = q[start : start + q_len].double()  # [q, Hq, dh]
+        group = qs.shape[1] // hk
+        keys_i, vals_i = keys_i.repeat_interleave(group, 1), vals_i.repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", qs, keys_i) * scale
+        qpos = torch.arange(ctx - q_len, ctx)[:, None]
+        kpos = torch.arange(ctx)[None, :]
+        visible = kpos <= qpos
+        if window is not None:
+            visible &= kpos > qpos - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals_i).float())
+    return torch.cat(outs)
+
+
 def _reference(q, k, v, kc, vc, md, scale, window):
     """Plain torch, float64: store the new K/V, gather each context, mask, softmax."""
     kc, vc = kc.clone(), vc.clone()
@@ -65,24 +89,7 @@ def _reference(q, k, v, kc, vc, md, scale, window):
     hk, dh = kc.shape[2], kc.shape[3]
     kc.view(-1, hk, dh)[md.slot_mapping[nd:]] = k[nd:]
     vc.view(-1, hk, dh)[md.slot_mapping[nd:]] = v[nd:]
-    outs = []
-    for i in range(md.num_prefills):
-        start, q_len, ctx = md.prefill_query_starts[i], md.prefill_query_lens[i], md.prefill_context_lens[i]
-        table = md.prefill_block_tables[i]
-        keys = kc[table].reshape(-1, hk, dh)[:ctx].double()  # [ctx, Hk, dh]
-        vals = vc[table].reshape(-1, hk, dh)[:ctx].double()
-        qs = q[start : start + q_len].double()  # [q, Hq, dh]
-        group = qs.shape[1] // hk
-        keys, vals = keys.repeat_interleave(group, 1), vals.repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", qs, keys) * scale
-        qpos = torch.arange(ctx - q_len, ctx)[:, None]
-        kpos = torch.arange(ctx)[None, :]
-        visible = kpos <= qpos
-        if window is not None:
-            visible &= kpos > qpos - window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals).float())
-    return torch.cat(outs), kc, vc
+    return attend_prefills(q, kc, vc, md, scale, window), kc, vc
 
 
 CASES = [
