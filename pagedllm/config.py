@@ -24,6 +24,8 @@ SUPPORTED_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
 # and multiplies in integers (AVX-512 VNNI / AVX2); "auto": int8 for AWQ/GPTQ/compressed-tensors
 # checkpoints, exact for GGUF files (greedy parity with transformers is pinned there).
 SUPPORTED_QUANT_COMPUTE = ("auto", "exact", "int8")
+# Where tensor-parallel ranks 1..N-1 run: worker processes on this machine, or Ray actors.
+SUPPORTED_EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 @dataclass
@@ -50,7 +52,12 @@ class EngineConfig:
     # None: swap out a preempted request with several running sequences (n > 1, beam
     # search), recompute a single one; "swap" / "recompute" force one for every preemption.
     preemption_mode: str | None = None
+    # Ranks that split every layer (docs/tensor_parallel.md): worker processes on one machine
+    # ("mp") or Ray actors ("ray", an optional extra) beside the engine core's rank 0.
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+    # Server: engine cores behind one API server, each a full replica (engine/router.py).
+    data_parallel_size: int = 1
     quantization: str | None = None
     quant_compute: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -101,10 +108,11 @@ class EngineConfig:
             )
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory).")
-        if self.tensor_parallel_size != 1:
+        self._validate_tensor_parallel()
+        if isinstance(self.data_parallel_size, bool) or not isinstance(self.data_parallel_size, int) \
+                or self.data_parallel_size < 1:
             raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: "
-                "this build runs on a single device (tensor_parallel_size=1)."
+                f"data_parallel_size must be an integer of at least 1, got {self.data_parallel_size!r}."
             )
         if self.quantization is not None and self.quantization not in SUPPORTED_QUANTIZATION:
             raise ValueError(
@@ -125,6 +133,25 @@ class EngineConfig:
                 )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}.")
+
+    def _validate_tensor_parallel(self) -> None:
+        """What can be checked without the model (heads and GPUs are checked when it loads,
+        before any worker starts: executor/create_executor)."""
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}.")
+        if self.distributed_executor_backend not in SUPPORTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {list(SUPPORTED_EXECUTOR_BACKENDS)}, "
+                             f"got {self.distributed_executor_backend!r}.")
+        if self.tensor_parallel_size != 1:  # until the engine core builds its executor (issue 12)
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: "
+                "this build runs on a single device (tensor_parallel_size=1)."
+            )
+        if self.tensor_parallel_size > 1 and self.compile_batch_sizes and not self.enforce_eager:
+            raise ValueError(f"compile_batch_sizes (compiled decode graphs) is not supported with "
+                             f"tensor_parallel_size={self.tensor_parallel_size}; leave it unset or use "
+                             "tensor_parallel_size=1.")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

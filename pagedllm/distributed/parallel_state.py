@@ -64,6 +64,24 @@ def all_gather_last(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def gather_logits(local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+    """The vocab-parallel LM head's logits on rank 0: each rank's `[rows, vocab part]`, padded
+    to the common part size (sharding.vocab_shard), gathered to rank 0 (only it samples) and
+    trimmed to `vocab_size`; None on the other ranks."""
+    group = tp_group()
+    if group.world_size == 1:
+        return local
+    per = -(-vocab_size // group.world_size)
+    if local.shape[-1] != per:
+        local = torch.nn.functional.pad(local, (0, per - local.shape[-1]))
+    local = local.contiguous()
+    parts = [torch.empty_like(local) for _ in range(group.world_size)] if group.rank == 0 else None
+    dist.gather(local, parts, dst=0)
+    if parts is None:
+        return None
+    return torch.cat(parts, dim=-1)[..., :vocab_size]
+
+
 def destroy_tensor_parallel() -> None:
     global _GROUP
     if _GROUP is not None and _GROUP.world_size > 1 and dist.is_initialized():

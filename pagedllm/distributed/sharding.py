@@ -51,3 +51,40 @@ def shard_rows(weight: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """A row-parallel layer's columns of `weight [out, in]` (input features split)."""
     start, length = shard_range(weight.shape[1], rank, world, "the input features")
     return weight.narrow(1, start, length)
+
+
+def vocab_shard(vocab_size: int, rank: int, world: int) -> tuple[int, int]:
+    """(start, length) of rank `rank`'s rows of a vocab-parallel embedding / LM head.
+
+    Every rank but the last holds `ceil(vocab / world)` rows, so that any vocabulary splits (a
+    real one rarely divides by 3); the gathered logits are padded to that size per rank and
+    trimmed back (`parallel_state.gather_logits`)."""
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in a tensor-parallel group of {world}")
+    per = -(-vocab_size // world)
+    start = min(rank * per, vocab_size)
+    return start, max(0, min(per, vocab_size - start))
+
+
+class LinearShard(NamedTuple):
+    """What one rank holds of a (fused) linear layer, in the checkpoint's logical `[out, in]`.
+
+    `kind` "column": for each checkpoint projection the layer fuses (q/k/v, gate/up, or one),
+    the (start, length) of its output features this rank keeps (`out_ranges`); every input.
+    `kind` "row": the (start, length) of the input features (`in_range`); every output, and the
+    partial products are summed over the ranks (one all-reduce) before the bias is added."""
+
+    kind: str
+    out_ranges: tuple[tuple[int, int], ...] = ()
+    in_range: tuple[int, int] = (0, 0)
+    full_input: int = 0  # the unsharded layer's input features
+    full_outputs: tuple[int, ...] = ()  # the unsharded projections' output features
+
+
+def column_shard(full_outputs: list[int], ranges: list[tuple[int, int]], full_input: int) -> LinearShard:
+    return LinearShard("column", tuple(ranges), (0, full_input), full_input, tuple(full_outputs))
+
+
+def row_shard(full_input: int, output: int, rank: int, world: int, what: str) -> LinearShard:
+    start, length = shard_range(full_input, rank, world, what)
+    return LinearShard("row", ((0, output),), (start, length), full_input, (output,))

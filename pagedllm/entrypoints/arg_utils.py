@@ -9,6 +9,7 @@ from pagedllm.config import (
     SUPPORTED_BLOCK_SIZES,
     SUPPORTED_DEVICES,
     SUPPORTED_DTYPES,
+    SUPPORTED_EXECUTOR_BACKENDS,
     SUPPORTED_KV_CACHE_DTYPES,
     SUPPORTED_PREEMPTION_MODES,
     SUPPORTED_QUANT_COMPUTE,
@@ -41,7 +42,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                    default=True)
     g.add_argument("--preemption-mode", default=None, choices=list(SUPPORTED_PREEMPTION_MODES),
                    help="force recompute or swap (default: swap groups, recompute singles)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks that split every layer (worker processes / Ray actors); must divide "
+                        "the attention heads (docs/tensor_parallel.md)")
+    g.add_argument("--distributed-executor-backend", default="mp", choices=SUPPORTED_EXECUTOR_BACKENDS,
+                   help="where tensor-parallel ranks 1..N-1 run: worker processes on this machine (mp) "
+                        "or Ray actors on a Ray cluster (ray; pip install pagedllm[ray])")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="server: engine cores (full replicas) behind one API server")
     g.add_argument("--quantization", "-q", default=None)
     g.add_argument("--quant-compute", default="auto", choices=SUPPORTED_QUANT_COMPUTE,
                    help="integer-weight layers: exact float32 arithmetic or int8 activations "
@@ -72,6 +80,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' (also $PAGEDLLM_API_KEY); "
                         "/health and /metrics stay open")
     g.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds that in-flight requests may take to finish after SIGTERM "
+                        "(new ones get 503 meanwhile); then the server exits 0")
 
 
 def validate_server_args(args: argparse.Namespace) -> None:
@@ -79,6 +90,8 @@ def validate_server_args(args: argparse.Namespace) -> None:
         raise ValueError(f"port must be in [0, 65535], got {args.port}.")
     if not args.host:
         raise ValueError("host must not be empty.")
+    if getattr(args, "drain_timeout", 0) < 0:
+        raise ValueError(f"drain_timeout must be at least 0 seconds, got {args.drain_timeout}.")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -88,7 +101,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "tokenizer", "dtype", "device", "seed", "max_model_len", "block_size", "kv_cache_space",
         "gpu_memory_utilization", "num_kv_blocks", "swap_space", "max_num_seqs",
         "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill",
-        "preemption_mode", "tensor_parallel_size", "quantization", "quant_compute", "kv_cache_dtype",
+        "preemption_mode", "tensor_parallel_size", "data_parallel_size", "quantization", "quant_compute", "kv_cache_dtype",
         "enforce_eager",
         "compile_batch_sizes", "num_threads", "served_model_name", "chat_template",
     ):

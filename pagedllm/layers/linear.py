@@ -18,6 +18,12 @@ Elsewhere (other dtypes, GPU, under torch.compile, no compiler) `F.linear`.
 A prepared form records the weight's data pointer and version counter: if the weight changes in
 place after loading, the layer prepares it again on its next call instead of using a stale copy.
 Setting `PAGEDLLM_BLOCK_WEIGHTS=0` turns the block form off (for A/B measurements).
+
+Tensor parallelism (docs/tensor_parallel.md): a layer built with a `tp_shard`
+(distributed/sharding.LinearShard) holds only its rank's part, in local sizes; `checkpoint_slices`
+tells the loader which part of each checkpoint tensor to read (the method knows its tensors'
+layouts), so no rank reads a whole matrix. `RowParallelLinear` sums the ranks' partial products
+(one all-reduce) before adding its bias; `VocabEmbedding` can hold a range of the vocabulary.
 """
 
 from __future__ import annotations
@@ -30,9 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed import parallel_state
+from pagedllm.distributed.sharding import LinearShard
 from pagedllm.kernels import int_gemm_kernel, packed_gemm_kernel
 from pagedllm.layers.block_formats import FORMAT_Q8S, find_block_encoding
-from pagedllm.layers.quantization.base import LinearMethod
+from pagedllm.layers.quantization.base import LinearMethod, Slices, logical_weight_slices
 from pagedllm.layers.quantization.int_kernel import PackedIntWeight, int_matmul, pack_int_weight
 
 USE_BLOCK_WEIGHTS = os.environ.get("PAGEDLLM_BLOCK_WEIGHTS", "1") not in ("0", "")  # read once
@@ -155,6 +163,9 @@ class FloatLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer) -> None:
         layer.prepared = prepare_weight(layer.weight)
 
+    def tp_slices(self, layer, name, shard_id, shape=None) -> Slices:
+        return logical_weight_slices(layer, shard_id)
+
     def apply(self, layer, x, bias) -> torch.Tensor:
         if _kernel_input(x):
             layer.prepared = current_prepared(layer.weight, layer.prepared)  # once, then kept
@@ -175,11 +186,17 @@ class Linear(nn.Module):
         device: torch.device | str | None = None,
         quant_method: LinearMethod | None = None,
         _output_sizes: Sequence[int] | None = None,
+        tp_shard: LinearShard | None = None,
     ) -> None:
+        """Sizes are this rank's (local); `tp_shard` says which part of the checkpoint's layer
+        they are (None: all of it)."""
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
         self.output_sizes = list(_output_sizes) if _output_sizes is not None else [output_size]
+        self.tp_shard = tp_shard
+        self.full_input_size = tp_shard.full_input if tp_shard is not None else input_size
+        self.full_output_sizes = list(tp_shard.full_outputs) if tp_shard is not None else list(self.output_sizes)
         self.quant_method = quant_method
         self.method: LinearMethod = quant_method if quant_method is not None else FloatLinearMethod()
         self.method.create_weights(self, input_size, self.output_sizes, dtype, device)
@@ -194,6 +211,18 @@ class Linear(nn.Module):
     def required_weights(self) -> list[str]:
         """The checkpoint tensors (leaf names) this layer (each shard of it) must get."""
         return self.method.required_weights(self) + (["bias"] if self.bias is not None else [])
+
+    def checkpoint_slices(self, name: str, shard_id: int | None, shape: tuple[int, ...] | None = None) -> Slices:
+        """The `(dim, start, length)` cuts of checkpoint tensor `name` (of fused shard
+        `shard_id`, stored with `shape`) that this rank holds; empty: the whole tensor."""
+        if self.tp_shard is None:
+            return []
+        if name == "bias":  # [out]: a column shard's outputs; a row-parallel bias is whole
+            if self.tp_shard.kind == "row":
+                return []
+            start, length = self.tp_shard.out_ranges[shard_id or 0]
+            return [(0, start, length)]
+        return self.method.tp_slices(self, name, shard_id, shape)
 
     def process_weights_after_loading(self) -> None:
         """Once, after loading: the method's compute form (the C kernels' form of a float weight,
@@ -215,6 +244,16 @@ class Linear(nn.Module):
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}{quant}"
 
 
+class RowParallelLinear(Linear):
+    """A row-parallel layer (o, down): each rank multiplies its slice of the input features by
+    its columns of the weight; the partial outputs are summed over the ranks (one all-reduce),
+    then the bias (whole on every rank) is added once."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = parallel_state.all_reduce_sum(self.method.apply(self, x, None))
+        return out if self.bias is None else out.add_(self.bias)
+
+
 class MergedLinear(Linear):
     """Several output projections of one input in one weight `[sum(output_sizes), input_size]`.
 
@@ -229,9 +268,10 @@ class MergedLinear(Linear):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         quant_method: LinearMethod | None = None,
+        tp_shard: LinearShard | None = None,
     ) -> None:
         super().__init__(input_size, sum(output_sizes), bias=bias, dtype=dtype, device=device,
-                         quant_method=quant_method, _output_sizes=output_sizes)
+                         quant_method=quant_method, _output_sizes=output_sizes, tp_shard=tp_shard)
         self.offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
 
     @torch.no_grad()
@@ -254,7 +294,11 @@ class VocabEmbedding(nn.Module):
     """Token embedding table `[vocab, hidden]`; its weight doubles as a tied LM head.
 
     A GGUF file's quantized table (Q8_0, Q4_x) stays packed (`load_blocks`): the lookup reads
-    rows from the packed form and a tied head multiplies by it, so no float32 table is kept."""
+    rows from the packed form and a tied head multiplies by it, so no float32 table is kept.
+
+    Vocab-parallel (`vocab_range` = this rank's (start, length) of the vocabulary, with
+    `parallel`): the table holds only those rows; a lookup gives zeros for the other ids and the
+    ranks' lookups are summed (one all-reduce), so every rank gets every token's row."""
 
     def __init__(
         self,
@@ -262,12 +306,16 @@ class VocabEmbedding(nn.Module):
         embedding_dim: int,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        vocab_range: tuple[int, int] | None = None,
+        parallel: bool = False,
     ) -> None:
         super().__init__()
-        self.num_embeddings = num_embeddings
+        self.num_embeddings = num_embeddings  # the whole vocabulary
         self.embedding_dim = embedding_dim
+        self.vocab_start, self.vocab_rows = vocab_range if vocab_range is not None else (0, num_embeddings)
+        self.parallel = parallel
         self.weight = nn.Parameter(
-            torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device), requires_grad=False
+            torch.empty(self.vocab_rows, embedding_dim, dtype=dtype, device=device), requires_grad=False
         )
         self.int_weight = None  # int_kernel.PackedIntWeight, for a packed GGUF table
 
@@ -294,7 +342,19 @@ class VocabEmbedding(nn.Module):
 
         return int_matmul(hidden.reshape(-1, hidden.shape[-1]).float(), self.int_weight, compute)
 
+    def checkpoint_slices(self) -> list[tuple[int, int, int]]:
+        """The rows of the checkpoint's table this rank holds (empty: all)."""
+        return [(0, self.vocab_start, self.vocab_rows)] if self.parallel else []
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.parallel:
+            return self._lookup(input_ids)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_start + self.vocab_rows)
+        rows = self._lookup((input_ids - self.vocab_start).masked_fill_(outside, 0))
+        rows.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return parallel_state.all_reduce_sum(rows)
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.int_weight is not None:
             from pagedllm.layers.quantization.int_kernel import int_weight_rows
 
@@ -302,4 +362,5 @@ class VocabEmbedding(nn.Module):
         return F.embedding(input_ids, self.weight)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}"
+        part = f", rows {self.vocab_start}..{self.vocab_start + self.vocab_rows - 1}" if self.parallel else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}{part}"

@@ -184,17 +184,60 @@ def resolve_gguf_path(model_path: str, gguf_file: str | None) -> str | None:
     return path
 
 
-def iter_gguf_weights(path: str, hf_config: Any, keep_blocks: bool = False
+Cuts = list[tuple[int, int, int]]  # (dim, start, length) of the transformers-shaped tensor
+
+
+def cut_gguf_data(data: np.ndarray, tensor_type: Any, shape: tuple[int, ...], cuts: Cuts
+                  ) -> tuple[np.ndarray, tuple[int, ...], Cuts]:
+    """A tensor-parallel rank's part of a GGUF tensor, cut in the file's own layout before
+    anything is dequantized: rows (dim 0) are whole in every type; columns (dim 1) are cut along
+    whole quantization blocks. Returns the cut data, its shape, and the cuts left to apply to
+    the values (a column cut inside a block, which is done after dequantizing those rows)."""
+    from gguf import GGML_QUANT_SIZES
+
+    shape = list(shape)
+    left: Cuts = []
+    for dim, start, length in cuts:
+        if start < 0 or start + length > shape[dim]:
+            raise ValueError(f"GGUF tensor of shape {tuple(shape)}: a cut {start}..{start + length - 1} of "
+                             f"dimension {dim} is out of range")
+        if dim == 0:
+            data = data[start:start + length]
+        elif dim == 1 and len(shape) == 2:
+            block, type_size = GGML_QUANT_SIZES[tensor_type]
+            if start % block or length % block:
+                left.append((dim, start, length))
+                continue
+            rows = data.reshape(shape[0], shape[1] // block, type_size)
+            data = rows[:, start // block:(start + length) // block].reshape(shape[0], -1)
+        else:
+            raise ValueError(f"GGUF tensor of shape {tuple(shape)} cannot be cut along dimension {dim}")
+        shape[dim] = length
+    return data, tuple(shape), left
+
+
+def _apply_cuts(t: torch.Tensor, cuts: Cuts) -> torch.Tensor:
+    for dim, start, length in cuts:
+        t = t.narrow(dim, start, length)
+    return t.contiguous() if cuts else t
+
+
+def iter_gguf_weights(path: str, hf_config: Any, keep_blocks: bool = False, slices_of=None
                       ) -> Iterator[tuple[str, torch.Tensor | GGUFBlockWeight]]:
     """Yield `(transformers name, tensor)` for every tensor of the GGUF file at `path`: float32
     values, or with `keep_blocks` a `GGUFBlockWeight` for each Q4_0 / Q4_1 / Q8_0 matrix (the
-    linear layers and the embedding keep those packed: no float32 copy is ever made)."""
+    linear layers and the embedding keep those packed: no float32 copy is ever made).
+
+    `slices_of(name, shape) -> cuts` (a tensor-parallel model's `checkpoint_slices`): yield only
+    this rank's part of each tensor, cut from the memory-mapped file before it is converted
+    (Q/K rows are cut by whole heads, then un-permuted per head)."""
     import gguf
 
     reader = gguf.GGUFReader(path)
     permute = gguf_architecture(reader) in _PERMUTED_ARCHITECTURES
     n_head = hf_config.num_attention_heads
     n_kv_head = getattr(hf_config, "num_key_value_heads", None) or n_head
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_head
     supported = supported_tensor_types()
     for tensor in reader.tensors:
         hf_name = gguf_to_hf_name(tensor.name)
@@ -207,18 +250,21 @@ def iter_gguf_weights(path: str, hf_config: Any, keep_blocks: bool = False
                 f"supported types: {names}"
             )
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        blocks = gguf_blocks(tensor.data, tensor.tensor_type, shape) if keep_blocks else None
+        data, left = tensor.data, []
+        cuts = slices_of(hf_name, shape) if slices_of is not None else []
+        if cuts:
+            data, shape, left = cut_gguf_data(data, tensor.tensor_type, shape, cuts)
+        heads = n_head if ".self_attn.q_proj." in hf_name else n_kv_head
+        if cuts and (".self_attn.q_proj." in hf_name or ".self_attn.k_proj." in hf_name):
+            heads = shape[0] // head_dim  # this rank's (whole) heads
+        blocks = gguf_blocks(data, tensor.tensor_type, shape) if keep_blocks and not left else None
         if blocks is not None:
             weight = blocks
-            if permute and ".self_attn.q_proj." in hf_name:
-                weight = blocks.permute_rows(lambda t: reverse_permute(t, n_head))
-            elif permute and ".self_attn.k_proj." in hf_name:
-                weight = blocks.permute_rows(lambda t: reverse_permute(t, n_kv_head))
+            if permute and (".self_attn.q_proj." in hf_name or ".self_attn.k_proj." in hf_name):
+                weight = blocks.permute_rows(lambda t: reverse_permute(t, heads))
             yield hf_name, weight
             continue
-        weight = dequantize_tensor(tensor.data, tensor.tensor_type).reshape(shape)
-        if permute and ".self_attn.q_proj." in hf_name:
-            weight = reverse_permute(weight, n_head)
-        elif permute and ".self_attn.k_proj." in hf_name:
-            weight = reverse_permute(weight, n_kv_head)
-        yield hf_name, weight
+        weight = dequantize_tensor(data, tensor.tensor_type).reshape(shape)
+        if permute and (".self_attn.q_proj." in hf_name or ".self_attn.k_proj." in hf_name):
+            weight = reverse_permute(weight, heads)
+        yield hf_name, _apply_cuts(weight, left)

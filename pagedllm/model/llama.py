@@ -8,6 +8,14 @@ follow transformers' (`model.layers.N.self_attn...`) except that q/k/v and gate/
 
 Tokens of all sequences of a step are flattened: `forward(input_ids [T], positions [T], kv_caches,
 attn_metadata) -> hidden [T, hidden]`; `compute_logits(hidden [R, hidden]) -> [R, vocab]` float32.
+
+Tensor parallelism (`tp`, a group of N ranks; docs/tensor_parallel.md): every rank builds the
+same model in local sizes: its query heads and KV heads (KV heads replicated when there are
+fewer than N), its part of the intermediate size and of the vocabulary. qkv and gate/up are
+column-parallel, o and down row-parallel (one all-reduce each), the embedding vocab-parallel
+(one all-reduce), the LM head vocab-parallel (its logits gathered on rank 0, the only rank that
+samples; None elsewhere). `checkpoint_slices(name)` tells the loaders which part of each
+checkpoint tensor this rank reads. With N = 1 nothing is split and no collective runs.
 """
 
 from __future__ import annotations
@@ -18,14 +26,25 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import TensorParallelGroup, gather_logits
+from pagedllm.distributed.sharding import column_shard, head_shard, row_shard, shard_range, vocab_shard
 from pagedllm.layers.activation import get_act_and_mul
 from pagedllm.layers.attention import Attention, AttentionMetadata
-from pagedllm.layers.linear import Linear, MergedLinear, VocabEmbedding, current_prepared, linear_prepared, prepare_weight
+from pagedllm.layers.linear import (
+    Linear,
+    MergedLinear,
+    RowParallelLinear,
+    VocabEmbedding,
+    current_prepared,
+    linear_prepared,
+    prepare_weight,
+)
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.quantization import LinearMethod, QuantizationConfig
 from pagedllm.layers.rotary import RotaryEmbedding, head_dim_of, rotate_qkv
 
 KVCache = torch.Tensor  # one layer's cache: [2 (keys, values), num_blocks, block_size, Hk, D]
+SINGLE = TensorParallelGroup(0, 1, "none")  # no tensor parallelism
 
 # checkpoint projection name -> (our fused module name, shard index)
 _STACKED_PARAMS = {
@@ -63,12 +82,23 @@ def layer_sliding_window(hf_config: Any, layer_idx: int) -> int | None:
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype, device: torch.device | str,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+                 quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = head_dim_of(config)
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = d = head_dim_of(config)
+        qkv_shard = o_shard = None
+        if tp.world_size > 1:  # this rank's heads (KV heads replicated when fewer than ranks)
+            (q_first, self.num_heads), (kv_first, self.num_kv_heads) = head_shard(
+                total_heads, total_kv_heads, tp.rank, tp.world_size)
+            qkv_shard = column_shard([total_heads * d, total_kv_heads * d, total_kv_heads * d],
+                                     [(q_first * d, self.num_heads * d), (kv_first * d, self.num_kv_heads * d),
+                                      (kv_first * d, self.num_kv_heads * d)], hidden)
+            o_shard = row_shard(total_heads * d, hidden, tp.rank, tp.world_size, "the attention output")
+        else:
+            self.num_heads, self.num_kv_heads = total_heads, total_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         is_qwen2 = config.model_type == "qwen2"
@@ -80,9 +110,11 @@ class LlamaAttention(nn.Module):
             dtype=dtype,
             device=device,
             quant_method=quant_method_for(quant_config, f"{prefix}.qkv_proj"),
+            tp_shard=qkv_shard,
         )
-        self.o_proj = Linear(self.q_size, hidden, bias=attention_bias and not is_qwen2, dtype=dtype, device=device,
-                             quant_method=quant_method_for(quant_config, f"{prefix}.o_proj"))
+        o_cls = RowParallelLinear if o_shard is not None else Linear
+        self.o_proj = o_cls(self.q_size, hidden, bias=attention_bias and not is_qwen2, dtype=dtype, device=device,
+                            quant_method=quant_method_for(quant_config, f"{prefix}.o_proj"), tp_shard=o_shard)
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
@@ -105,14 +137,24 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, device: torch.device | str,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+                 quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype, device=device,
-                                         quant_method=quant_method_for(quant_config, f"{prefix}.gate_up_proj"))
-        self.down_proj = Linear(inter, config.hidden_size, bias=bias, dtype=dtype, device=device,
-                                quant_method=quant_method_for(quant_config, f"{prefix}.down_proj"))
+        hidden, inter = config.hidden_size, config.intermediate_size
+        gate_up_shard = down_shard = None
+        local = inter
+        if tp.world_size > 1:
+            start, local = shard_range(inter, tp.rank, tp.world_size, "the intermediate size")
+            gate_up_shard = column_shard([inter, inter], [(start, local), (start, local)], hidden)
+            down_shard = row_shard(inter, hidden, tp.rank, tp.world_size, "the intermediate size")
+        self.gate_up_proj = MergedLinear(hidden, [local, local], bias=bias, dtype=dtype, device=device,
+                                         quant_method=quant_method_for(quant_config, f"{prefix}.gate_up_proj"),
+                                         tp_shard=gate_up_shard)
+        down_cls = RowParallelLinear if down_shard is not None else Linear
+        self.down_proj = down_cls(local, hidden, bias=bias, dtype=dtype, device=device,
+                                  quant_method=quant_method_for(quant_config, f"{prefix}.down_proj"),
+                                  tp_shard=down_shard)
         self.act_fn = get_act_and_mul(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,14 +163,14 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype, device: torch.device | str,
-                 quant_config: QuantizationConfig | None = None) -> None:
+                 quant_config: QuantizationConfig | None = None, tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         prefix = f"model.layers.{layer_idx}"
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.self_attn = LlamaAttention(config, layer_idx, dtype, device, quant_config, f"{prefix}.self_attn")
+        self.self_attn = LlamaAttention(config, layer_idx, dtype, device, quant_config, f"{prefix}.self_attn", tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.mlp = LlamaMLP(config, dtype, device, quant_config, f"{prefix}.mlp")
+        self.mlp = LlamaMLP(config, dtype, device, quant_config, f"{prefix}.mlp", tp)
 
     def forward(
         self,
@@ -153,11 +195,14 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, device: torch.device | str,
-                 quant_config: QuantizationConfig | None = None) -> None:
+                 quant_config: QuantizationConfig | None = None, tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        parallel = tp.world_size > 1
+        vocab_range = vocab_shard(config.vocab_size, tp.rank, tp.world_size) if parallel else None
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device,
+                                           vocab_range=vocab_range, parallel=parallel)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, device, quant_config) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, dtype, device, quant_config, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         self.rotary_emb = RotaryEmbedding.from_config(config, device=device)
@@ -172,17 +217,24 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         quant_config: QuantizationConfig | None = None,
+        tp: TensorParallelGroup = SINGLE,
     ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.tp = tp
         self.quant_config = quant_config  # the decoder's projections; embeddings and LM head stay float
-        self.model = LlamaModel(config, dtype, device, quant_config)
+        self.model = LlamaModel(config, dtype, device, quant_config, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
+            embed = self.model.embed_tokens
+            shard = None
+            if tp.world_size > 1:  # vocab-parallel: the same rows as the embedding
+                shard = column_shard([config.vocab_size], [(embed.vocab_start, embed.vocab_rows)], config.hidden_size)
+            self.lm_head = Linear(config.hidden_size, embed.vocab_rows, bias=False, dtype=dtype, device=device,
+                                  tp_shard=shard)
         self.head_prepared = None  # the C kernels' form of a tied head (an untied one is a Linear)
 
     # Shapes the model runner / cache engine need.
@@ -216,7 +268,29 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn_metadata)
         return self.model.norm(hidden, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    @classmethod
+    def check_tensor_parallel(cls, config: Any, world: int) -> None:
+        """ValueError naming the numbers when this model cannot be split over `world` ranks
+        (checked before any worker starts)."""
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if heads % world:
+            divisors = [n for n in range(1, heads + 1) if heads % n == 0]
+            raise ValueError(f"tensor_parallel_size={world} does not divide the model's {heads} attention heads "
+                             f"({kv_heads} KV heads); it must be one of {divisors}")
+        head_shard(heads, kv_heads, 0, world)
+        shard_range(config.intermediate_size, 0, world, f"tensor_parallel_size={world}: the intermediate size")
+        if config.vocab_size < world:
+            raise ValueError(f"tensor_parallel_size={world} is larger than the vocabulary ({config.vocab_size})")
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits `[rows, vocab]`; with tensor parallelism on rank 0 only (None elsewhere)."""
+        logits = self._local_logits(hidden)
+        if self.tp.world_size > 1:
+            return gather_logits(logits, self.vocab_size)
+        return logits
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         embed = self.model.embed_tokens
         if self.lm_head is None and embed.int_weight is not None:  # tied to a packed GGUF table
             compute = self.quant_config.compute if self.quant_config is not None else "exact"
@@ -247,6 +321,28 @@ class LlamaForCausalLM(nn.Module):
             self.head_prepared = prepare_weight(self.model.embed_tokens.weight)
 
     # ---- weights -------------------------------------------------------------------------
+    def checkpoint_slices(self, name: str, shape: tuple[int, ...] | None = None) -> list[tuple[int, int, int]]:
+        """The `(dim, start, length)` cuts of checkpoint tensor `name` (stored with `shape`)
+        that this rank holds; empty: all of it (no tensor parallelism, norms, unknown names,
+        which `load_weights` then rejects)."""
+        if self.tp.world_size == 1:
+            return []
+        modules = self.__dict__.get("_module_index") or self.__dict__.setdefault("_module_index",
+                                                                                 dict(self.named_modules()))
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in _STACKED_PARAMS:
+            fused, shard = _STACKED_PARAMS[parts[-2]]
+            module = modules.get(".".join(parts[:-2] + [fused]))
+            return module.checkpoint_slices(parts[-1], shard, shape) if isinstance(module, Linear) else []
+        if name == "lm_head.weight" and self.lm_head is None:
+            return self.model.embed_tokens.checkpoint_slices()  # skipped (tied); read only a part
+        module = modules.get(".".join(parts[:-1]))
+        if isinstance(module, Linear):
+            return module.checkpoint_slices(parts[-1], None, shape)
+        if isinstance(module, VocabEmbedding):
+            return module.checkpoint_slices()
+        return []
+
     def _expected_weights(self) -> set[tuple[str, int | None]]:
         expected: set[tuple[str, int | None]] = set()
         for mod_name, module in self.named_modules():

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.layers.quantization import get_quantization_config
 from pagedllm.model.gguf_loader import iter_gguf_weights, resolve_gguf_path
 from pagedllm.model.registry import get_model_class
@@ -31,13 +32,30 @@ def safetensors_files(model_path: str) -> list[str]:
     return files
 
 
-def iter_safetensors_weights(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors_weights(model_path: str, slices_of=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(name, tensor)` of every checkpoint tensor; with `slices_of(name, shape) -> cuts` (a
+    tensor-parallel model's `checkpoint_slices`) only this rank's part of each is read."""
     from safetensors import safe_open
 
     for path in safetensors_files(model_path):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if slices_of is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                part = f.get_slice(name)
+                shape = tuple(part.get_shape())
+                cuts = slices_of(name, shape)
+                if not cuts:
+                    yield name, f.get_tensor(name)
+                    continue
+                index = [slice(None)] * len(shape)
+                for dim, start, length in cuts:
+                    if start < 0 or start + length > shape[dim]:
+                        raise ValueError(f"Checkpoint tensor {name} has shape {shape}: this rank's part "
+                                         f"{start}..{start + length - 1} of dimension {dim} is out of range")
+                    index[dim] = slice(start, start + length)
+                yield name, part[tuple(index)]
 
 
 def load_model(
@@ -48,6 +66,7 @@ def load_model(
     device: torch.device | str,
     quantization: str | None = None,
     quant_compute: str = "auto",
+    tp: TensorParallelGroup | None = None,
 ) -> nn.Module:
     """The model for `hf_config` with its weights, in `dtype` on `device`, in eval mode.
 
@@ -58,23 +77,28 @@ def load_model(
     quantized linear layers (layers/quantization/); `quantization` (the user's knob), when
     given, must name the same method (ValueError otherwise); `quant_compute` picks their CPU
     arithmetic (exact / int8 / auto).
+    `tp` (a tensor-parallel group of more than one rank): the model of this rank's shard, and
+    only that part of each checkpoint tensor is read (the model's `checkpoint_slices`).
     """
     model_cls = get_model_class(hf_config)
     device = torch.device(device)
     gguf_path = resolve_gguf_path(model_path, gguf_file)
     quant_config = get_quantization_config(hf_config, quantization, is_gguf=gguf_path is not None,
                                           compute=quant_compute)
-    if quant_config is None:
-        model = model_cls(hf_config, dtype=dtype, device=device)
-    else:
-        model = model_cls(hf_config, dtype=dtype, device=device, quant_config=quant_config)
+    kwargs: dict[str, Any] = {}
+    if quant_config is not None:
+        kwargs["quant_config"] = quant_config
+    if tp is not None and tp.world_size > 1:
+        kwargs["tp"] = tp
+    model = model_cls(hf_config, dtype=dtype, device=device, **kwargs)
+    slices_of = model.checkpoint_slices if "tp" in kwargs else None
     if gguf_path is not None:
         # Q4_0 / Q4_1 / Q8_0 matrices stay packed (layers/quantization/gguf.py); with
         # PAGEDLLM_GGUF_BLOCKS=0 they are dequantized to float32 as before (for A/B checks).
         keep = os.environ.get("PAGEDLLM_GGUF_BLOCKS", "1") not in ("0", "")
-        weights = iter_gguf_weights(gguf_path, hf_config, keep_blocks=keep)
+        weights = iter_gguf_weights(gguf_path, hf_config, keep_blocks=keep, slices_of=slices_of)
     else:
-        weights = iter_safetensors_weights(model_path)
+        weights = iter_safetensors_weights(model_path, slices_of)
     model.load_weights(weights)
     model.process_weights_after_loading()  # quantized forms, the C kernels' forms: now, not in the first request
     return model.eval()

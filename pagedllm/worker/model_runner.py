@@ -13,6 +13,10 @@ With `compile_batch_sizes`, decode-only steps run in compiled graphs (worker/dec
 once the graph of their padded batch size is ready; every other step, and every step before
 that, runs the eager model. The cache then has one extra *scratch* block past `num_blocks`
 that the block pool never hands out: padded rows write there.
+
+Under tensor parallelism every rank runs its own runner on the same steps (executor/): the
+model is the rank's shard, the cache holds only its KV heads (`model.num_kv_heads`), and only
+rank 0 gets logits back (`execute_model` returns None on the other ranks).
 """
 
 from __future__ import annotations
@@ -74,7 +78,9 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.cache_engine = CacheEngine(
             num_layers=hf_config.num_hidden_layers,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+            # this rank's KV heads (all of them without tensor parallelism)
+            num_kv_heads=getattr(model, "num_kv_heads", None)
+            or getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
             head_dim=head_dim_of(hf_config),
             num_blocks=num_blocks + (1 if compile_batch_sizes else 0),  # + the scratch block
             block_size=block_size,
@@ -198,7 +204,7 @@ class ModelRunner:
         )
 
     @torch.no_grad()
-    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput | None:
         # Swaps before copies: a swap-out frees blocks a copy may fill; a copy may read a
         # block that was just swapped in.
         self.cache_engine.swap_out(list(getattr(scheduler_output, "blocks_to_swap_out", ())))
@@ -211,6 +217,8 @@ class ModelRunner:
             return ModelRunnerOutput(torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device))
         inp = self.prepare_input(scheduled)
         logits = self.run_model(inp)
+        if logits is None:  # a tensor-parallel rank other than 0: rank 0 has the logits
+            return None
         if logits.shape[0] == 0:
             return ModelRunnerOutput(logits)
         if inp.sample_indices == list(range(logits.shape[0])):
@@ -220,9 +228,9 @@ class ModelRunner:
         all_logits = {seq_id: logits[at : at + n] for seq_id, at, n in inp.all_logits_slices}
         return ModelRunnerOutput(sample_logits=sample_logits, all_logits=all_logits)
 
-    def run_model(self, inp: ModelInput) -> torch.Tensor:
+    def run_model(self, inp: ModelInput) -> torch.Tensor | None:
         """float32 logits of the rows `inp.logits_rows`: from a compiled decode graph where one
-        is ready for this step, else from the eager model."""
+        is ready for this step, else from the eager model (None on tensor-parallel ranks > 0)."""
         if inp.decode_only and self.decode_graphs is not None:
             md = inp.attn_metadata
             logits = self.decode_graphs.run(

@@ -31,9 +31,10 @@ class AWQLinearMethod(PackedIntLinearMethod):
             raise self._fail(f"input size {input_size} is not a multiple of 8")
         out, groups = sum(output_sizes), self.num_groups(input_size)
         return [
-            TensorSpec("qweight", (input_size, out // 8), (torch.int32,), shard_dim=1, shard_div=8),
-            TensorSpec("qzeros", (groups, out // 8), (torch.int32,), shard_dim=1, shard_div=8),
-            TensorSpec("scales", (groups, out), (torch.float16, torch.bfloat16, torch.float32), shard_dim=1),
+            TensorSpec("qweight", (input_size, out // 8), (torch.int32,), shard_dim=1, shard_div=8, input_dim=0),
+            TensorSpec("qzeros", (groups, out // 8), (torch.int32,), shard_dim=1, shard_div=8, group_dim=0),
+            TensorSpec("scales", (groups, out), (torch.float16, torch.bfloat16, torch.float32), shard_dim=1,
+                       group_dim=0),
         ]
 
     def to_canonical(self, layer, tensors):

@@ -13,12 +13,21 @@ its layer's weight tensors:
 `PackedIntLinearMethod` is the weight-only integer method that GPTQ, AWQ and compressed-tensors
 share: they differ in their checkpoint tensors (`checkpoint_specs`) and in how those become the
 canonical packed form (`to_canonical`, see packing.py); the forward is the same.
+
+Tensor parallelism: `tp_slices(layer, name, shard_id)` says which `(dim, start, length)` cuts
+of a checkpoint tensor a rank reads (the loader cuts before reading). For the packed formats the
+specs say where each tensor keeps its output features (`shard_dim`, `shard_div` values per
+element) and its input rows (`input_dim`, `input_div`), so a column shard cuts along the
+packing of the outputs and a row shard along the packing of the inputs; a cut that would split
+a packed int32 word or a quantization group is a ValueError at start-up. A row shard's scales
+and zero points (`group_dim`) are read whole (they are small) and cut to its groups after
+loading, which also serves act-order checkpoints, whose groups are scattered over the rows.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,6 +44,18 @@ from pagedllm.layers.quantization.packing import dequantize
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
+Slices = list[tuple[int, int, int]]  # (dim, start, length) cuts of a checkpoint tensor
+
+
+def logical_weight_slices(layer: nn.Module, shard_id: int | None) -> Slices:
+    """The cut of a `[out, in]` weight for the layer's tensor-parallel shard (float, GGUF)."""
+    shard = getattr(layer, "tp_shard", None)
+    if shard is None:
+        return []
+    if shard.kind == "row":
+        return [(1, *shard.in_range)]
+    return [(0, *shard.out_ranges[shard_id or 0])]
+
 
 class LinearMethod(ABC):
     @abstractmethod
@@ -50,6 +71,13 @@ class LinearMethod(ABC):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 (optional hook)
         pass
+
+    def tp_slices(self, layer: nn.Module, name: str, shard_id: int | None,
+                  shape: tuple[int, ...] | None = None) -> Slices:
+        """The cuts of checkpoint tensor `name` this rank reads (see the module docstring)."""
+        if getattr(layer, "tp_shard", None) is None:
+            return []
+        raise ValueError(f"{type(self).__name__} cannot be split for tensor parallelism")
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
@@ -91,6 +119,13 @@ class TensorSpec:
     shard_dim: int | None
     shard_div: int = 1
     required: bool = True
+    # Tensor parallelism: the dimension of the input rows (None: no input dimension) and how
+    # many rows one element covers; the dimension of the quantization groups (scales, zeros);
+    # whether this is the row -> group map (g_idx).
+    input_dim: int | None = None
+    input_div: int = 1
+    group_dim: int | None = None
+    is_g_idx: bool = False
 
 
 def dequantize_codes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
@@ -148,7 +183,10 @@ class PackedIntLinearMethod(LinearMethod):
     def create_weights(self, layer, input_size, output_sizes, dtype, device) -> None:
         layer.quant_bits, layer.quant_group_size = self.bits, self.group_size
         self.num_groups(input_size)  # checks the group size
-        layer.quant_specs = {s.name: s for s in self.checkpoint_specs(input_size, list(output_sizes))}
+        specs = self.checkpoint_specs(input_size, list(output_sizes))
+        if getattr(layer, "tp_shard", None) is not None:
+            specs = self._tp_specs(layer, specs)
+        layer.quant_specs = {s.name: s for s in specs}
         layer.quant_loaded = set()  # (name, shard) pairs loaded
         for spec in layer.quant_specs.values():
             layer.register_parameter(spec.name, nn.Parameter(
@@ -156,6 +194,80 @@ class PackedIntLinearMethod(LinearMethod):
 
     def required_weights(self, layer) -> list[str]:
         return [s.name for s in layer.quant_specs.values() if s.required]
+
+    # ---- tensor parallelism ------------------------------------------------------------------
+    def _tp_specs(self, layer, specs: list[TensorSpec]) -> list[TensorSpec]:
+        """A shard's specs: a row shard reads its scales / zeros for every group of the whole
+        layer (cut to its own after loading); contiguous groups must not straddle two ranks."""
+        shard = layer.tp_shard
+        if shard.kind == "column":
+            for start, length in shard.out_ranges:
+                for spec in specs:
+                    if spec.shard_dim is not None and (start % spec.shard_div or length % spec.shard_div):
+                        raise self._fail(f"tensor parallelism would split the {spec.shard_div} outputs packed in "
+                                         f"one int32 of {spec.name}: this rank's outputs {start}..{start + length - 1}")
+            return specs
+        start, length = shard.in_range
+        for spec in specs:
+            if spec.input_dim is not None and (start % spec.input_div or length % spec.input_div):
+                raise self._fail(f"tensor parallelism would split the {spec.input_div} input rows packed in one "
+                                 f"int32 of {spec.name}: this rank's rows {start}..{start + length - 1}")
+        if self.group_size != -1 and not self.act_order and (start % self.group_size or length % self.group_size):
+            raise self._fail(f"tensor parallelism would split a quantization group: the {shard.full_input} input "
+                             f"rows split into shards of {length}, not a multiple of group_size {self.group_size}")
+        full_groups = self.num_groups(shard.full_input) if self.group_size != -1 else 1
+        out = []
+        for spec in specs:
+            if spec.group_dim is not None:
+                shape = list(spec.shape)
+                shape[spec.group_dim] = full_groups
+                spec = replace(spec, shape=tuple(shape))
+            out.append(spec)
+        return out
+
+    @property
+    def act_order(self) -> bool:
+        """Groups may be scattered over the input rows (a g_idx that is not `row // group_size`)."""
+        return False
+
+    def tp_slices(self, layer, name, shard_id, shape=None) -> Slices:
+        shard = getattr(layer, "tp_shard", None)
+        spec = layer.quant_specs.get(name) if shard is not None else None
+        if spec is None:
+            return []
+        if shard.kind == "column":
+            if spec.shard_dim is None:
+                return []
+            start, length = shard.out_ranges[shard_id or 0]
+            return [(spec.shard_dim, start // spec.shard_div, length // spec.shard_div)]
+        if spec.input_dim is None:
+            return []  # scales / zeros of a row shard: all groups, cut after loading
+        start, length = shard.in_range
+        return [(spec.input_dim, start // spec.input_div, length // spec.input_div)]
+
+    def _cut_row_shard_groups(self, layer, tensors: dict[str, torch.Tensor | None]) -> None:
+        """A row shard's scales / zeros: from every group of the layer to the groups of its own
+        rows (in order), and its g_idx renumbered to them; each group must lie wholly on it."""
+        if self.group_size == -1:  # one group: its scales are every shard's
+            for spec in layer.quant_specs.values():
+                if spec.is_g_idx and tensors[spec.name] is not None:
+                    tensors[spec.name] = torch.zeros_like(tensors[spec.name])
+            return
+        start, length = layer.tp_shard.in_range
+        g_spec = next((s for s in layer.quant_specs.values() if s.is_g_idx), None)
+        g_idx = tensors[g_spec.name] if g_spec is not None else None
+        if g_idx is None:
+            used = torch.arange(start // self.group_size, (start + length) // self.group_size)
+        else:
+            used, counts = torch.unique(g_idx.to(torch.int64), return_counts=True)
+            if bool((counts != self.group_size).any()):
+                raise self._fail(f"tensor parallelism would split a quantization group: rows "
+                                 f"{start}..{start + length - 1} hold only part of some act-order groups "
+                                 f"(group_size {self.group_size})")
+            tensors[g_spec.name] = torch.searchsorted(used, g_idx.to(torch.int64)).to(g_idx.dtype)
+        for spec in layer.quant_specs.values():
+            if spec.group_dim is not None and tensors[spec.name] is not None:
+                tensors[spec.name] = tensors[spec.name].index_select(spec.group_dim, used.to(tensors[spec.name].device))
 
     def _shard_range(self, layer, spec: TensorSpec, shard_id: int | None) -> tuple[int, int]:
         sizes = layer.output_sizes
@@ -211,6 +323,8 @@ class PackedIntLinearMethod(LinearMethod):
             loaded = any(n == name for n, _ in layer.quant_loaded)
             tensors[name] = getattr(layer, name).data if loaded else None
             delattr(layer, name)  # the checkpoint layout does not stay resident
+        if getattr(layer, "tp_shard", None) is not None and layer.tp_shard.kind == "row":
+            self._cut_row_shard_groups(layer, tensors)
         qweight, scales, zeros, perm = self.to_canonical(layer, tensors)
         groups = self.num_groups(layer.input_size)
         expect = {"qweight": (self.packed_input_size(layer.input_size), layer.output_size),

@@ -34,21 +34,28 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 class CompressedTensorsWNA16Method(PackedIntLinearMethod):
     format_name = "compressed-tensors"
 
-    def __init__(self, prefix: str, bits: int, group_size: int, symmetric: bool, compute: str = "exact") -> None:
+    def __init__(self, prefix: str, bits: int, group_size: int, symmetric: bool, compute: str = "exact",
+                 actorder: bool = False) -> None:
         super().__init__(prefix, bits, group_size, compute)
         self.symmetric = symmetric
+        self.actorder = actorder  # `actorder: group`: a weight_g_idx scatters the groups
+
+    @property
+    def act_order(self) -> bool:
+        return self.actorder
 
     def checkpoint_specs(self, input_size, output_sizes):
         pf = 32 // self.bits
         packed_in = self.packed_input_size(input_size)
         out, groups = sum(output_sizes), self.num_groups(input_size)
         return [
-            TensorSpec("weight_packed", (out, packed_in), (torch.int32,), shard_dim=0),
-            TensorSpec("weight_scale", (out, groups), _FLOAT_DTYPES, shard_dim=0),
+            TensorSpec("weight_packed", (out, packed_in), (torch.int32,), shard_dim=0, input_dim=1, input_div=pf),
+            TensorSpec("weight_scale", (out, groups), _FLOAT_DTYPES, shard_dim=0, group_dim=1),
             TensorSpec("weight_zero_point", (out // pf, groups), (torch.int32,), shard_dim=0, shard_div=pf,
-                       required=not self.symmetric),
+                       required=not self.symmetric, group_dim=1),
             TensorSpec("weight_shape", (len(output_sizes), 2), (torch.int64,), shard_dim=0),
-            TensorSpec("weight_g_idx", (input_size,), (torch.int32, torch.int64), shard_dim=None, required=False),
+            TensorSpec("weight_g_idx", (input_size,), (torch.int32, torch.int64), shard_dim=None, required=False,
+                       input_dim=0, is_g_idx=True),
         ]
 
     def normalize_tensor(self, layer, spec, tensor, shard_id):
@@ -56,9 +63,10 @@ class CompressedTensorsWNA16Method(PackedIntLinearMethod):
             # one row per shard: checked against the layer here, kept only until loading ends
             if tensor.numel() != 2:
                 raise self._fail(f"weight_shape has shape {tuple(tensor.shape)}, expected (2,)")
-            out = layer.output_sizes[0 if shard_id is None else shard_id]
-            if tensor.tolist() != [out, layer.input_size]:
-                raise self._fail(f"weight_shape is {tensor.tolist()}, the layer is [{out}, {layer.input_size}]")
+            # the checkpoint's whole layer (a tensor-parallel rank holds a part of it)
+            out = layer.full_output_sizes[0 if shard_id is None else shard_id]
+            if tensor.tolist() != [out, layer.full_input_size]:
+                raise self._fail(f"weight_shape is {tensor.tolist()}, the layer is [{out}, {layer.full_input_size}]")
             return tensor.to(torch.int64).view(1, 2)
         if spec.name == "weight_zero_point":
             if tensor.dtype == torch.int8:  # older writers: unpacked, signed
@@ -69,6 +77,16 @@ class CompressedTensorsWNA16Method(PackedIntLinearMethod):
         if spec.name == "weight_shape":
             return (0 if shard_id is None else shard_id), 1
         return super()._shard_range(layer, spec, shard_id)
+
+    def tp_slices(self, layer, name, shard_id, shape=None):
+        if name == "weight_shape":
+            return []
+        cuts = super().tp_slices(layer, name, shard_id, shape)
+        pf = 32 // self.bits
+        if name == "weight_zero_point" and cuts and cuts[0][0] == 0 and shape is not None \
+                and shape[0] == layer.full_output_sizes[shard_id or 0]:  # older writers: unpacked [out, groups]
+            cuts = [(0, cuts[0][1] * pf, cuts[0][2] * pf)]
+        return cuts
 
     def to_canonical(self, layer, tensors):
         codes = unpack_int32(tensors["weight_packed"], self.bits, dim=1).t()  # [in, out], unsigned
@@ -193,4 +211,4 @@ class CompressedTensorsConfig(QuantizationConfig):
         if w["strategy"] == "group" and group_size <= 0:
             raise ValueError(f"compressed-tensors: group strategy without a group_size for {prefix}")
         return CompressedTensorsWNA16Method(prefix, int(w["num_bits"]), group_size, bool(w.get("symmetric", True)),
-                                            self.compute)
+                                            self.compute, actorder=w.get("actorder") == "group")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.layers.quantization.base import LinearMethod, QuantizationConfig
+from pagedllm.layers.quantization.base import LinearMethod, QuantizationConfig, Slices, logical_weight_slices
 from pagedllm.layers.quantization.int_kernel import (
     PackedIntWeight,
     int_matmul,
@@ -87,6 +87,11 @@ class GGUFLinearMethod(LinearMethod):
         w = torch.cat([s.dequantize() if _is_blocks(s) else s.float() for s in shards])
         layer.weight = nn.Parameter(w.to(layer.gguf_dtype).to(layer.gguf_device), requires_grad=False)
         layer.prepared = prepare_weight(layer.weight)  # the float path's kernel form, kept
+
+    def tp_slices(self, layer, name, shard_id, shape=None) -> Slices:
+        """Logical `[out, in]` cuts; model/gguf_loader cuts the blocks (a row shard along whole
+        blocks of 32 input rows)."""
+        return logical_weight_slices(layer, shard_id)
 
     def weight_bytes(self, layer) -> int:
         if layer.int_weight is not None:

@@ -61,12 +61,16 @@ class GPTQLinearMethod(PackedIntLinearMethod):
         packed_in = self.packed_input_size(input_size)
         out, groups = sum(output_sizes), self.num_groups(input_size)
         return [
-            TensorSpec("qweight", (packed_in, out), _INT_DTYPES, shard_dim=1),
-            TensorSpec("qzeros", (groups, out // pf), _INT_DTYPES, shard_dim=1, shard_div=pf),
-            TensorSpec("scales", (groups, out), _FLOAT_DTYPES, shard_dim=1),
+            TensorSpec("qweight", (packed_in, out), _INT_DTYPES, shard_dim=1, input_dim=0, input_div=pf),
+            TensorSpec("qzeros", (groups, out // pf), _INT_DTYPES, shard_dim=1, shard_div=pf, group_dim=0),
+            TensorSpec("scales", (groups, out), _FLOAT_DTYPES, shard_dim=1, group_dim=0),
             TensorSpec("g_idx", (input_size,), (torch.int32, torch.int64), shard_dim=None,
-                       required=False),
+                       required=False, input_dim=0, is_g_idx=True),
         ]
+
+    @property
+    def act_order(self) -> bool:
+        return self.config.desc_act
 
     def to_canonical(self, layer, tensors):
         zeros = unpack_int32(tensors["qzeros"], self.bits, dim=1)

@@ -1,0 +1,49 @@
+"""Who runs the model (docs/tensor_parallel.md): `create_executor` picks the executor for an
+engine configuration: one rank in process (`UniprocExecutor`), or tensor-parallel ranks as
+worker processes (`MultiprocExecutor`, `distributed_executor_backend="mp"`) or Ray actors
+(`RayExecutor`, "ray")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedllm.executor.base import Executor
+from pagedllm.worker.worker import WorkerConfig
+
+
+def worker_config(config: Any, model_path: str, gguf_file: str | None, hf_config: Any, dtype: torch.dtype,
+                  device: torch.device, kv_cache_dtype: torch.dtype) -> WorkerConfig:
+    """What every rank needs, from the engine's configuration and what it resolved."""
+    return WorkerConfig(
+        model_path=model_path, gguf_file=gguf_file, hf_config=hf_config, dtype=dtype,
+        device_type=torch.device(device).type, kv_cache_dtype=kv_cache_dtype, block_size=config.block_size,
+        seed=config.seed, quantization=config.quantization, quant_compute=config.quant_compute,
+        tensor_parallel_size=config.tensor_parallel_size, num_threads=config.num_threads,
+    )
+
+
+def create_executor(config: Any, model_path: str, gguf_file: str | None, hf_config: Any, dtype: torch.dtype,
+                    device: torch.device, kv_cache_dtype: torch.dtype) -> Executor:
+    """The executor for `config` (an EngineConfig), with every rank's weights loaded; the model
+    is checked to split over `tensor_parallel_size` ranks before any worker starts."""
+    wc = worker_config(config, model_path, gguf_file, hf_config, dtype, device, kv_cache_dtype)
+    if config.tensor_parallel_size == 1:
+        from pagedllm.executor.uniproc import UniprocExecutor
+
+        return UniprocExecutor(wc)
+    from pagedllm.model.registry import get_model_class
+
+    get_model_class(hf_config).check_tensor_parallel(hf_config, config.tensor_parallel_size)
+    backend = getattr(config, "distributed_executor_backend", "mp")
+    if backend == "ray":
+        from pagedllm.executor.ray_executor import RayExecutor
+
+        return RayExecutor(wc)
+    from pagedllm.executor.multiproc import MultiprocExecutor
+
+    return MultiprocExecutor(wc)
+
+
+__all__ = ["Executor", "create_executor", "worker_config"]

@@ -1,0 +1,294 @@
+"""Tensor parallelism over worker processes on one machine (`tensor_parallel_size=N`).
+
+Rank 0 is the engine-core process itself (its `Worker` is the driver); ranks 1..N-1 are worker
+processes (executor/worker_proc.py) started here. All N join one torch.distributed group (gloo
+on CPU, NCCL on CUDA) and load their own shards at the same time. Each step the scheduler's
+output is encoded once (executor/messages.py: diffs of the block tables) and written to every
+worker's link; then every rank runs the same forward, the collectives keeping them in step, and
+only rank 0 gets logits back. There is no reply per step.
+
+Failures are start-up errors or clear run-time errors, never hangs:
+- each start-up stage has a deadline, and a worker's exception comes back as its traceback
+  inside the RuntimeError the engine raises (its exit code when it died without one);
+- a worker that dies mid-run breaks the next collective at once (its sockets close) or is
+  seen dead before the next step; the executor then raises naming the rank, and every later
+  call raises the same error;
+- workers exit on `shutdown`, when their link closes, or when their parent is gone
+  (worker_proc's watchdog); `shutdown` also runs when the executor is collected and at exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+from pagedllm.distributed import cpu_binding
+from pagedllm.executor.base import Executor
+from pagedllm.executor.channel import Listener, free_port
+from pagedllm.executor.messages import BlockTableMirror, encode_step
+from pagedllm.executor.worker_proc import AUTHKEY_ENV
+from pagedllm.worker.model_runner import ModelRunnerOutput
+from pagedllm.worker.worker import Worker, WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = float(os.environ.get("PAGEDLLM_TP_START_TIMEOUT_S", "600"))
+
+
+class WorkerFailure(RuntimeError):
+    """A tensor-parallel worker failed or died; the message names the rank and shows its
+    traceback when it sent one."""
+
+
+def check_tensor_parallel_devices(device_type: str, world: int, visible_gpus: int | None = None) -> None:
+    """ValueError when `world` ranks cannot have a GPU each."""
+    if device_type != "cuda":
+        return
+    visible = torch.cuda.device_count() if visible_gpus is None else visible_gpus
+    if world > visible:
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs, but {visible} are visible"
+                         + (f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else "")
+                         + f"; use tensor_parallel_size <= {visible} or make more GPUs visible")
+
+
+class _Proc:
+    """One worker process and its link."""
+
+    def __init__(self, rank: int, popen: subprocess.Popen) -> None:
+        self.rank = rank
+        self.popen = popen
+        self.conn: Connection | None = None
+        self.error: str | None = None  # a traceback it sent
+
+    def describe(self) -> str:
+        code = self.popen.poll()
+        state = "running" if code is None else f"exited with code {code}"
+        text = f"tensor-parallel worker rank {self.rank} (pid {self.popen.pid}, {state})"
+        return text + (f":\n{self.error}" if self.error else "")
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: WorkerConfig) -> None:
+        self.world_size = world = config.tensor_parallel_size
+        if world < 2:
+            raise ValueError("MultiprocExecutor is for tensor_parallel_size > 1")
+        check_tensor_parallel_devices(config.device_type, world)
+        self._procs: list[_Proc] = []
+        self._failed: WorkerFailure | None = None
+        self._closed = False
+        self._mirror = BlockTableMirror()
+        self.driver = Worker(config, rank=0)
+        t0 = time.perf_counter()
+        self._listener = Listener("127.0.0.1")
+        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._listener, self.driver)
+        try:
+            self._start(config)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("tensor parallelism: %d ranks ready in %.1f s", world, time.perf_counter() - t0)
+
+    # ---- start-up ---------------------------------------------------------------------------------------
+
+    def _start(self, config: WorkerConfig) -> None:
+        world = self.world_size
+        env = dict(os.environ)
+        env[AUTHKEY_ENV] = self._listener.authkey.hex()
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        host, port = self._listener.address
+        for rank in range(1, world):
+            popen = subprocess.Popen([sys.executable, "-m", "pagedllm.executor.worker_proc", host, str(port), str(rank)],
+                                     env=env, stdin=subprocess.DEVNULL)
+            self._procs.append(_Proc(rank, popen))
+        self._accept_all()
+        cores = cpu_binding.available_cores() if config.device_type == "cpu" else []
+        bindings = [cpu_binding.rank_binding(r, world, cores, config.num_threads) if cores else None
+                    for r in range(world)]
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        for p in self._procs:
+            p.conn.send(("config", config, init_method, bindings[p.rank]))
+        if bindings[0] is not None:
+            self.driver.bind_cpu(bindings[0])
+        self._wait_all("started", "start")
+        self.driver.init_distributed(init_method)
+        self.driver.load_model()  # while the workers load theirs
+        self._wait_all("loaded", "load its weights")
+
+    def _accept_all(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        pending = {p.popen.pid: p for p in self._procs}
+        while pending:
+            for p in pending.values():
+                if p.popen.poll() is not None:
+                    raise WorkerFailure(f"{p.describe()} before it connected to rank 0")
+            if time.monotonic() > deadline:
+                raise WorkerFailure(f"tensor-parallel workers {sorted(p.rank for p in pending.values())} did not "
+                                    f"connect within {START_TIMEOUT_S:.0f} s")
+            conn = self._listener.accept(0.2)
+            if conn is None:
+                continue
+            kind, rank, pid = conn.recv()
+            proc = pending.pop(pid, None)
+            if kind != "hello" or proc is None or proc.rank != rank:
+                conn.close()
+                raise WorkerFailure(f"unexpected connection to rank 0 ({kind!r}, rank {rank}, pid {pid})")
+            proc.conn = conn
+
+    def _wait_all(self, expected: str, stage: str, timeout_s: float = START_TIMEOUT_S) -> list[tuple]:
+        """Every worker's next message, which must be `expected`; a worker's error or death, or the
+        deadline, is a WorkerFailure naming it."""
+        deadline = time.monotonic() + timeout_s
+        replies: dict[int, tuple] = {}
+        while len(replies) < len(self._procs):
+            waiting = [p for p in self._procs if p.rank not in replies]
+            ready = wait([p.conn for p in waiting], timeout=0.2)
+            for p in waiting:
+                if p.conn in ready:
+                    msg = self._recv(p)
+                    if msg[0] != expected:
+                        raise WorkerFailure(f"{p.describe()} sent {msg[0]!r} while rank 0 waited for it to {stage}")
+                    replies[p.rank] = msg
+                elif p.popen.poll() is not None:
+                    raise WorkerFailure(f"{p.describe()} failed to {stage}")
+            if time.monotonic() > deadline:
+                late = sorted(p.rank for p in self._procs if p.rank not in replies)
+                raise WorkerFailure(f"tensor-parallel workers {late} did not {stage} within {timeout_s:.0f} s")
+        return [replies[p.rank] for p in self._procs]
+
+    def _recv(self, p: _Proc) -> tuple:
+        try:
+            msg = p.conn.recv()
+        except (EOFError, OSError):
+            p.popen.wait(timeout=5)
+            raise WorkerFailure(f"{p.describe()}: its link to rank 0 closed") from None
+        if msg[0] == "error":
+            p.error = msg[2]
+            p.popen.wait(timeout=5)
+            raise WorkerFailure(p.describe())
+        return msg
+
+    # ---- running ----------------------------------------------------------------------------------------
+
+    def initialize_cache(self, num_blocks, num_host_blocks, max_model_len, compile_batch_sizes=None) -> None:
+        if compile_batch_sizes:
+            raise ValueError("compile_batch_sizes (compiled decode graphs) is not supported with "
+                             "tensor_parallel_size > 1")
+        self._broadcast(pickle.dumps(("init_cache", num_blocks, num_host_blocks, max_model_len, None)))
+        self._guarded(self.driver.initialize_cache, num_blocks, num_host_blocks, max_model_len, None)
+        self._guarded(self._wait_all, "cache_ready", "allocate its KV cache")
+
+    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
+        self._check_alive()
+        self._broadcast(encode_step(scheduler_output, self._mirror))
+        return self._guarded(self.driver.execute_model, scheduler_output)
+
+    def profile_peak_memory(self, num_tokens: int) -> int:
+        self._broadcast(pickle.dumps(("profile", num_tokens)))
+        peak = self._guarded(self.driver.profile_run, num_tokens)
+        replies = self._guarded(self._wait_all, "profiled", "run the profile forward")
+        return max([peak] + [r[2] for r in replies])
+
+    def _broadcast(self, payload: bytes) -> None:
+        self._check_alive()
+        for p in self._procs:
+            try:
+                p.conn.send_bytes(payload)
+            except OSError:
+                self._fail(f"{p.describe()}: rank 0 could not send it the step")
+
+    def _guarded(self, fn, *args):
+        """Run `fn` (rank 0's part, which waits on the workers through collectives); a failure
+        while a worker is down or has sent an error becomes that worker's WorkerFailure."""
+        try:
+            return fn(*args)
+        except WorkerFailure as e:
+            self._failed = e
+            raise
+        except Exception as e:
+            failure = self._find_failure(grace_s=2.0)
+            if failure is None:
+                raise
+            self._failed = WorkerFailure(f"{failure}\n(rank 0 saw: {type(e).__name__}: {e})")
+            raise self._failed from e
+
+    def _find_failure(self, grace_s: float) -> str | None:
+        """The first worker that died or reported an error, waiting up to `grace_s` for one to show."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for p in self._procs:
+                if p.conn is not None and p.error is None and p.conn.poll(0):
+                    try:
+                        msg = p.conn.recv()
+                        if msg[0] == "error":
+                            p.error = msg[2]
+                    except (EOFError, OSError):
+                        pass
+                if p.error is not None or p.popen.poll() is not None:
+                    if p.error is None:
+                        try:
+                            p.popen.wait(timeout=0.5)
+                        except subprocess.TimeoutExpired:
+                            pass
+                    return f"{p.describe()} during a step" if p.error is None else p.describe()
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise RuntimeError("the tensor-parallel executor is shut down")
+        if self._failed is not None:
+            raise self._failed
+        for p in self._procs:
+            if p.popen.poll() is not None:
+                self._fail(f"{p.describe()} before a step")
+
+    def _fail(self, text: str) -> None:
+        failure = self._find_failure(grace_s=0.5)
+        self._failed = WorkerFailure(failure or text)
+        raise self._failed
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.popen.pid for p in self._procs]
+
+    def shutdown(self) -> None:
+        self._closed = True
+        self._finalizer()
+
+
+def _stop_workers(procs: list[_Proc], listener: Listener, driver: Worker) -> None:
+    """Ask every worker to stop, then terminate / kill what is left; rank 0 leaves the group and
+    gets its cores back. Idempotent (weakref.finalize runs it once)."""
+    for p in procs:
+        if p.conn is not None and p.popen.poll() is None:
+            try:
+                p.conn.send_bytes(pickle.dumps(("shutdown",)))
+            except OSError:
+                pass
+    deadline = time.monotonic() + 5.0
+    for p in procs:
+        try:
+            p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.popen.terminate()
+            try:
+                p.popen.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait()
+        if p.conn is not None:
+            p.conn.close()
+    listener.close()
+    driver.close()

@@ -1,0 +1,24 @@
+"""The executor of one rank, in process: no worker, no collective (tensor_parallel_size=1)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.executor.base import Executor
+from pagedllm.worker.model_runner import ModelRunnerOutput
+from pagedllm.worker.worker import Worker, WorkerConfig
+
+
+class UniprocExecutor(Executor):
+    def __init__(self, config: WorkerConfig) -> None:
+        self.driver = Worker(config, rank=0)
+        self.driver.load_model()
+
+    def initialize_cache(self, num_blocks, num_host_blocks, max_model_len, compile_batch_sizes=None) -> None:
+        self.driver.initialize_cache(num_blocks, num_host_blocks, max_model_len, compile_batch_sizes)
+
+    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
+        return self.driver.execute_model(scheduler_output)
+
+    def profile_peak_memory(self, num_tokens: int) -> int:
+        return self.driver.profile_run(num_tokens)

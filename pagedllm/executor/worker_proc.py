@@ -1,0 +1,106 @@
+"""A tensor-parallel worker: ranks 1..N-1 (`python -m pagedllm.executor.worker_proc`).
+
+Started by the executor as a fresh interpreter (`subprocess`, spawn semantics: nothing of the
+parent's state is inherited; unlike `multiprocessing` it never re-imports the user's main
+script, so `LLM(tensor_parallel_size=2)` works from a script without a `__main__` guard, a REPL
+or a notebook). It connects back to rank 0 (executor/channel.py), receives its WorkerConfig,
+reports each start-up stage, then runs the step loop: decode the step message, run the same
+forward as every rank (the collectives synchronise them), no reply. Any exception is sent back
+as a traceback before the process exits, so rank 0 can show it. The worker exits when rank 0
+says so, when its link closes (the engine's process died), or when its parent process is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+AUTHKEY_ENV = "PAGEDLLM_TP_AUTHKEY"
+# Test hook (tests/integration/test_tensor_parallel.py): "RANK:load" raises while rank RANK loads
+# its shard, "RANK:step" in its first step; shows that a worker's own traceback reaches the engine.
+FAULT_ENV = "PAGEDLLM_TEST_WORKER_FAULT"
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def _maybe_fault(rank: int, stage: str) -> None:
+    if os.environ.get(FAULT_ENV) == f"{rank}:{stage}":
+        raise InjectedFault(f"fault injected by {FAULT_ENV}={rank}:{stage}")
+
+
+def run_worker(conn: Connection, rank: int, config: Any, init_method: str, binding: Any) -> None:
+    """Start-up stages (each reported to rank 0), then the step loop until "shutdown"."""
+    from pagedllm.executor.messages import BlockTableMirror, decode_step
+    from pagedllm.worker.worker import Worker
+
+    worker = Worker(config, rank)
+    if binding is not None:
+        worker.bind_cpu(binding)
+    conn.send(("started", rank, os.getpid()))
+    worker.init_distributed(init_method)
+    _maybe_fault(rank, "load")
+    worker.load_model()
+    conn.send(("loaded", rank))
+    mirror = BlockTableMirror()
+    first_step = True
+    while True:
+        msg = pickle.loads(conn.recv_bytes())
+        kind = msg[0]
+        if kind == "step":
+            if first_step:
+                _maybe_fault(rank, "step")
+                first_step = False
+            worker.execute_model(decode_step(msg, mirror))
+        elif kind == "init_cache":
+            worker.initialize_cache(*msg[1:])
+            conn.send(("cache_ready", rank))
+        elif kind == "profile":
+            conn.send(("profiled", rank, worker.profile_run(msg[1])))
+        elif kind == "shutdown":
+            worker.close()  # only on a clean stop: after a failure the peers may be gone
+            return
+        else:
+            raise RuntimeError(f"unknown message {kind!r} from rank 0")
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit when the process that started this one is gone (re-parented): no orphans even when
+    the engine is killed while this worker is busy."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:
+            os._exit(3)
+
+
+def main(argv: list[str]) -> int:
+    from pagedllm.executor.channel import connect
+
+    host, port, rank = argv[0], int(argv[1]), int(argv[2])
+    authkey = bytes.fromhex(os.environ.pop(AUTHKEY_ENV))
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
+    conn = connect((host, port), authkey)
+    try:
+        conn.send(("hello", rank, os.getpid()))
+        _, config, init_method, binding = conn.recv()
+        run_worker(conn, rank, config, init_method, binding)
+        return 0
+    except (EOFError, ConnectionError):
+        return 0  # rank 0 is gone: nothing to report to
+    except BaseException:
+        try:
+            conn.send(("error", rank, traceback.format_exc()))
+        except OSError:
+            pass
+        os._exit(1)  # at once: leaving the group cleanly could wait on peers that are gone
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,105 @@
+"""One rank of the model: its weights (a tensor-parallel shard, or the whole model), its
+ModelRunner and its share of the KV cache.
+
+The same class serves rank 0, which lives in the engine-core process, and ranks 1..N-1 in their
+worker processes (executor/worker_proc.py), so every rank builds its model and runs its steps
+through exactly the same code.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagedllm.distributed import cpu_binding, parallel_state
+from pagedllm.model.loader import load_model
+from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerConfig:
+    """Everything a rank needs to build its part of the model (picklable: sent to workers)."""
+
+    model_path: str
+    gguf_file: str | None
+    hf_config: Any
+    dtype: torch.dtype
+    device_type: str  # "cpu" or "cuda"
+    kv_cache_dtype: torch.dtype
+    block_size: int
+    seed: int = 0
+    quantization: str | None = None
+    quant_compute: str = "auto"
+    tensor_parallel_size: int = 1
+    num_threads: int | None = None  # per rank; None: the rank's share of the cores
+    collective_timeout_s: float = 120.0
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        self.device = torch.device(f"cuda:{rank}" if config.device_type == "cuda" else config.device_type)
+        self.tp = parallel_state.tp_group()
+        self.model: torch.nn.Module | None = None
+        self.model_runner: ModelRunner | None = None
+        self._previous_binding: cpu_binding.CpuBinding | None = None
+
+    def bind_cpu(self, binding: cpu_binding.CpuBinding) -> None:
+        """Pin this process's threads to the rank's cores (CPU ranks of one machine)."""
+        self._previous_binding = cpu_binding.apply(binding, self.rank)
+
+    def init_distributed(self, init_method: str) -> None:
+        """Join the tensor-parallel group (gloo on CPU, NCCL on CUDA)."""
+        world = self.config.tensor_parallel_size
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.tp = parallel_state.init_tensor_parallel(self.rank, world, init_method, backend,
+                                                      timeout_s=self.config.collective_timeout_s)
+
+    def load_model(self) -> None:
+        c = self.config
+        torch.manual_seed(c.seed)
+        self.model = load_model(c.model_path, c.gguf_file, c.hf_config, c.dtype, self.device,
+                                quantization=c.quantization, quant_compute=c.quant_compute,
+                                tp=self.tp if self.tp.world_size > 1 else None)
+
+    def initialize_cache(self, num_blocks: int, num_host_blocks: int, max_model_len: int,
+                         compile_batch_sizes: list[int] | None = None) -> None:
+        """This rank's runner and KV cache: the same `num_blocks` on every rank (decided once,
+        on rank 0), each block holding only the rank's KV heads."""
+        c = self.config
+        self.model_runner = ModelRunner(self.model, c.hf_config, num_blocks, c.block_size, c.dtype, self.device,
+                                        max_model_len=max_model_len, compile_batch_sizes=compile_batch_sizes,
+                                        kv_cache_dtype=c.kv_cache_dtype)
+        self.model_runner.cache_engine.allocate_host_pool(num_host_blocks)
+
+    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput | None:
+        return self.model_runner.execute_model(scheduler_output)
+
+    def profile_run(self, num_tokens: int) -> int:
+        """GPU: the activation peak (bytes) of a `num_tokens` prefill on a throwaway runner,
+        and the memory this rank's device has; every rank runs it (the forward's collectives)."""
+        c = self.config
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        probe = ModelRunner(self.model, c.hf_config, 1, c.block_size, c.dtype, self.device,
+                            kv_cache_dtype=c.kv_cache_dtype)
+        probe.profile_run(num_tokens)
+        del probe
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def close(self) -> None:
+        """Leave the group and give the process its cores back (rank 0 is the engine's process)."""
+        parallel_state.destroy_tensor_parallel()
+        self.tp = parallel_state.tp_group()
+        if self._previous_binding is not None:
+            cpu_binding.restore(self._previous_binding)
+            self._previous_binding = None
