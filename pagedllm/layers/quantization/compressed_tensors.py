@@ -116,8 +116,8 @@ class CompressedTensorsW8A8Method(PackedIntLinearMethod):
 
     def checkpoint_specs(self, input_size, output_sizes):
         out = sum(output_sizes)
-        return [TensorSpec("weight", (out, input_size), (torch.int8,), shard_dim=0),
-                TensorSpec("weight_scale", (out, 1), _FLOAT_DTYPES, shard_dim=0)]
+        return [TensorSpec("weight", (out, input_size), (torch.int8,), shard_dim=0, input_dim=1),
+                TensorSpec("weight_scale", (out, 1), _FLOAT_DTYPES, shard_dim=0, group_dim=1)]
 
     def to_canonical(self, layer, tensors):
         codes = (tensors["weight"].to(torch.int32) + 128).t()  # [in, out], unsigned, zero 128
