@@ -64,8 +64,7 @@ class SeqRef(NamedTuple):
     seq_id: int
 
 
-@dataclass
-class StepSequence:
+class StepSequence(NamedTuple):
     """What a worker's runner reads of one scheduled sequence (duck-types ScheduledSequence)."""
 
     seq: SeqRef

@@ -182,6 +182,13 @@ class PackedIntLinearMethod(LinearMethod):
 
     def create_weights(self, layer, input_size, output_sizes, dtype, device) -> None:
         layer.quant_bits, layer.quant_group_size = self.bits, self.group_size
+        shard = getattr(layer, "tp_shard", None)
+        if shard is not None and shard.kind == "row" and self.group_size != -1 and not self.act_order:
+            start, length = shard.in_range
+            if start % self.group_size or length % self.group_size:
+                raise self._fail(f"tensor parallelism would split a quantization group: the {shard.full_input} "
+                                 f"input rows split into shards of {length}, not a multiple of group_size "
+                                 f"{self.group_size}")
         self.num_groups(input_size)  # checks the group size
         specs = self.checkpoint_specs(input_size, list(output_sizes))
         if getattr(layer, "tp_shard", None) is not None:
@@ -198,7 +205,7 @@ class PackedIntLinearMethod(LinearMethod):
     # ---- tensor parallelism ------------------------------------------------------------------
     def _tp_specs(self, layer, specs: list[TensorSpec]) -> list[TensorSpec]:
         """A shard's specs: a row shard reads its scales / zeros for every group of the whole
-        layer (cut to its own after loading); contiguous groups must not straddle two ranks."""
+        layer (cut to its own after loading); no cut may split an int32 word of packed values."""
         shard = layer.tp_shard
         if shard.kind == "column":
             for start, length in shard.out_ranges:
@@ -212,9 +219,6 @@ class PackedIntLinearMethod(LinearMethod):
             if spec.input_dim is not None and (start % spec.input_div or length % spec.input_div):
                 raise self._fail(f"tensor parallelism would split the {spec.input_div} input rows packed in one "
                                  f"int32 of {spec.name}: this rank's rows {start}..{start + length - 1}")
-        if self.group_size != -1 and not self.act_order and (start % self.group_size or length % self.group_size):
-            raise self._fail(f"tensor parallelism would split a quantization group: the {shard.full_input} input "
-                             f"rows split into shards of {length}, not a multiple of group_size {self.group_size}")
         full_groups = self.num_groups(shard.full_input) if self.group_size != -1 else 1
         out = []
         for spec in specs:

@@ -1,0 +1,236 @@
+"""Tensor parallelism's pieces that need no process group: the step message and its block-table
+diffs, the CPU split, the vocabulary split, the start-up checks, and every weight format's shard
+cuts (a rank's layer, loaded from its cuts of the checkpoint tensors, computes exactly its part
+of the whole layer's output)."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.distributed.cpu_binding import rank_binding
+from pagedllm.distributed.sharding import column_shard, row_shard, vocab_shard
+from pagedllm.executor.messages import BlockTableMirror, decode_step, encode_step
+from pagedllm.executor.multiproc import check_tensor_parallel_devices
+from pagedllm.layers.linear import Linear
+from pagedllm.layers.quantization.awq import AWQConfig
+from pagedllm.layers.quantization.compressed_tensors import CompressedTensorsConfig
+from pagedllm.layers.quantization.gptq import GPTQConfig
+from pagedllm.model.llama import LlamaForCausalLM
+from tests.integration.model_fixtures import FakeScheduledSequence, FakeSchedulerOutput, FakeSeq, tiny_config
+
+
+# ---- the step message ------------------------------------------------------------------------
+
+def _roundtrip(sched, tx, rx):
+    payload = encode_step(sched, tx)
+    return decode_step(pickle.loads(payload), rx), payload
+
+
+def test_block_tables_travel_as_diffs_and_stay_equal():
+    tx, rx = BlockTableMirror(), BlockTableMirror()
+    table = [7, 3, 9]
+    step = FakeSchedulerOutput([FakeScheduledSequence(FakeSeq(5), [1, 2, 3], 0, table, sample=True)],
+                               block_copies=[(3, 11)])
+    out, _ = _roundtrip(step, tx, rx)
+    s = out.scheduled[0]
+    assert (s.seq.seq_id, s.token_ids, s.start_pos, s.block_table, s.sample, s.all_logits) == \
+        (5, [1, 2, 3], 0, [7, 3, 9], True, False)
+    assert out.block_copies == [(3, 11)] and out.blocks_to_swap_in == [] and out.blocks_to_swap_out == []
+    # a new block: only its id travels
+    assert tx.encode(5, [7, 3, 9, 4]) == (3, [4])
+    assert rx.decode(5, 3, [4]) == [7, 3, 9, 4]
+    # copy-on-write of the last block (a change inside the table): the whole table again
+    out, _ = _roundtrip(FakeSchedulerOutput([FakeScheduledSequence(FakeSeq(5), [8], 4, [7, 3, 9, 12], False, True)]),
+                        tx, rx)
+    assert out.scheduled[0].block_table == [7, 3, 9, 12] and out.scheduled[0].all_logits
+    # recompute after preemption: a shorter table
+    out, _ = _roundtrip(FakeSchedulerOutput([FakeScheduledSequence(FakeSeq(5), [8], 0, [2])]), tx, rx)
+    assert out.scheduled[0].block_table == [2]
+    assert tx.tables == rx.tables
+
+
+def test_mirrors_forget_the_same_sequences():
+    tx, rx = BlockTableMirror(keep=4), BlockTableMirror(keep=4)
+    for seq_id in range(6):  # six sequences, one per step: past `keep`, absent ones are forgotten
+        _roundtrip(FakeSchedulerOutput([FakeScheduledSequence(FakeSeq(seq_id), [1], 0, [seq_id])]), tx, rx)
+    assert tx.tables == rx.tables and len(tx.tables) <= 5
+    # a forgotten sequence comes back: sent whole, decoded right
+    out, payload = _roundtrip(FakeSchedulerOutput([FakeScheduledSequence(FakeSeq(0), [1], 1, [0, 9])]), tx, rx)
+    assert out.scheduled[0].block_table == [0, 9]
+    with pytest.raises(RuntimeError, match="the ranks disagree"):
+        _disagree()
+
+
+def _disagree():
+    rx = BlockTableMirror()
+    rx.decode(1, 0, [4, 5, 6])
+    rx.decode(1, 2, [7])  # the sender believes the receiver holds 2 ids; it holds 3
+
+
+def test_a_decode_step_message_is_small():
+    """256 decoding sequences with 64-block tables: a few bytes per sequence, not the tables."""
+    tx = BlockTableMirror()
+    tables = {i: list(range(i * 64, i * 64 + 64)) for i in range(256)}
+    step = lambda: FakeSchedulerOutput([FakeScheduledSequence(FakeSeq(i), [5], 1000, tables[i])  # noqa: E731
+                                        for i in range(256)])
+    first = len(encode_step(step(), tx))
+    second = len(encode_step(step(), tx))
+    assert first > 64 * 256 * 2 and second < 24 * 256
+
+
+# ---- cores, vocabulary, start-up checks -------------------------------------------------------
+
+def test_each_rank_gets_its_own_cores():
+    assert [rank_binding(r, 2, [0, 1]) for r in range(2)] == [((0,), 1), ((1,), 1)]
+    assert [rank_binding(r, 3, list(range(16))).cores for r in range(3)] == \
+        [(0, 1, 2, 3, 4), (5, 6, 7, 8, 9), (10, 11, 12, 13, 14)]
+    assert [rank_binding(r, 3, [4, 6]) for r in range(3)] == [((4,), 1), ((6,), 1), ((4,), 1)]  # round-robin
+    assert rank_binding(1, 2, list(range(8)), num_threads=2) == ((4, 5, 6, 7), 2)
+
+
+def test_vocab_split_covers_an_uneven_vocabulary():
+    parts = [vocab_shard(49153, r, 3) for r in range(3)]
+    assert parts == [(0, 16385), (16385, 16385), (32770, 16383)]
+    assert sum(n for _, n in parts) == 49153
+
+
+def test_more_ranks_than_gpus_is_a_startup_error():
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 needs 4 GPUs, but 2 are visible"):
+        check_tensor_parallel_devices("cuda", 4, visible_gpus=2)
+    check_tensor_parallel_devices("cuda", 2, visible_gpus=2)
+    check_tensor_parallel_devices("cpu", 8)
+
+
+def test_heads_that_do_not_split_name_the_numbers():
+    smollm2_like = tiny_config("llama", num_attention_heads=9, num_key_value_heads=3, hidden_size=576,
+                               intermediate_size=1536)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the model's 9 attention heads "
+                                         r"\(3 KV heads\); it must be one of \[1, 3, 9\]"):
+        LlamaForCausalLM.check_tensor_parallel(smollm2_like, 2)
+    LlamaForCausalLM.check_tensor_parallel(smollm2_like, 3)
+    with pytest.raises(ValueError, match="4 KV heads cannot be replicated evenly over 6"):
+        LlamaForCausalLM.check_tensor_parallel(tiny_config("llama", num_attention_heads=12, num_key_value_heads=4,
+                                                           hidden_size=96, intermediate_size=120), 6)
+    with pytest.raises(ValueError, match="intermediate size of 128 does not divide into 3"):
+        LlamaForCausalLM.check_tensor_parallel(tiny_config("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=96), 3)
+
+
+# ---- shard cuts of every weight format --------------------------------------------------------
+
+IN, OUT, WORLD = 128, 96, 2
+
+
+def _rand_i32(*shape, g):
+    return torch.randint(-(2**31), 2**31 - 1, shape, generator=g, dtype=torch.int32)
+
+
+def _gptq_tensors(bits, gs, g, g_idx=None):
+    pf, groups = 32 // bits, IN // gs
+    t = {"qweight": _rand_i32(IN // pf, OUT, g=g), "qzeros": _rand_i32(groups, OUT // pf, g=g),
+         "scales": (torch.rand(groups, OUT, generator=g) * 0.01 + 0.001).half()}
+    t["g_idx"] = g_idx if g_idx is not None else (torch.arange(IN, dtype=torch.int32) // gs)
+    return t
+
+
+FORMATS = {
+    "gptq-4bit-g32": (lambda: GPTQConfig.from_config({"bits": 4, "group_size": 32}),
+                      lambda g: _gptq_tensors(4, 32, g)),
+    "gptq-8bit-channel": (lambda: GPTQConfig.from_config({"bits": 8, "group_size": -1}),
+                          lambda g: _gptq_tensors(8, IN, g, torch.zeros(IN, dtype=torch.int32))),
+    "awq-4bit-g32": (lambda: AWQConfig.from_config({"bits": 4, "group_size": 32}),
+                     lambda g: {"qweight": _rand_i32(IN, OUT // 8, g=g), "qzeros": _rand_i32(IN // 32, OUT // 8, g=g),
+                                "scales": (torch.rand(IN // 32, OUT, generator=g) * 0.01 + 0.001).half()}),
+    "ct-4bit-g32-asym": (
+        lambda: CompressedTensorsConfig.from_config({"format": "pack-quantized", "config_groups": {"g": {
+            "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32,
+                                               "symmetric": False}}}}),
+        lambda g: {"weight_packed": _rand_i32(OUT, IN // 8, g=g),
+                   "weight_scale": (torch.rand(OUT, IN // 32, generator=g) * 0.01 + 0.001).half(),
+                   "weight_zero_point": _rand_i32(OUT // 8, IN // 32, g=g),
+                   "weight_shape": torch.tensor([OUT, IN])}),
+    "float": (lambda: None, lambda g: {"weight": torch.randn(OUT, IN, generator=g)}),
+}
+
+
+def _layer(quant_config, tensors, shard=None):
+    method = quant_config.get_linear_method("layer", ["layer"]) if quant_config is not None else None
+    layer = Linear(IN if shard is None or shard.kind == "column" else shard.in_range[1],
+                   OUT if shard is None or shard.kind == "row" else shard.out_ranges[0][1],
+                   bias=False, quant_method=method, tp_shard=shard)
+    for name, t in tensors.items():
+        for dim, start, length in layer.checkpoint_slices(name, None, tuple(t.shape)):
+            t = t.narrow(dim, start, length)
+        layer.load_weight(name, t.contiguous())
+    layer.process_weights_after_loading()
+    return layer
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_column_and_row_shards_compute_their_part_of_the_layer(fmt):
+    make_config, make_tensors = FORMATS[fmt]
+    tensors = make_tensors(torch.Generator().manual_seed(0))
+    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = _layer(make_config(), tensors)(x)
+        partial_sum = torch.zeros_like(full)
+        for rank in range(WORLD):
+            start, length = rank * OUT // WORLD, OUT // WORLD
+            col = _layer(make_config(), tensors, column_shard([OUT], [(start, length)], IN))
+            torch.testing.assert_close(col(x), full[:, start:start + length], rtol=1e-5, atol=1e-5)
+            row = _layer(make_config(), tensors, row_shard(IN, OUT, rank, WORLD, "the input"))
+            lo, n = row.tp_shard.in_range
+            partial_sum += row(x[:, lo:lo + n])
+    torch.testing.assert_close(partial_sum, full, rtol=1e-4, atol=1e-4)
+
+
+def test_act_order_shards_whose_groups_stay_whole_load():
+    """Act-order groups scattered inside each rank's half of the rows: the row shards load and
+    sum to the layer; groups straddling the halves are refused (they would be split)."""
+    g = torch.Generator().manual_seed(3)
+    gs = 16
+    halves = [torch.randperm(IN // 2, generator=g) // gs, torch.randperm(IN // 2, generator=g) // gs + IN // 2 // gs]
+    tensors = _gptq_tensors(4, gs, g, torch.cat(halves).to(torch.int32))
+    config = lambda: GPTQConfig.from_config({"bits": 4, "group_size": gs, "desc_act": True})  # noqa: E731
+    x = torch.randn(3, IN, generator=g)
+    with torch.no_grad():
+        full = _layer(config(), tensors)(x)
+        total = sum(_layer(config(), tensors, row_shard(IN, OUT, r, WORLD, "the input"))(x[:, r * 64:(r + 1) * 64])
+                    for r in range(WORLD))
+    torch.testing.assert_close(total, full, rtol=1e-4, atol=1e-4)
+    tensors["g_idx"] = (torch.randperm(IN, generator=g) // gs).to(torch.int32)
+    with pytest.raises(ValueError, match="would split a quantization group: rows 0..63 hold only part"):
+        _layer(config(), tensors, row_shard(IN, OUT, 0, WORLD, "the input"))
+
+
+def test_a_shard_that_splits_a_group_is_refused_at_construction():
+    config = GPTQConfig.from_config({"bits": 4, "group_size": 128})
+    with pytest.raises(ValueError, match=r"GPTQ layer layer: tensor parallelism would split a quantization group: "
+                                         r"the 128 input rows split into shards of 64, not a multiple of group_size 128"):
+        Linear(64, OUT, quant_method=config.get_linear_method("layer", ["layer"]),
+               tp_shard=row_shard(IN, OUT, 0, 2, "the input"))
+    awq = AWQConfig.from_config({"bits": 4, "group_size": 32})
+    with pytest.raises(ValueError, match="would split the 8 outputs packed in one int32 of qweight"):
+        Linear(IN, 4, quant_method=awq.get_linear_method("layer", ["layer"]),
+               tp_shard=column_shard([OUT], [(4, 4)], IN))
+
+
+def test_gguf_cuts_read_only_the_rank_part_of_the_blocks():
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import quantize
+
+    from pagedllm.model.gguf_loader import cut_gguf_data, dequantize_tensor, gguf_blocks
+
+    w = np.random.default_rng(0).standard_normal((8, 128)).astype(np.float32)
+    for qtype in (T.Q8_0, T.Q4_0, T.Q4_1):
+        raw = quantize(w, qtype)
+        full = dequantize_tensor(raw, qtype).reshape(8, 128)
+        data, shape, left = cut_gguf_data(raw, qtype, (8, 128), [(0, 2, 4), (1, 64, 64)])
+        assert shape == (4, 64) and left == [] and data.nbytes == raw.nbytes // 4
+        assert torch.equal(dequantize_tensor(data, qtype).reshape(shape), full[2:6, 64:])
+        assert torch.equal(gguf_blocks(data, qtype, shape).dequantize(), full[2:6, 64:])
+    data, shape, left = cut_gguf_data(quantize(w, T.Q8_0), T.Q8_0, (8, 128), [(1, 16, 32)])
+    assert shape == (8, 128) and left == [(1, 16, 32)]  # inside a block of 32: cut after dequantizing
