@@ -1,9 +1,11 @@
 """Prometheus metrics of a serving engine (vLLM's set, named `pagedllm:*`).
 
-Every metric carries the label `model_name`. Served at `GET /metrics` in the Prometheus text
-format. The engine thread feeds them: `record_step` after every step (tokens, latencies,
-finished requests), `record_abort` when a request is aborted, `update_from_engine` after every
-loop iteration (gauges, and the engine's cumulative KV cache counters).
+Every metric carries the labels `model_name` and `engine` (the engine core's index: "0", or
+"0".."M-1" with --data-parallel-size M), kernel_info only the first. Served at `GET /metrics`
+in the Prometheus text format. The front end feeds them on its event loop: `record_step` for
+each core step's outputs (tokens, latencies, finished requests), `record_abort` when a request
+is aborted, `update_from_stats` with the `CoreStats` a core sends after its steps (gauges, and
+its cumulative KV cache counters).
 
 Gauges:      pagedllm:num_requests_running, pagedllm:num_requests_waiting,
              pagedllm:num_requests_swapped,
@@ -32,7 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
-    from pagedllm.engine.engine import LLMEngine
+    from pagedllm.engine.core_messages import CoreStats
     from pagedllm.outputs import RequestOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -56,19 +58,27 @@ class _Seen:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    """The registry of one server; every metric but kernel_info per engine core (`engine`
+    label, "0".."M-1" with data parallelism, as vLLM v1 labels them)."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
+                 num_engines: int = 1, kernel_info: dict[str, str] | None = None) -> None:
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
-        reg, name = self.registry, ["model_name"]
+        reg, names = self.registry, ["model_name", "engine"]
+        engines = [str(i) for i in range(num_engines)]
 
-        def gauge(metric: str, doc: str) -> Gauge:
-            return Gauge(metric, doc, name, registry=reg).labels(model_name)
+        def per_engine(metric) -> list:
+            return [metric.labels(model_name, e) for e in engines]
 
-        def counter(metric: str, doc: str) -> Counter:
-            return Counter(metric, doc, name, registry=reg).labels(model_name)
+        def gauge(metric: str, doc: str) -> list[Gauge]:
+            return per_engine(Gauge(metric, doc, names, registry=reg))
 
-        def histogram(metric: str, doc: str, buckets) -> Histogram:
-            return Histogram(metric, doc, name, buckets=buckets, registry=reg).labels(model_name)
+        def counter(metric: str, doc: str) -> list[Counter]:
+            return per_engine(Counter(metric, doc, names, registry=reg))
+
+        def histogram(metric: str, doc: str, buckets) -> list[Histogram]:
+            return per_engine(Histogram(metric, doc, names, buckets=buckets, registry=reg))
 
         self.num_requests_running = gauge("pagedllm:num_requests_running",
                                           "Number of requests in the running batch.")
@@ -91,8 +101,9 @@ class EngineMetrics:
         self.num_preemptions = counter("pagedllm:num_preemptions",
                                        "Number of preemptions of running requests.")
         success = Counter("pagedllm:request_success", "Number of finished requests by reason.",
-                          ["model_name", "finished_reason"], registry=reg)
-        self.request_success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
+                          ["model_name", "engine", "finished_reason"], registry=reg)
+        self.request_success = [{r: success.labels(model_name, e, r) for r in FINISH_REASONS}
+                                for e in engines]
         self.time_to_first_token = histogram("pagedllm:time_to_first_token_seconds",
                                              "Time from arrival to the first token.",
                                              _TTFT_BUCKETS)
@@ -104,68 +115,72 @@ class EngineMetrics:
         self.queue_time = histogram("pagedllm:request_queue_time_seconds",
                                     "Time from arrival to the first step that ran the request.",
                                     _LATENCY_BUCKETS)
-        from pagedllm.kernels.status import kernel_status
+        if kernel_info is None:
+            from pagedllm.kernels.status import kernel_status
 
+            kernel_info = kernel_status().info_labels()
         Info("pagedllm:kernel", "Which compute kernels run: the active C kernels (the rest run plain "
-             "torch) and the CPU features they are built for.", name,
-             registry=reg).labels(model_name).info(kernel_status().info_labels())
+             "torch) and the CPU features they are built for.", ["model_name"],
+             registry=reg).labels(model_name).info(kernel_info)
         self._seen: dict[str, _Seen] = {}
-        self._last_queries = self._last_hits = self._last_preemptions = 0
+        self._last: list[dict[str, int]] = [{} for _ in engines]
 
-    # ---- called by the engine thread ------------------------------------------------------
+    # ---- called on the event loop, for each core's step -----------------------------------
 
-    def record_step(self, outputs: list["RequestOutput"], now: float) -> None:
+    def record_step(self, outputs: list["RequestOutput"], now: float, engine: int = 0) -> None:
+        e = engine
         for out in outputs:
             seen = self._seen.setdefault(out.request_id, _Seen())
             m = out.metrics
             num_tokens = sum(len(c.token_ids) for c in out.outputs)
             new_tokens = num_tokens - seen.num_tokens
             if new_tokens > 0:
-                self.generation_tokens.inc(new_tokens)
+                self.generation_tokens[e].inc(new_tokens)
                 if not seen.first_token_recorded:
                     seen.first_token_recorded = True
-                    self.prompt_tokens.inc(len(out.prompt_token_ids))
+                    self.prompt_tokens[e].inc(len(out.prompt_token_ids))
                     first = m.first_token_time if m and m.first_token_time else now
                     if m is not None:
-                        self.time_to_first_token.observe(max(first - m.arrival_time, 0.0))
+                        self.time_to_first_token[e].observe(max(first - m.arrival_time, 0.0))
                         if m.time_in_queue is not None:
-                            self.queue_time.observe(max(m.time_in_queue, 0.0))
+                            self.queue_time[e].observe(max(m.time_in_queue, 0.0))
                 elif seen.last_token_time is not None:
-                    self.inter_token_latency.observe(max(now - seen.last_token_time, 0.0))
+                    self.inter_token_latency[e].observe(max(now - seen.last_token_time, 0.0))
                 seen.num_tokens = num_tokens
                 seen.last_token_time = now
             if out.finished:
                 del self._seen[out.request_id]
                 reason = out.outputs[0].finish_reason if out.outputs else None
-                self.request_success.get(reason or "stop", self.request_success["stop"]).inc()
+                success = self.request_success[e]
+                success.get(reason or "stop", success["stop"]).inc()
                 if m is not None:
                     end = m.finished_time or now
-                    self.e2e_latency.observe(max(end - m.arrival_time, 0.0))
+                    self.e2e_latency[e].observe(max(end - m.arrival_time, 0.0))
 
-    def record_abort(self, request_id: str) -> None:
+    def record_abort(self, request_id: str, engine: int = 0) -> None:
         self._seen.pop(request_id, None)
-        self.request_success["abort"].inc()
+        self.request_success[engine]["abort"].inc()
 
-    def update_from_engine(self, engine: "LLMEngine") -> None:
-        sched = engine.scheduler
-        self.num_requests_running.set(len({s.request_id for s in sched.running}))
-        self.num_requests_waiting.set(len({s.request_id for s in sched.waiting}))
-        swapped = getattr(sched, "swapped", ())  # groups of one request's sequences
-        self.num_requests_swapped.set(len({s.request_id for g in swapped for s in g}))
-        kv = engine.kv_cache_manager
-        used = kv.num_blocks - kv.num_free_blocks
-        self.kv_cache_used_blocks.set(used)
-        self.kv_cache_usage.set(used / kv.num_blocks if kv.num_blocks else 0.0)
-        stats = engine.kv_cache_stats()
-        for counter, attr, value in (
-            (self.prefix_cache_queries, "_last_queries", stats.prefix_cache_queries),
-            (self.prefix_cache_hits, "_last_hits", stats.prefix_cache_hits),
-            (self.num_preemptions, "_last_preemptions", stats.num_preemptions),
+    def update_from_stats(self, stats: "CoreStats", engine: int = 0) -> None:
+        """The gauges, and the core's cumulative counters (as increments)."""
+        e = engine
+        self.num_requests_running[e].set(stats.num_running)
+        self.num_requests_waiting[e].set(stats.num_waiting)
+        self.num_requests_swapped[e].set(stats.num_swapped)
+        self.kv_cache_used_blocks[e].set(stats.kv_used_blocks)
+        self.kv_cache_usage[e].set(
+            stats.kv_used_blocks / stats.kv_num_blocks if stats.kv_num_blocks else 0.0)
+        last = self._last[e]
+        for counter, name in (
+            (self.prefix_cache_queries[e], "prefix_cache_queries"),
+            (self.prefix_cache_hits[e], "prefix_cache_hits"),
+            (self.num_preemptions[e], "num_preemptions"),
         ):
-            delta = value - getattr(self, attr)
+            value = getattr(stats, name)
+            delta = value - last.get(name, 0)
             if delta > 0:
                 counter.inc(delta)
-            setattr(self, attr, value)
+            last[name] = value
 
     # ---- exposition -----------------------------------------------------------------------
 

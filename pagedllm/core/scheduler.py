@@ -48,6 +48,27 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Sequence, SequenceStatus
 
 
+def check_request_fits_pool(
+    num_tokens: int, num_lockstep_seqs: int, num_blocks: int, block_size: int
+) -> None:
+    """`Scheduler.check_request_fits` on the pool's numbers alone, so that a front end in
+    another process rejects by the same rule before the request ever reaches the core."""
+    blocks = -(-num_tokens // block_size)
+    if num_lockstep_seqs > 1 and blocks * num_lockstep_seqs > num_blocks:
+        raise ValueError(
+            f"Beam search with width {num_lockstep_seqs} needs up to "
+            f"{blocks * num_lockstep_seqs} KV cache blocks but the pool has "
+            f"{num_blocks}; lower the width or max_tokens."
+        )
+    if blocks > num_blocks:
+        raise ValueError(
+            f"The request needs {blocks} KV cache blocks ({num_tokens} tokens at block_size="
+            f"{block_size}) but the whole pool has {num_blocks} blocks "
+            f"({num_blocks * block_size} tokens); raise kv_cache_space or lower "
+            "max_tokens."
+        )
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 256
@@ -144,20 +165,7 @@ class Scheduler:
         their sharing. This is the bound the liveness argument (module docstring) rests on.
         """
         kv = self.kv_cache_manager
-        blocks = kv.num_blocks_needed(num_tokens)
-        if num_lockstep_seqs > 1 and blocks * num_lockstep_seqs > kv.num_blocks:
-            raise ValueError(
-                f"Beam search with width {num_lockstep_seqs} needs up to "
-                f"{blocks * num_lockstep_seqs} KV cache blocks but the pool has "
-                f"{kv.num_blocks}; lower the width or max_tokens."
-            )
-        if blocks > kv.num_blocks:
-            raise ValueError(
-                f"The request needs {blocks} KV cache blocks ({num_tokens} tokens at block_size="
-                f"{kv.block_size}) but the whole pool has {kv.num_blocks} blocks "
-                f"({kv.num_blocks * kv.block_size} tokens); raise kv_cache_space or lower "
-                "max_tokens."
-            )
+        check_request_fits_pool(num_tokens, num_lockstep_seqs, kv.num_blocks, kv.block_size)
 
     def add_sequence(self, seq: Sequence, lockstep: bool = False) -> None:
         """Queue a new sequence (status WAITING) behind all waiting ones.

@@ -1,65 +1,83 @@
-"""AsyncLLMEngine: the LLMEngine behind an asyncio server.
+"""AsyncLLMEngine: the server's front end of the engine, on the asyncio event loop.
 
-One dedicated thread owns the `LLMEngine`: it is the only code that calls `add_request`,
-`abort_request` and `step()`, so the engine stays single-threaded and the event loop never
-runs model work. The event loop talks to that thread through a queue of operations (add /
-abort) guarded by a condition variable; the thread sends each step's `RequestOutput`s back with
-one `loop.call_soon_threadsafe` per step, and they are fanned out to one `RequestStream` per
-request.
+The engine core (scheduler, KV cache, model) runs elsewhere: in its own process by default
+(`MPCoreClient`, over ZeroMQ), in a thread with `PAGEDLLM_ENGINE_IN_PROCESS=1`
+(`InprocCoreClient`). With `data_parallel_size=M` there are M cores and a `Router` picks one
+per request. This side tokenizes nothing itself (the server hands it token ids), turns the
+cores' token deltas into `RequestOutput`s (`OutputProcessor`: detokenization, stop strings)
+and fans them out to one `RequestStream` per request.
 
     stream = await engine.add_request(request_id, prompt, params)   # ValueError: rejected
     async for output in engine.generate(prompt, params, request_id):  # cumulative outputs
         ...
 
 Leaving the `generate` iterator early (the client went away, the handler task was cancelled)
-aborts the request: the engine thread drops it from the scheduler and its KV blocks go back to
-the pool before the next step.
+aborts the request: the core drops it and its KV blocks go back to the pool.
 
-Each add gets a serial number of its own (`RequestStream.serial`); the engine thread tags every
-output and error with the serial of the request that produced it, and aborts name it too. An id
-that is aborted and added again while a step is in flight therefore never receives the old
-request's outputs, and a late abort by the old request's consumer never hits the new one.
+Each add gets a serial number, and the core knows the request as `"<serial>:<request id>"`:
+an id that is aborted and added again never receives the old request's outputs.
 
-After `shutdown()` returns, the engine thread calls nothing on the event loop any more (a step
-still running finishes on its own and is dropped); adds still waiting for the engine fail.
-
-A `SchedulerStallError` from `step()` (the engine's watchdog: unfinished requests, no progress)
-fails the named requests (a 500 for the client), aborts them so that their blocks return, and
-sets `health_error`: the server's /health answers 503 from then on, until it is restarted. The
-engine goes on serving new requests meanwhile (the stall is a bug to report, and the others may
-well finish), so a restart by the orchestrator can drain it.
+A core that dies (killed, crashed, out of memory) fails every request it held with an
+`EngineDeadError` (503) at once; `/health` answers 503 from then on, and when no core is left
+`on_fatal` is called (the server exits non-zero so that its supervisor restarts it). A
+`SchedulerStallError` (the core's watchdog) fails the named requests with a 500 and sets
+`health_error` (503 on /health until restart); the core goes on serving the others.
 
 Outputs are cumulative (text, token ids, logprobs so far), so a stream whose consumer is slower
 than the engine keeps only the newest one: nothing is lost, and a slow client never makes the
-queue grow. `CompletionOutput.logprobs` is the engine's own list, which grows while the
+queue grow. `CompletionOutput.logprobs` is the front end's own list, which grows while the
 consumer reads it: read it up to `len(token_ids)` of the same output.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
+import json
 import logging
-import threading
+import os
 import time
-from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.core.scheduler import check_request_fits_pool
+from pagedllm.engine.core_messages import CoreReady, EngineCoreOutputs
 from pagedllm.engine.errors import SchedulerStallError
+from pagedllm.engine.input_processing import InputProcessor
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.router import Router
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
-    from pagedllm.engine.engine import LLMEngine, PromptType
+    from pagedllm.engine.engine import PromptType
     from pagedllm.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
+IN_PROCESS_ENV = "PAGEDLLM_ENGINE_IN_PROCESS"
+
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped (shutdown, or an error it could not recover from)."""
+    """The engine core stopped (shutdown, killed, or an error it could not recover from)."""
+
+
+@dataclass
+class EngineInfo:
+    """What the server needs to know of the engine it fronts (from the core's hand-shake)."""
+
+    model_name: str
+    model_root: str
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    chat_template: str | None
+    startup_seconds: float
+    kernel_info: dict[str, str]
 
 
 class RequestStream:
@@ -69,6 +87,8 @@ class RequestStream:
     def __init__(self, request_id: str, serial: int = -1) -> None:
         self.request_id = request_id
         self.serial = serial  # unique per add: tells apart requests that reuse an id
+        self.core_id = f"{serial}:{request_id}"
+        self.engine_index = 0
         self.finished = False
         self._latest: RequestOutput | None = None
         self._error: BaseException | None = None
@@ -99,78 +119,142 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    """Runs an `LLMEngine`'s step loop in one background thread for an asyncio server."""
+    """Streams of `RequestOutput`s from one or more engine cores, for an asyncio server."""
 
-    def __init__(self, engine: "LLMEngine", metrics: "EngineMetrics | None" = None) -> None:
-        self.engine = engine
+    def __init__(self, clients: list[Any], tokenizer, info: EngineInfo,
+                 metrics: "EngineMetrics | None" = None,
+                 on_fatal: Callable[[str], None] | None = None) -> None:
+        self.clients = clients
+        self.tokenizer = tokenizer
+        self.info = info
         self.metrics = metrics
-        self._cond = threading.Condition()
-        self._ops: deque[tuple] = deque()  # ("add", ...) / ("abort", request_id)
-        self._stopping = False
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._streams: dict[str, RequestStream] = {}  # event loop thread only
-        self._pending_adds: dict[int, asyncio.Future] = {}  # serial -> accepted (event loop)
+        self.on_fatal = on_fatal
+        self.inputs = InputProcessor(
+            tokenizer, info.vocab_size, info.max_model_len,
+            functools.partial(_check_fits, num_blocks=info.num_blocks,
+                              block_size=info.block_size),
+        )
+        self.output_processor = OutputProcessor(tokenizer)
+        self.router = Router(len(clients), info.block_size)
+        self._streams: dict[str, RequestStream] = {}  # core id -> stream (event loop only)
         self._serials = itertools.count()
-        self._live: dict[str, int] = {}  # engine thread only: request id -> serial in the engine
-        self._closed = False  # set by shutdown (under _cond): nothing reaches the loop after it
+        self._utility_calls: dict[int, asyncio.Future] = {}
+        self._started = False
+        self._stopping = False
         self.dead_error: BaseException | None = None
+        self.dead_engines: dict[int, str] = {}
         # Why the engine is unhealthy (a scheduler stall), or None; /health answers 503 with it.
         self.health_error: str | None = None
 
     @classmethod
-    def from_engine_config(cls, config: "EngineConfig", with_metrics: bool = True):
-        from pagedllm.engine.engine import LLMEngine
+    def from_engine_config(cls, config: "EngineConfig", with_metrics: bool = True,
+                           in_process: bool | None = None) -> "AsyncLLMEngine":
+        """Start the core(s) and wait until they are ready (a ValueError: bad configuration)."""
+        from pagedllm.engine.core_client import InprocCoreClient, MPCoreClient
+        from pagedllm.model_source import resolve_model
+        from pagedllm.tokenizer import load_tokenizer
 
-        engine = LLMEngine(config)
+        if in_process is None:
+            in_process = os.environ.get(IN_PROCESS_ENV, "0") not in ("", "0")
+        replicas = getattr(config, "data_parallel_size", 1)
+        if in_process and replicas != 1:
+            raise ValueError(f"{IN_PROCESS_ENV}=1 runs one engine core in this process; "
+                             f"data_parallel_size={replicas} needs core processes.")
+        clients: list[Any] = []
+        try:
+            if in_process:
+                from pagedllm.engine.core import EngineCore
+
+                clients.append(InprocCoreClient(EngineCore(config)))
+            else:
+                # The cores load their models while this process loads the tokenizer.
+                import concurrent.futures
+
+                with concurrent.futures.ThreadPoolExecutor(max(replicas, 1)) as pool:
+                    futures = [pool.submit(MPCoreClient, config, i) for i in range(replicas)]
+                    for f in futures:
+                        try:
+                            clients.append(f.result())
+                        except BaseException:
+                            for other in futures:
+                                if other is not f and other.exception() is None:
+                                    other.result().shutdown(5)
+                            raise
+        except BaseException:
+            for c in clients:
+                c.shutdown(5)
+            raise
+        from pagedllm.model_source import load_hf_config
+
+        source = resolve_model(config.model)
+        tok_source = resolve_model(config.tokenizer) if config.tokenizer else source
+        tokenizer = load_tokenizer(tok_source.path, tok_source.gguf_file)
+        for c in clients:
+            logger.info("Engine core %d ready in %.1f s (pid %d)", c.engine_index,
+                        c.ready.startup_seconds, c.ready.pid)
+        ready: CoreReady = clients[0].ready
+        info = EngineInfo(
+            model_name=ready.model_name,
+            model_root=os.path.join(source.path, source.gguf_file) if source.gguf_file
+            else source.path,
+            max_model_len=ready.max_model_len,
+            vocab_size=ready.vocab_size or int(load_hf_config(source).vocab_size),
+            num_blocks=min(c.ready.num_blocks for c in clients),
+            block_size=ready.block_size,
+            chat_template=config.chat_template,
+            startup_seconds=max(c.ready.startup_seconds for c in clients),
+            kernel_info=ready.kernel_info,
+        )
         metrics = None
         if with_metrics:
             from pagedllm.metrics import EngineMetrics
 
-            metrics = EngineMetrics(engine.model_name)
-            metrics.update_from_engine(engine)
-        return cls(engine, metrics)
+            metrics = EngineMetrics(info.model_name, num_engines=len(clients),
+                                    kernel_info=info.kernel_info or None)
+        return cls(clients, tokenizer, info, metrics)
 
     # ---- life cycle (event loop) ----------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine thread; call from the event loop that will consume the outputs."""
-        if self._thread is not None:
+        """Start delivering the cores' outputs; call from the event loop that consumes them."""
+        if self._started:
             return
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._thread_main, name="pagedllm-engine",
-                                        daemon=True)
-        self._thread.start()
+        loop = asyncio.get_running_loop()
+        for client in self.clients:
+            client.start(loop, self._on_outputs, self._on_death)
+        self._started = True
 
     async def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread after its current step; open streams and adds waiting for the
-        engine fail. From the moment this starts, the thread delivers nothing more; it is
-        awaited up to `timeout` seconds (a longer step finishes on its own, unheard)."""
-        with self._cond:
-            self._stopping = True
-            self._closed = True
-            self._cond.notify()
+        """Stop the cores; open streams fail. Nothing is delivered after this starts."""
+        self._stopping = True
         error = EngineDeadError("The server is shutting down.")
-        for accepted in list(self._pending_adds.values()):
-            if not accepted.done():
-                accepted.set_exception(error)
-        self._pending_adds.clear()
         for stream in list(self._streams.values()):
             stream.fail(error)
         self._streams.clear()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, timeout)
-            if self._thread.is_alive():
-                logger.warning("The engine thread is still in a step after %.1f s; it stops "
-                               "after that step and delivers nothing more.", timeout)
+        for fut in self._utility_calls.values():
+            if not fut.done():
+                fut.set_exception(error)
+        await asyncio.gather(*(asyncio.to_thread(c.shutdown, timeout) for c in self.clients))
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return (self._started and not self._stopping
+                and any(c.alive for c in self.clients))
 
     @property
     def num_open_streams(self) -> int:
         return len(self._streams)
+
+    def health_problem(self) -> str | None:
+        """Why /health should answer 503, or None."""
+        if self.dead_engines:
+            dead = ", ".join(f"{i} ({why})" for i, why in sorted(self.dead_engines.items()))
+            return f"Engine core(s) died: {dead}; restart the server."
+        if not self.is_running:
+            return "The engine is not running."
+        if self.health_error is not None:
+            return f"The engine is unhealthy, restart the server: {self.health_error}"
+        return None
 
     # ---- requests (event loop) ------------------------------------------------------------
 
@@ -181,46 +265,45 @@ class AsyncLLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> RequestStream:
-        """Queue a request for the engine thread and wait until the engine accepted it.
+        """Check a request and send it to a core. Raises ValueError when it is rejected."""
+        return self._add(request_id, prompt, params, arrival_time)
 
-        Raises the engine's ValueError (bad prompt, too long, ...) when it is rejected."""
+    def _add(self, request_id: str, prompt: "PromptType", params: SamplingParams,
+             arrival_time: float | None = None) -> RequestStream:
+        from pagedllm.engine.engine import prepare_request
+
         if not self.is_running:
             raise EngineDeadError("The engine is not running.") from self.dead_error
-        if request_id in self._streams:
+        if any(s.request_id == request_id for s in self._streams.values()):
             raise ValueError(f"Request id {request_id!r} is already in use.")
         stream = RequestStream(request_id, next(self._serials))
-        self._streams[request_id] = stream
-        accepted = asyncio.get_running_loop().create_future()
-        self._pending_adds[stream.serial] = accepted
-        arrival = time.time() if arrival_time is None else arrival_time
-        self._submit(("add", request_id, stream.serial, prompt, params, arrival, accepted))
-        try:
-            await accepted
-        except BaseException:
-            # Rejected, or the caller was cancelled while waiting: in the latter case the add
-            # may still go through, and the abort queued behind it undoes it.
-            self._abort_stream(stream)
-            raise
-        finally:
-            self._pending_adds.pop(stream.serial, None)
+        prompt_text, request = prepare_request(self.inputs, stream.core_id, prompt, params,
+                                               arrival_time)
+        live = [i for i, c in enumerate(self.clients) if c.alive]
+        stream.engine_index = self.router.choose(request, live, request.cache_salt)
+        self.output_processor.add_request(
+            stream.core_id, prompt_text, request.prompt_token_ids, request.sampling_params,
+            request.arrival_time, is_beam=request.beam_params is not None,
+            external_id=request_id,
+        )
+        self._streams[stream.core_id] = stream
+        self.router.started(stream.engine_index)
+        self.clients[stream.engine_index].add_request(request)
         return stream
 
     async def add_requests(
         self, requests: list[tuple[str, "PromptType"]], params: SamplingParams
     ) -> list[RequestStream]:
-        """Add several requests at once (one engine-thread round trip for all of them). If
-        any is rejected, the others are aborted and its error is raised."""
-        results = await asyncio.gather(
-            *(self.add_request(rid, prompt, params) for rid, prompt in requests),
-            return_exceptions=True,
-        )
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            for r in results:
-                if isinstance(r, RequestStream):
-                    self._abort_stream(r)
-            raise errors[0]
-        return list(results)
+        """Add several requests at once; if any is rejected, the others are aborted and its
+        error is raised."""
+        streams: list[RequestStream] = []
+        try:
+            for rid, prompt in requests:
+                streams.append(self._add(rid, prompt, params))
+        except BaseException:
+            self.abort_unfinished(streams)
+            raise
+        return streams
 
     async def stream_outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         """Yield a request's cumulative outputs until the finished one. Leaving early (close,
@@ -254,177 +337,107 @@ class AsyncLLMEngine:
                 self._abort_stream(stream)
 
     def abort(self, request_id: str) -> None:
-        """Abort the request now known by `request_id` (no-op if it already finished). Call on
-        the event loop thread."""
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            self._abort_stream(stream)
-        else:
-            self._submit(("abort", request_id, None))
+        """Abort the request now known by `request_id` (no-op if it already finished)."""
+        for stream in list(self._streams.values()):
+            if stream.request_id == request_id:
+                self._abort_stream(stream)
 
     def _abort_stream(self, stream: RequestStream) -> None:
-        """Abort the request of `stream` only: not a later request that reuses its id."""
-        if self._streams.get(stream.request_id) is stream:
-            del self._streams[stream.request_id]
         stream.finished = True
-        self._submit(("abort", stream.request_id, stream.serial))
+        if self._streams.pop(stream.core_id, None) is None:
+            return  # finished or failed already: the core holds nothing of it
+        self.output_processor.abort_request(stream.core_id)
+        self.router.finished(stream.engine_index)
+        client = self.clients[stream.engine_index]
+        if client.alive:
+            client.abort_requests([stream.core_id])
+        if self.metrics is not None:
+            self.metrics.record_abort(stream.request_id, stream.engine_index)
 
-    def _submit(self, op: tuple) -> None:
-        with self._cond:
-            self._ops.append(op)
-            self._cond.notify()
+    async def call_utility(self, name: str, *args: Any, engine_index: int = 0) -> Any:
+        """Run an `EngineCore.utility` call in a core (e.g. reset_prefix_cache)."""
+        call_id = next(self._serials)
+        fut = asyncio.get_running_loop().create_future()
+        self._utility_calls[call_id] = fut
+        self.clients[engine_index].call_utility(call_id, name, list(args))
+        try:
+            return await fut
+        finally:
+            self._utility_calls.pop(call_id, None)
 
-    # ---- delivery (event loop; scheduled by the engine thread) ----------------------------
+    # ---- delivery (event loop; scheduled by the clients' threads) -------------------------
 
-    def _deliver(self, outputs: list[tuple[int | None, RequestOutput]]) -> None:
-        """(serial, output) pairs: an output reaches only the stream of the add it came from."""
-        for serial, out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None or stream.serial != serial:
-                continue  # aborted on this side already (maybe its id is in use again)
+    def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if self._stopping:
+            return
+        if outputs.utility_result is not None:
+            call_id, result, ok = outputs.utility_result
+            fut = self._utility_calls.get(call_id)
+            if fut is not None and not fut.done():
+                if ok:
+                    fut.set_result(json.loads(result))
+                else:
+                    fut.set_exception(RuntimeError(result))
+        if outputs.health_error is not None:
+            self.health_error = outputs.health_error
+        now = time.time()
+        processed = self.output_processor.process_outputs(outputs.outputs, now)
+        if processed.finish_samples:  # stop strings ended these samples: free them
+            client = self.clients[outputs.engine_index]
+            if client.alive:
+                client.finish_samples(processed.finish_samples)
+        for core_id, out in processed.request_outputs:
+            stream = self._streams.get(core_id)
+            if stream is None:
+                continue
             stream.put(out)
             if out.finished:
-                del self._streams[out.request_id]
+                del self._streams[core_id]
+                self.router.finished(stream.engine_index)
+        for core_id, message, kind in processed.errors:
+            stream = self._streams.pop(core_id, None)
+            if stream is None:
+                continue
+            self.router.finished(stream.engine_index)
+            stream.fail(_request_error(stream.request_id, message, kind))
+        if self.metrics is not None:
+            self.metrics.record_step([out for _, out in processed.request_outputs], now,
+                                     outputs.engine_index)
+            if outputs.stats is not None:
+                self.metrics.update_from_stats(outputs.stats, outputs.engine_index)
 
-    def _deliver_error(
-        self, failures: list[tuple[str, int | None, BaseException]] | None,
-        error: BaseException | None = None,
-    ) -> None:
-        """Fail the (request id, serial, error) streams; None: every open stream, with `error`."""
-        if failures is None:
-            failures = [(rid, s.serial, error) for rid, s in self._streams.items()]
-        for rid, serial, exc in failures:
-            stream = self._streams.get(rid)
-            if stream is not None and stream.serial == serial:
-                del self._streams[rid]
-                stream.fail(exc)
-
-    @staticmethod
-    def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
-        if future.done():
+    def _on_death(self, engine_index: int, how: str) -> None:
+        if self._stopping:
             return
-        if error is None:
-            future.set_result(None)
-        else:
-            future.set_exception(error)
+        self.dead_engines[engine_index] = how
+        error = EngineDeadError(f"The engine core {engine_index} died ({how}); "
+                                "the server must be restarted.")
+        self.dead_error = error
+        for core_id, stream in list(self._streams.items()):
+            if stream.engine_index == engine_index:
+                del self._streams[core_id]
+                self.output_processor.abort_request(core_id)
+                stream.fail(error)
+        self.router.reset(engine_index)
+        if not any(c.alive for c in self.clients) and self.on_fatal is not None:
+            self.on_fatal(str(error))
 
-    def _call_on_loop(self, fn, *args: Any) -> None:
-        """From the engine thread: run `fn(*args)` on the loop, unless shutdown has begun (it
-        is checked here under the lock, and again on the loop, where shutdown runs)."""
-        with self._cond:
-            if self._closed:
-                return
-            try:
-                self._loop.call_soon_threadsafe(self._on_loop, fn, args)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
 
-    def _on_loop(self, fn, args: tuple) -> None:
-        if not self._closed:
-            fn(*args)
+def _check_fits(num_tokens: int, num_lockstep_seqs: int = 1, *, num_blocks: int,
+                block_size: int) -> None:
+    check_request_fits_pool(num_tokens, num_lockstep_seqs, num_blocks, block_size)
 
-    # ---- the engine thread ----------------------------------------------------------------
 
-    def _thread_main(self) -> None:
-        try:
-            self._run_loop()
-        except BaseException as exc:  # never silently: every open request hears of it
-            logger.exception("The engine thread died")
-            self.dead_error = exc
-            error = EngineDeadError(f"The engine stopped: {exc!r}")
-            self._call_on_loop(self._deliver_error, None, error)
-        finally:
-            with self._cond:
-                self._stopping = True
+def _request_error(request_id: str, message: str, kind: str) -> BaseException:
+    if kind == "invalid":
+        return ValueError(message)
+    if kind == "stall":
+        from pagedllm.engine.core import EngineCore
 
-    def _run_loop(self) -> None:
-        engine = self.engine
-        while True:
-            with self._cond:
-                while not self._ops and not self._stopping and not engine.has_unfinished_requests():
-                    self._cond.wait()
-                if self._stopping:
-                    return
-                ops = list(self._ops)
-                self._ops.clear()
-            if ops:
-                self._apply(ops)
-            if engine.has_unfinished_requests():
-                self._step()
-            if self.metrics is not None:
-                self.metrics.update_from_engine(engine)
+        return SchedulerStallError([request_id], EngineCore.stall_steps,
+                                   "the request was aborted; the server reports itself "
+                                   "unhealthy until restarted")
+    return RuntimeError(message)
 
-    def _apply(self, ops: list[tuple]) -> None:
-        engine = self.engine
-        for op in ops:
-            if op[0] == "add":
-                _, rid, serial, prompt, params, arrival, accepted = op
-                error: BaseException | None = None
-                try:
-                    engine.add_request(rid, prompt, params, arrival_time=arrival)
-                    self._live[rid] = serial
-                except Exception as exc:  # ValueError: the client's fault; else ours
-                    error = exc
-                    if not isinstance(exc, ValueError):
-                        logger.exception("add_request(%s) failed", rid)
-                self._call_on_loop(self._resolve, accepted, error)
-            else:
-                _, rid, serial = op
-                if serial is not None and self._live.get(rid) != serial:
-                    continue  # that request is gone; the id may belong to a newer one
-                self._live.pop(rid, None)
-                self._abort_in_engine(rid)
 
-    def _abort_in_engine(self, rid: str) -> None:
-        engine = self.engine
-        if rid in engine.requests:
-            try:
-                engine.abort_request(rid)
-            except Exception:
-                logger.exception("abort_request(%s) failed", rid)
-            if self.metrics is not None:
-                self.metrics.record_abort(rid)
-
-    def _step(self) -> None:
-        engine = self.engine
-        t0 = time.perf_counter()
-        try:
-            outputs = engine.step()
-        except SchedulerStallError as exc:
-            # The watchdog: these requests make no progress. Fail and drop them (their blocks
-            # return), report the engine unhealthy until restart, serve the others.
-            logger.error("Scheduler stall: %s; aborting those requests, /health now 503", exc)
-            self.health_error = str(exc)
-            self._fail_requests(exc.request_ids, lambda rid: SchedulerStallError(
-                [rid], exc.num_steps,
-                "the request was aborted; the server reports itself unhealthy until restarted"))
-            return
-        except Exception as exc:
-            # A bug, not a request's fault: fail the requests that were in flight, drop them
-            # so that their blocks return, and go on serving the next ones.
-            logger.exception("engine.step() failed; aborting the requests in flight")
-            self._fail_requests(list(engine.requests), lambda _: RuntimeError(
-                f"The engine failed while running this request: {exc}"))
-            return
-        if outputs:
-            if self.metrics is not None:
-                self.metrics.record_step(outputs, time.time())
-            live = self._live
-            tagged = [(live.get(out.request_id), out) for out in outputs]
-            for out in outputs:
-                if out.finished:
-                    live.pop(out.request_id, None)
-            if len(live) > len(engine.requests):  # one left without a finished output
-                self._live = {rid: s for rid, s in live.items() if rid in engine.requests}
-            self._call_on_loop(self._deliver, tagged)
-        elif time.perf_counter() - t0 < 1e-3:
-            time.sleep(1e-3)  # nothing could be scheduled: do not spin
-
-    def _fail_requests(self, rids: list[str], make_error) -> None:
-        """Abort `rids` in the engine and fail their streams with `make_error(rid)`."""
-        failures = []
-        for rid in rids:
-            serial = self._live.pop(rid, None)
-            self._abort_in_engine(rid)
-            failures.append((rid, serial, make_error(rid)))
-        self._call_on_loop(self._deliver_error, failures)
+AsyncLLM = AsyncLLMEngine

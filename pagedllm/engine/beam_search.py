@@ -27,9 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.core.request import Sequence, SequenceStatus
-from pagedllm.outputs import CompletionOutput
+from pagedllm.engine.core_messages import BeamCompletion
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
-from pagedllm.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from pagedllm.engine.request_state import RequestState
@@ -185,28 +184,23 @@ class BeamSearchRequest:
 
 
 def beam_completions(
-    hypotheses: list[BeamHypothesis], state: RequestState, tokenizer, eos_token_ids: set[int]
-) -> list[CompletionOutput]:
-    """The finished hypotheses, best first, as the request's completions."""
+    hypotheses: list[BeamHypothesis], state: RequestState, eos_token_ids: set[int]
+) -> list[BeamCompletion]:
+    """The finished hypotheses, best first, as the request's completions (token ids: the
+    front end decodes them)."""
     params = state.params
     out = []
     for i, hyp in enumerate(hypotheses):
         tokens = hyp.token_ids
+        num_text = len(tokens)
         if hyp.finish_reason == "stop" and not params.include_stop_str_in_output:
-            tokens = tokens[:-1]  # the stop token's text is not part of the output
-        detok = IncrementalDetokenizer(
-            tokenizer,
-            state.prompt_token_ids,
-            skip_special_tokens=params.skip_special_tokens,
-            spaces_between_special_tokens=params.spaces_between_special_tokens,
-        )
-        detok.add_tokens(tokens)
-        last = hyp.token_ids[-1]
+            num_text -= 1  # the stop token's text is not part of the output
+        last = tokens[-1]
         out.append(
-            CompletionOutput(
+            BeamCompletion(
                 index=i,
-                text=detok.text,
-                token_ids=list(hyp.token_ids),
+                token_ids=list(tokens),
+                num_text_tokens=num_text,
                 cumulative_logprob=hyp.cumulative_logprob,
                 finish_reason=hyp.finish_reason,
                 stop_reason=last

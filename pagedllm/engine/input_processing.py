@@ -33,12 +33,12 @@ class InputProcessor:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), self.check_token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return self.tokenize(prompt["prompt"])
             raise ValueError("A prompt dict needs a 'prompt' or 'prompt_token_ids' key.")
         if isinstance(prompt, (list, tuple)):
-            return None, self._check_token_ids(prompt)
+            return None, self.check_token_ids(prompt)
         raise ValueError(
             f"A prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}."
         )
@@ -52,7 +52,7 @@ class InputProcessor:
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}.")
         return cache_salt
 
-    def _check_token_ids(self, ids: Iterable[Any]) -> list[int]:
+    def check_token_ids(self, ids: Iterable[Any]) -> list[int]:
         ids = list(ids)
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int):

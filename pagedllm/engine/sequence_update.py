@@ -1,5 +1,5 @@
-"""After the sampler: append each sampled token, detokenize it, and decide whether the
-sequence stops (EOS, stop token, stop string, max_tokens, max_model_len).
+"""After the sampler: append each sampled token and decide whether the sequence stops (EOS,
+stop token, max_tokens, max_model_len); stop strings are checked by the front end on the text.
 
 Also builds the per-row sampling inputs and turns prompt logits into prompt logprobs, so that
 the engine's step stays a short list of calls.
@@ -13,8 +13,7 @@ import torch
 
 from pagedllm.core.request import Sequence, SequenceStatus
 from pagedllm.layers.sampler import SamplerOutput, SamplingMetadata, SamplingRow
-from pagedllm.outputs import make_logprob_dict
-from pagedllm.tokenizer import check_stop_strings
+from pagedllm.engine.core_messages import PromptLogprobEntry, TokenLogprob
 
 if TYPE_CHECKING:
     from pagedllm.core.scheduler import ScheduledSequence
@@ -23,18 +22,9 @@ if TYPE_CHECKING:
 
 
 class SequenceUpdater:
-    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, eos_token_ids: set[int], max_model_len: int) -> None:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self._decoded: dict[int, str] = {}
-
-    def decode_token(self, token_id: int) -> str:
-        text = self._decoded.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id])
-            self._decoded[token_id] = text
-        return text
 
     # ---- sampling inputs ------------------------------------------------------------------
 
@@ -60,60 +50,50 @@ class SequenceUpdater:
 
     def append_token(
         self, state: "RequestState", seq: Sequence, out: SamplerOutput, row: int
-    ) -> SequenceStatus | None:
-        """Append row `row`'s token to `seq`; return the finished status if it stops now."""
+    ) -> tuple[int, TokenLogprob | None, SequenceStatus | None]:
+        """Append row `row`'s token to `seq`: (token, its logprob entry or None, the finished
+        status if it stops now). Stop strings are the front end's (it sees the text)."""
         params = state.params
         st: SeqState = seq.data["state"]
         token = out.sampled_token_ids[row]
         seq.append_token(token)
-        if st.logprobs is not None:
-            lp = out.sampled_logprobs[row]
-            st.cumulative_logprob += lp
-            st.logprobs.append(
-                make_logprob_dict(token, lp, out.sampled_ranks[row], out.top_logprobs[row] or (),
-                                  self.decode_token)
-            )
+        logprob: TokenLogprob | None = None
+        if st.wants_logprobs:
+            logprob = (token, out.sampled_logprobs[row], out.sampled_ranks[row],
+                       list(out.top_logprobs[row] or ()))
         n_out = seq.num_output_tokens
         status: SequenceStatus | None = None
-        stop_token = False
         if n_out >= params.min_tokens:
             if token in self.eos_token_ids and not params.ignore_eos:
-                status, stop_token = SequenceStatus.FINISHED_STOPPED, True
+                status = SequenceStatus.FINISHED_STOPPED
             elif token in params.stop_token_ids:
-                status, stop_token = SequenceStatus.FINISHED_STOPPED, True
+                status = SequenceStatus.FINISHED_STOPPED
                 st.stop_reason = token
-        # A stop token's own text is not part of the output (unless asked for).
-        if not stop_token or params.include_stop_str_in_output:
-            delta = st.detokenizer.add_token(token)
-            st.text = st.detokenizer.text
-            if status is None and params.stop and n_out >= params.min_tokens:
-                hit = check_stop_strings(st.text, len(delta), params.stop,
-                                         params.include_stop_str_in_output)
-                if hit is not None:
-                    stop_str, truncate_to = hit
-                    st.text = st.text[:truncate_to]
-                    st.stop_reason = stop_str
-                    status = SequenceStatus.FINISHED_STOPPED
         if status is None and (n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len):
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
             st.finish_reason = status.finish_reason
-        return status
+        return token, logprob, status
 
     # ---- prompt logprobs ------------------------------------------------------------------
 
     def add_prompt_logprobs(
         self, state: "RequestState", item: "ScheduledSequence", logits: torch.Tensor,
         sampler: "Sampler",
-    ) -> None:
-        """Logprobs of prompt tokens 1.. from this chunk's rows (row i predicts token i+1)."""
+    ) -> list[PromptLogprobEntry]:
+        """Logprobs of prompt tokens 1.. from this chunk's rows (row i predicts token i+1):
+        the entries not reported yet (the first call starts with None for token 0)."""
         from pagedllm.layers.sampler import compute_prompt_logprobs
 
         prompt = state.prompt_token_ids
         start, n = item.start_pos, len(item.token_ids)
-        # Row i predicts the token at start + i + 1. Skip positions already recorded (a chunk
+        new: list[PromptLogprobEntry] = []
+        if state.num_prompt_logprobs == 0:
+            new.append(None)  # nothing predicts the first prompt token
+            state.num_prompt_logprobs = 1
+        # Row i predicts the token at start + i + 1. Skip positions already reported (a chunk
         # recomputed after preemption) and the last row (it predicts the first output token).
-        first = max(start, len(state.prompt_logprobs) - 1)
+        first = max(start, state.num_prompt_logprobs - 1)
         end = min(start + n, len(prompt) - 1)
         if end > first:
             entries = compute_prompt_logprobs(
@@ -121,8 +101,8 @@ class SequenceUpdater:
                 state.params.prompt_logprobs,
             )
             for entry in entries:
-                for tid, lp in entry.items():
-                    lp.decoded_token = self.decode_token(tid)
-                state.prompt_logprobs.append(entry)
+                new.append({tid: (lp.logprob, lp.rank) for tid, lp in entry.items()})
+            state.num_prompt_logprobs += len(entries)
         if start + n >= len(prompt):
             state.prompt_logprobs_done = True
+        return new

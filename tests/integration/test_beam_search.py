@@ -29,7 +29,7 @@ def hf_beams(hf_model, prompt_ids, eos_ids, length_penalty, early_stopping):
 
 
 def test_beam_search_equals_transformers(smollm2_llm, hf_smollm2):
-    eos = sorted(smollm2_llm.llm_engine.updater.eos_token_ids)
+    eos = sorted(smollm2_llm.llm_engine.eos_token_ids)
     ours: dict[int, list[list[int]]] = {}
     for k, (lp, es) in enumerate(SETTINGS):
         idx = list(range(k, len(PROMPTS), len(SETTINGS)))

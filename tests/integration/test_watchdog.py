@@ -16,7 +16,7 @@ def _stalled_schedule() -> SchedulerOutput:
 
 def test_engine_step_raises_naming_the_stuck_requests(smollm2_llm, monkeypatch):
     engine = smollm2_llm.llm_engine
-    monkeypatch.setattr(engine, "stall_steps", 7)
+    monkeypatch.setattr(engine.core, "stall_steps", 7)
     monkeypatch.setattr(engine.scheduler, "schedule", _stalled_schedule)
     engine.add_request("stuck-a", "Hello", SamplingParams(max_tokens=4))
     engine.add_request("stuck-b", "World", SamplingParams(max_tokens=4))
@@ -35,7 +35,7 @@ def test_engine_step_raises_naming_the_stuck_requests(smollm2_llm, monkeypatch):
 
 def test_generate_raises_and_returns_the_blocks(smollm2_llm, monkeypatch):
     engine = smollm2_llm.llm_engine
-    monkeypatch.setattr(engine, "stall_steps", 5)
+    monkeypatch.setattr(engine.core, "stall_steps", 5)
     monkeypatch.setattr(engine.scheduler, "schedule", _stalled_schedule)
     with pytest.raises(RuntimeError, match="no progress for 5 consecutive steps"):
         smollm2_llm.generate(["a", "b"], SamplingParams(max_tokens=3), use_tqdm=False)
@@ -48,7 +48,7 @@ def test_generate_raises_and_returns_the_blocks(smollm2_llm, monkeypatch):
 
 def test_a_progressing_engine_never_trips_it(smollm2_llm, monkeypatch):
     # n > 1 forks and prefix hits: no step of a working engine is idle three times in a row.
-    monkeypatch.setattr(smollm2_llm.llm_engine, "stall_steps", 3)
+    monkeypatch.setattr(smollm2_llm.llm_engine.core, "stall_steps", 3)
     outs = smollm2_llm.generate(["The capital of France is"] * 3,
                                 SamplingParams(max_tokens=8, n=2, ignore_eos=True), use_tqdm=False)
     assert all(len(c.token_ids) == 8 for o in outs for c in o.outputs)

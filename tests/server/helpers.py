@@ -30,7 +30,7 @@ def read_metrics(http_client) -> dict[tuple[str, tuple], float]:
 
 
 def metric(values: dict, name: str, **labels: str) -> float:
-    key = (name, tuple(sorted({"model_name": MODEL, **labels}.items())))
+    key = (name, tuple(sorted({"model_name": MODEL, "engine": "0", **labels}.items())))
     return values[key]
 
 

@@ -1,45 +1,81 @@
-"""AsyncLLMEngine and the streaming helpers against a fake engine (no model, milliseconds):
-steps run off the event loop, outputs reach their streams, leaving early aborts, a failed
-step fails only the requests in flight and the loop goes on, rejected adds raise."""
+"""AsyncLLMEngine (the front end) and the streaming helpers against a fake engine core (no
+model, milliseconds), driven by the real `CoreBusyLoop` in a thread (`InprocCoreClient`):
+steps run off the event loop, token deltas become cumulative outputs on their streams, leaving
+early aborts, a failed step fails only the requests in flight and the loop goes on, rejected
+adds raise, stop strings finish a sample in the front end and free it in the core."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
-from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineInfo
+from pagedllm.engine.core_client import InprocCoreClient
+from pagedllm.engine.core_messages import (
+    CoreStats,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    SampleDelta,
+)
 from pagedllm.engine.errors import SchedulerStallError
 from pagedllm.entrypoints.openai.streaming import ChoiceStream, merge_async_iterators
-from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.outputs import CompletionOutput
 from pagedllm.sampling_params import SamplingParams
 
+REJECTED_TOKEN = 13  # the fake core refuses prompts holding it (as the real one would a bad id)
+MAX_MODEL_LEN = 2048
+BASE = 1000  # the fake core's tokens are BASE, BASE + 1, ... (plain words, no special tokens)
 
-class FakeEngine:
-    """Each step appends one token ("t<i> ") to every request; done after max_tokens."""
+
+def toks(n: int) -> list[int]:
+    return [BASE + i for i in range(n)]
+
+
+class FakeCore:
+    """Each step gives every request one more token (BASE + its count so far); the
+    sample finishes with "length" at max_tokens."""
 
     def __init__(self) -> None:
         self.requests: dict[str, dict] = {}
         self.step_threads: set[int] = set()
         self.aborted: list[str] = []
+        self.finished_samples: list[tuple[str, int]] = []
         self.fail_next_step = False
         self.step_gate: threading.Event | None = None  # a step waits for it when set
         self.step_permits: threading.Semaphore | None = None  # a step takes one permit when set
         self.stall_ids: list[str] | None = None  # the next step raises SchedulerStallError
 
-    def add_request(self, request_id, prompt, params, arrival_time=None):
-        if prompt == "bad":
-            raise ValueError("bad prompt")
-        self.requests[request_id] = {"tokens": [], "max": params.max_tokens,
-                                     "arrival": arrival_time, "prompt": prompt}
+    @staticmethod
+    def external(core_id: str) -> str:
+        return core_id.split(":", 1)[1]
 
-    def abort_request(self, request_id):
-        if self.requests.pop(request_id, None) is not None:
-            self.aborted.append(request_id)
+    def add_request(self, request):
+        if REJECTED_TOKEN in request.prompt_token_ids:
+            raise ValueError("the core refuses this prompt")
+        self.requests[request.request_id] = {"tokens": [],
+                                             "max": request.sampling_params.max_tokens}
+
+    def abort_requests(self, request_ids):
+        for rid in request_ids:
+            if self.requests.pop(rid, None) is not None:
+                self.aborted.append(self.external(rid))
+
+    def finish_samples(self, samples):
+        for rid, index in samples:
+            if self.requests.pop(rid, None) is not None:
+                self.finished_samples.append((self.external(rid), index))
 
     def has_unfinished_requests(self):
         return bool(self.requests)
+
+    def stats(self):
+        return CoreStats(num_running=len(self.requests))
+
+    def utility(self, name, args):
+        return {"name": name, "args": args}
 
     def step(self):
         self.step_threads.add(threading.get_ident())
@@ -52,49 +88,76 @@ class FakeEngine:
             raise RuntimeError("kernel exploded")
         if self.stall_ids is not None:
             ids, self.stall_ids = self.stall_ids, None
-            raise SchedulerStallError(ids, num_steps=1000)
+            raise SchedulerStallError([r for r in self.requests if self.external(r) in ids],
+                                      num_steps=1000)
+        time.sleep(0.002)  # a step takes time, as a forward does: the loop can keep up
         outs = []
         for rid, r in list(self.requests.items()):
-            r["tokens"].append(len(r["tokens"]))
+            token = BASE + len(r["tokens"])
+            r["tokens"].append(token)
             done = len(r["tokens"]) >= r["max"]
-            text = "".join(f"t{t} " for t in r["tokens"])
-            outs.append(RequestOutput(
-                request_id=rid, prompt=r["prompt"], prompt_token_ids=[1, 2],
-                prompt_logprobs=None,
-                outputs=[CompletionOutput(0, text, list(r["tokens"]),
-                                          finish_reason="length" if done else None)],
-                finished=done, metrics=RequestMetrics(arrival_time=r["arrival"] or 0.0)))
+            outs.append(EngineCoreOutput(rid, [SampleDelta(0, [token],
+                                                           finish_reason="length" if done else None)],
+                                         finished=done))
             if done:
                 del self.requests[rid]
-        return outs
+        return EngineCoreOutputs(outs)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_gguf):
+    from pathlib import Path
+
+    from pagedllm.tokenizer import load_tokenizer
+
+    path = Path(smollm2_gguf)
+    return load_tokenizer(str(path.parent), path.name)
+
+
+def make_engine(fake: FakeCore, tokenizer) -> AsyncLLMEngine:
+    info = EngineInfo(model_name="fake", model_root="/fake", max_model_len=MAX_MODEL_LEN,
+                      vocab_size=tokenizer.vocab_size + 1000, num_blocks=1024, block_size=16,
+                      chat_template=None, startup_seconds=0.0, kernel_info={})
+    return AsyncLLMEngine([InprocCoreClient(fake)], tokenizer, info)
 
 
 def run(coro):
     return asyncio.run(coro)
 
 
-async def _with_engine(fn):
-    fake = FakeEngine()
-    engine = AsyncLLMEngine(fake)
-    engine.start()
-    try:
-        return await fn(fake, engine)
-    finally:
-        await engine.shutdown()
+@pytest.fixture
+def with_engine(tokenizer):
+    def runner(fn):
+        async def main():
+            fake = FakeCore()
+            engine = make_engine(fake, tokenizer)
+            engine.start()
+            try:
+                return await fn(fake, engine)
+            finally:
+                await engine.shutdown()
+
+        return run(main())
+
+    return runner
 
 
-def test_outputs_stream_until_finished_and_steps_run_off_the_loop():
+def test_outputs_stream_until_finished_and_steps_run_off_the_loop(with_engine, tokenizer):
     async def body(fake, engine):
         outs = [o async for o in engine.generate("p", SamplingParams(max_tokens=4), "r1")]
-        assert outs[-1].finished and outs[-1].outputs[0].text == "t0 t1 t2 t3 "
+        last = outs[-1]
+        assert last.finished and last.request_id == "r1"
+        assert last.outputs[0].token_ids == toks(4)
+        assert last.outputs[0].text == tokenizer.decode(toks(4), skip_special_tokens=True) != ""
+        assert last.outputs[0].finish_reason == "length"
         assert all(not o.finished for o in outs[:-1])
         assert threading.get_ident() not in fake.step_threads
         assert engine.num_open_streams == 0
 
-    run(_with_engine(body))
+    with_engine(body)
 
 
-def test_concurrent_requests_each_get_their_own_outputs():
+def test_concurrent_requests_each_get_their_own_outputs(with_engine):
     async def body(fake, engine):
         async def one(i):
             outs = [o async for o in engine.generate("p", SamplingParams(max_tokens=2 + i),
@@ -102,28 +165,25 @@ def test_concurrent_requests_each_get_their_own_outputs():
             return outs[-1].outputs[0].token_ids
 
         results = await asyncio.gather(*(one(i) for i in range(8)))
-        assert results == [list(range(2 + i)) for i in range(8)]
+        assert results == [toks(2 + i) for i in range(8)]
 
-    run(_with_engine(body))
+    with_engine(body)
 
 
-def test_leaving_early_aborts_the_request():
+def test_leaving_early_aborts_the_request(with_engine):
     async def body(fake, engine):
         gen = engine.generate("p", SamplingParams(max_tokens=1000), "long")
         first = await gen.__anext__()
         assert not first.finished
         await gen.aclose()
-        for _ in range(100):
-            if "long" in fake.aborted:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: "long" in fake.aborted)
         assert fake.aborted == ["long"] and not fake.requests
         assert engine.num_open_streams == 0
 
-    run(_with_engine(body))
+    with_engine(body)
 
 
-def test_cancelled_consumer_aborts_the_request():
+def test_cancelled_consumer_aborts_the_request(with_engine):
     async def body(fake, engine):
         got_first = asyncio.Event()
         # Exactly one step may run before the cancel, however slow the event loop is, so
@@ -140,37 +200,37 @@ def test_cancelled_consumer_aborts_the_request():
         with pytest.raises(asyncio.CancelledError):
             await task
         fake.step_permits.release(1000)
-        for _ in range(500):
-            if "c" in fake.aborted:
-                break
-            await asyncio.sleep(0.01)
-        assert fake.aborted == ["c"] and "c" not in fake.requests
+        await _until(lambda: "c" in fake.aborted)
+        assert fake.aborted == ["c"] and not fake.requests
 
-    run(_with_engine(body))
+    with_engine(body)
 
 
-def test_rejected_add_raises_and_keeps_nothing():
+def test_rejected_add_raises_and_keeps_nothing(with_engine):
     async def body(fake, engine):
-        with pytest.raises(ValueError, match="bad prompt"):
-            await engine.add_request("x", "bad", SamplingParams(max_tokens=2))
-        with pytest.raises(ValueError, match="bad prompt"):
-            await engine.add_requests([("a", "p"), ("b", "bad")], SamplingParams(max_tokens=50))
-        for _ in range(100):
-            if not fake.requests:
-                break
-            await asyncio.sleep(0.01)
-        assert not fake.requests and engine.num_open_streams == 0  # "a" was aborted
+        too_long = {"prompt_token_ids": [1] * (MAX_MODEL_LEN + 1)}
+        with pytest.raises(ValueError, match="maximum context length"):
+            await engine.add_request("x", too_long, SamplingParams(max_tokens=2))
+        with pytest.raises(ValueError, match="maximum context length"):
+            await engine.add_requests([("a", "p"), ("b", too_long)], SamplingParams(max_tokens=50))
+        await _until(lambda: not fake.requests)  # "a" was aborted
+        assert engine.num_open_streams == 0
+        # Rejected by the core itself: the stream fails with its ValueError (a 400).
+        stream = await engine.add_request("y", {"prompt_token_ids": [5, REJECTED_TOKEN]},
+                                          SamplingParams(max_tokens=2))
+        with pytest.raises(ValueError, match="refuses"):
+            await asyncio.wait_for(stream.get(), 5)
+        assert engine.num_open_streams == 0 and not engine.output_processor.requests
 
-    run(_with_engine(body))
+    with_engine(body)
 
 
-def test_failed_step_fails_requests_in_flight_then_serves_again():
+def test_failed_step_fails_requests_in_flight_then_serves_again(with_engine):
     async def body(fake, engine):
         fake.step_gate = threading.Event()
         gen = engine.generate("p", SamplingParams(max_tokens=5), "doomed")
         task = asyncio.ensure_future(gen.__anext__())
-        while "doomed" not in fake.requests:
-            await asyncio.sleep(0.005)
+        await _until(lambda: fake.requests)
         fake.fail_next_step = True
         fake.step_gate.set()
         with pytest.raises(RuntimeError, match="kernel exploded"):
@@ -180,19 +240,41 @@ def test_failed_step_fails_requests_in_flight_then_serves_again():
         assert outs[-1].finished
         assert engine.is_running
 
-    run(_with_engine(body))
+    with_engine(body)
 
 
-def test_slow_consumer_keeps_only_the_newest_cumulative_output():
+def test_slow_consumer_keeps_only_the_newest_cumulative_output(with_engine):
     async def body(fake, engine):
         stream = await engine.add_request("s", "p", SamplingParams(max_tokens=6))
-        while "s" in fake.requests:  # let the engine finish without reading
-            await asyncio.sleep(0.005)
-        await asyncio.sleep(0.05)
+        await _until(lambda: engine.num_open_streams == 0)  # delivered, not read
         out = await stream.get()
-        assert out.finished and out.outputs[0].token_ids == list(range(6))
+        assert out.finished and out.outputs[0].token_ids == toks(6)
 
-    run(_with_engine(body))
+    with_engine(body)
+
+
+def test_stop_string_finishes_the_sample_in_the_front_end_and_frees_it_in_the_core(
+        with_engine, tokenizer):
+    async def body(fake, engine):
+        stop = tokenizer.decode([BASE + 2])  # token 2's text: the sample stops there
+        assert stop.strip() and stop not in tokenizer.decode(toks(2))
+        outs = [o async for o in engine.generate(
+            "p", SamplingParams(max_tokens=50, stop=[stop]), "st")]
+        last = outs[-1].outputs[0]
+        assert outs[-1].finished and last.finish_reason == "stop" and last.stop_reason == stop
+        assert stop not in last.text
+        await _until(lambda: ("st", 0) in fake.finished_samples)
+        assert not fake.requests
+
+    with_engine(body)
+
+
+def test_utility_call_reaches_the_core(with_engine):
+    async def body(fake, engine):
+        assert await engine.call_utility("reset_prefix_cache") == {
+            "name": "reset_prefix_cache", "args": []}
+
+    with_engine(body)
 
 
 def test_choice_stream_holds_back_a_possible_stop_string():
@@ -245,26 +327,24 @@ async def _until(cond, timeout: float = 5.0) -> None:
     raise AssertionError("condition not met in time")
 
 
-def test_id_aborted_and_readded_during_a_step_never_sees_the_old_outputs():
+def test_id_aborted_and_readded_during_a_step_never_sees_the_old_outputs(with_engine):
     async def body(fake, engine):
         fake.step_permits = threading.Semaphore(0)  # every step waits for a permit
         await engine.add_request("x", "old", SamplingParams(max_tokens=100))
         await _until(lambda: fake.step_threads)  # the step for the old "x" is in flight
         engine.abort("x")
-        readd = asyncio.ensure_future(engine.add_request("x", "new", SamplingParams(max_tokens=3)))
-        await asyncio.sleep(0.05)  # the new stream exists; its add waits behind the step
+        stream = await engine.add_request("x", "new", SamplingParams(max_tokens=3))
         fake.step_permits.release(1)  # the in-flight step ends with an output of the old "x"
-        stream = await asyncio.wait_for(readd, 5)
         fake.step_permits.release(100)
         outs = [o async for o in engine.stream_outputs(stream)]
         assert [o.prompt for o in outs] == ["new"] * len(outs)
-        assert outs[-1].finished and outs[-1].outputs[0].token_ids == [0, 1, 2]
+        assert outs[-1].finished and outs[-1].outputs[0].token_ids == toks(3)
         assert fake.aborted == ["x"]
 
-    run(_with_engine(body))
+    with_engine(body)
 
 
-def test_late_abort_of_a_finished_stream_spares_the_request_that_reuses_its_id():
+def test_late_abort_of_a_finished_stream_spares_the_request_that_reuses_its_id(with_engine):
     async def body(fake, engine):
         old = await engine.add_request("x", "old", SamplingParams(max_tokens=1))
         await _until(lambda: engine.num_open_streams == 0)  # delivered, not yet read
@@ -274,39 +354,36 @@ def test_late_abort_of_a_finished_stream_spares_the_request_that_reuses_its_id()
         fake.step_permits.release(100)
         outs = await asyncio.wait_for(_collect(engine, new), 5)
         assert outs[-1].finished and outs[-1].prompt == "new"
-        assert outs[-1].outputs[0].token_ids == [0, 1, 2] and fake.aborted == []
+        assert outs[-1].outputs[0].token_ids == toks(3) and fake.aborted == []
 
-    run(_with_engine(body))
+    with_engine(body)
 
 
 async def _collect(engine, stream):
     return [o async for o in engine.stream_outputs(stream)]
 
 
-def test_shutdown_during_a_long_step_fails_everyone_and_never_calls_back_later():
+def test_shutdown_during_a_long_step_fails_everyone_and_never_calls_back_later(tokenizer):
     async def body():
-        fake = FakeEngine()
-        engine = AsyncLLMEngine(fake)
+        fake = FakeCore()
+        engine = make_engine(fake, tokenizer)
+        calls_after = []
+        deliver = engine._on_outputs
+        engine._on_outputs = lambda o: (calls_after.append(o) if engine._stopping
+                                        else deliver(o))
         engine.start()
         loop_errors = []
         asyncio.get_running_loop().set_exception_handler(lambda _, ctx: loop_errors.append(ctx))
         fake.step_permits = threading.Semaphore(0)
         stream = await engine.add_request("a", "p", SamplingParams(max_tokens=5))
         await _until(lambda: fake.step_threads)  # a long step is in flight
-        pending_add = asyncio.ensure_future(
-            engine.add_request("b", "p", SamplingParams(max_tokens=5)))
-        await asyncio.sleep(0.02)
-        calls_after = []
         await engine.shutdown(timeout=0.1)  # returns while the step still runs
-        for name in ("_deliver", "_deliver_error", "_resolve"):
-            setattr(engine, name, lambda *a, _n=name: calls_after.append(_n))
         with pytest.raises(EngineDeadError):
             await asyncio.wait_for(stream.get(), 2)
-        with pytest.raises(EngineDeadError):
-            await asyncio.wait_for(pending_add, 2)  # an add waiting on the engine fails too
         fake.step_permits.release(100)  # the step ends after shutdown returned
-        await asyncio.to_thread(engine._thread.join, 5)
-        assert not engine._thread.is_alive()
+        thread = engine.clients[0]._thread
+        await asyncio.to_thread(thread.join, 5)
+        assert not thread.is_alive()
         await asyncio.sleep(0.05)  # anything the thread scheduled would have run by now
         assert calls_after == [] and loop_errors == []
         with pytest.raises(EngineDeadError):
@@ -315,27 +392,26 @@ def test_shutdown_during_a_long_step_fails_everyone_and_never_calls_back_later()
     run(body())
 
 
-def test_scheduler_stall_fails_the_stuck_requests_and_marks_the_engine_unhealthy():
+def test_scheduler_stall_fails_the_stuck_requests_and_marks_the_engine_unhealthy(with_engine):
     async def body(fake, engine):
         fake.step_permits = threading.Semaphore(0)
         stuck = await engine.add_request("stuck", "p", SamplingParams(max_tokens=50))
         await _until(lambda: fake.step_threads)  # its first step is in flight
-        adding = asyncio.ensure_future(
-            engine.add_request("other", "p", SamplingParams(max_tokens=3)))
-        assert engine.health_error is None
+        other = await engine.add_request("other", "p", SamplingParams(max_tokens=3))
+        assert engine.health_error is None and engine.health_problem() is None
         fake.stall_ids = ["stuck"]  # that step raises the watchdog's error
         fake.step_permits.release(1000)
-        other = await asyncio.wait_for(adding, 5)
         with pytest.raises(SchedulerStallError) as info:
             await asyncio.wait_for(stuck.get(), 5)
         assert info.value.request_ids == ["stuck"]
-        assert "stuck" in fake.aborted and "stuck" not in fake.requests  # blocks returned
+        assert "stuck" in fake.aborted  # its blocks returned
         outs = await asyncio.wait_for(_collect(engine, other), 5)  # the others go on
         assert outs[-1].finished
         assert engine.health_error is not None and "stuck" in engine.health_error
+        assert "unhealthy" in engine.health_problem()
         assert engine.is_running  # new requests are still served (health says restart)
         outs = [o async for o in engine.generate("p", SamplingParams(max_tokens=2), "later")]
         assert outs[-1].finished
         assert engine.health_error is not None  # unhealthy until restart
 
-    run(_with_engine(body))
+    with_engine(body)

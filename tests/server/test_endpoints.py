@@ -84,7 +84,7 @@ def test_metrics_parse_and_move_after_a_request(http, client):
     for gauge in ("num_requests_running", "num_requests_waiting", "num_requests_swapped",
                   "kv_cache_usage_perc",
                   "kv_cache_used_blocks", "num_preemptions_total"):
-        assert (f"pagedllm:{gauge}", (("model_name", MODEL),)) in after
+        assert (f"pagedllm:{gauge}", (("engine", "0"), ("model_name", MODEL))) in after
 
 
 def test_metrics_show_the_running_request(http, client):

@@ -5,18 +5,26 @@
 
 Endpoints: GET /health, /version, /v1/models, /metrics; POST /v1/completions,
 /v1/chat/completions, /tokenize, /detokenize. Start-up: the flags are validated, the port is
-bound (a busy port fails before the model loads), the model and tokenizer are loaded, then
-uvicorn serves; the engine thread starts with the app (lifespan) and stops with it.
+bound (a busy port fails before the model loads), the engine core process(es) load the model
+while this process loads the tokenizer, then uvicorn serves (engine/async_engine.py).
+
+Life cycle: SIGTERM drains (new requests get 503, in-flight ones may finish for
+--drain-timeout seconds, then exit 0); a second SIGTERM or SIGINT stops at once. If the engine
+core dies, its requests fail (503), /health answers 503 and the server exits 1, so that a
+supervisor restarts it.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import secrets
+import signal
 import socket
 import sys
+import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -73,8 +81,44 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
+class Lifecycle:
+    """Draining after SIGTERM and the process's exit code; counts the HTTP requests in flight."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.draining_since: float | None = None
+        self.exit_code = 0
+        self.fatal: str | None = None
+
+
+class InFlightMiddleware:
+    """Counts requests in flight (a streaming response until its last byte) and answers 503
+    to new ones while the server drains. Plain ASGI: streaming passes through as is."""
+
+    def __init__(self, app, lifecycle: Lifecycle) -> None:
+        self.app = app
+        self.lifecycle = lifecycle
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        life = self.lifecycle
+        if life.draining_since is not None or life.fatal is not None:
+            why = life.fatal or "The server is shutting down."
+            await error_response(why, 503)(scope, receive, send)
+            return
+        life.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            life.in_flight -= 1
+
+
+def build_app(ctx: ServingContext, api_key: str | None = None,
+              lifecycle: Lifecycle | None = None) -> FastAPI:
     engine = ctx.async_engine
+    lifecycle = lifecycle if lifecycle is not None else Lifecycle()
     completions = CompletionServer(ctx)
     chat = ChatServer(ctx)
     tokenization = TokenizationServer(ctx)
@@ -103,16 +147,15 @@ def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
 
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(InFlightMiddleware, lifecycle=lifecycle)  # outermost: sees every request
 
     @app.get("/health")
     async def health() -> Response:
-        """200, or 503 with an OpenAI error body: the engine thread is gone, or the scheduler
+        """200, or 503 with an OpenAI error body: an engine core is gone, or the scheduler
         stalled once (a bug: unhealthy until restart, though requests are still served)."""
-        if not engine.is_running:
-            return error_response("The engine is not running.", 503)
-        if engine.health_error is not None:
-            return error_response(f"The engine is unhealthy, restart the server: "
-                                  f"{engine.health_error}", 503)
+        problem = engine.health_problem()
+        if problem is not None:
+            return error_response(problem, 503)
         return Response(status_code=200)
 
     @app.get("/version")
@@ -170,10 +213,54 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Server:
+    """uvicorn's server with pagedllm's life cycle: the first SIGTERM drains instead of
+    closing the listening socket (so that new requests get a 503, not a refused connection)."""
+
+    def __new__(cls, config, lifecycle: Lifecycle, drain_timeout: float):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame) -> None:
+                if sig == signal.SIGTERM and lifecycle.draining_since is None \
+                        and lifecycle.fatal is None:
+                    lifecycle.draining_since = time.monotonic()
+                    logger.info("SIGTERM: draining (%d request(s) in flight, up to %.0f s)",
+                                lifecycle.in_flight, drain_timeout)
+                    return
+                super().handle_exit(sig, frame)
+
+        return Server(config)
+
+
+FATAL_LINGER_S = 1.0  # after the engine died: answer 503 this long, then exit 1
+
+
+async def _watch_lifecycle(server, lifecycle: Lifecycle, drain_timeout: float) -> None:
+    """Ends the server when a drain is over, or shortly after the engine is gone (meanwhile
+    every request, /health included, gets a 503 naming why)."""
+    fatal_since = None
+    while not server.should_exit:
+        await asyncio.sleep(0.05)
+        if lifecycle.fatal is not None:
+            fatal_since = fatal_since or time.monotonic()
+            if time.monotonic() - fatal_since >= FATAL_LINGER_S:
+                server.should_exit = True
+        elif lifecycle.draining_since is not None:
+            waited = time.monotonic() - lifecycle.draining_since
+            if lifecycle.in_flight == 0 or waited >= drain_timeout:
+                if lifecycle.in_flight:
+                    logger.warning("Drain timeout: %d request(s) still in flight are cut",
+                                   lifecycle.in_flight)
+                server.should_exit = True
+
+
 def run_server(args: argparse.Namespace) -> int:
-    """Validate the flags, bind, load the engine and serve until interrupted."""
+    """Validate the flags, bind, start the engine and serve until interrupted. Returns the
+    exit code: 0 after a drain or Ctrl-C, 1 if the engine core died, 2 for bad flags."""
     import uvicorn
 
+    from pagedllm.engine.core_client import EngineCoreStartError
     from pagedllm.entrypoints.arg_utils import engine_config_from_args, validate_server_args
 
     try:
@@ -189,23 +276,46 @@ def run_server(args: argparse.Namespace) -> int:
         return 2
     try:
         async_engine = AsyncLLMEngine.from_engine_config(config)
-    except ValueError as exc:
+    except (ValueError, EngineCoreStartError) as exc:
         sock.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    lifecycle = Lifecycle()
     ctx = ServingContext(async_engine)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    app = build_app(ctx, api_key)
+    app = build_app(ctx, api_key, lifecycle)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     logger.info("Serving %s on http://%s:%d (OpenAI API under /v1)%s", ctx.model_name, shown,
                 port, "; API key required" if api_key else "")
-    server = uvicorn.Server(uvicorn.Config(
+    drain_timeout = float(getattr(args, "drain_timeout", 30.0))
+    server = _Server(uvicorn.Config(
         app, log_level=args.uvicorn_log_level, timeout_keep_alive=5,
         timeout_graceful_shutdown=5,
-    ))
-    server.run(sockets=[sock])
-    return 0
+    ), lifecycle, drain_timeout)
+
+    def on_fatal(message: str) -> None:
+        logger.error("%s Exiting with status 1.", message)
+        lifecycle.fatal = message
+        lifecycle.exit_code = 1
+
+    async_engine.on_fatal = on_fatal
+
+    async def serve() -> None:
+        watcher = asyncio.ensure_future(_watch_lifecycle(server, lifecycle, drain_timeout))
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            watcher.cancel()
+
+    try:
+        asyncio.run(serve())
+    finally:
+        # The lifespan shut the cores down; a start-up that never reached it must too.
+        if async_engine.is_running or not async_engine._started:
+            for client in async_engine.clients:
+                client.shutdown(5)
+    return lifecycle.exit_code
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,7 +4,8 @@ server's own.
 The server renders chat templates, tokenizes prompts and decodes token ids on a tokenizer
 *copy* in a single worker thread: the event loop never does that CPU work, the engine thread's
 tokenizer is never used from two threads at once, and prompts reach the engine already
-tokenized (the engine thread only schedules and runs the model).
+tokenized (the engine core only schedules and runs the model; the event loop detokenizes its
+token deltas with the engine's tokenizer, `AsyncLLMEngine.output_processor`).
 """
 
 from __future__ import annotations
@@ -27,15 +28,15 @@ T = TypeVar("T")
 
 class ServingContext:
     def __init__(self, async_engine: AsyncLLMEngine, chat_template: str | None = None) -> None:
-        engine = async_engine.engine
+        info = async_engine.info
         self.async_engine = async_engine
-        self.model_name: str = engine.model_name
-        src = engine.source
-        self.model_root: str = os.path.join(src.path, src.gguf_file) if src.gguf_file else src.path
-        self.max_model_len: int = engine.max_model_len
-        self.vocab_size: int = int(engine.hf_config.vocab_size)
-        self.chat_template = chat_template or engine.config.chat_template
-        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.model_name: str = info.model_name
+        self.model_root: str = info.model_root
+        self.max_model_len: int = info.max_model_len
+        self.vocab_size: int = info.vocab_size
+        self.chat_template = chat_template or info.chat_template
+        # A copy: the event loop's output processor decodes with the engine's own.
+        self.tokenizer = copy.deepcopy(async_engine.tokenizer)
         self._tok_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tok")
 
     def close(self) -> None:

@@ -1,0 +1,513 @@
+"""EngineCore: the scheduler, the KV cache manager, the model runner and the sampler.
+
+Token ids in (`EngineCoreRequest`), token deltas out (`EngineCoreOutputs`, one per step):
+schedule (core/scheduler) -> execute (worker/model_runner) -> sample (layers/sampler) ->
+update (append tokens, check EOS / stop ids / lengths, free finished sequences). It never
+tokenizes or detokenizes: text is the front end's (`engine/output_processor.py`), which also
+checks stop strings and tells the core which samples they ended (`finish_samples`).
+
+One class serves both homes of the engine: in process under the offline `LLMEngine`, and in
+its own process behind the server (`engine/core_process.py`, over ZeroMQ). Single-threaded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Sequence, SequenceStatus
+from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.engine.beam_search import BeamSearch, BeamSearchRequest, beam_completions
+from pagedllm.engine.core_messages import (
+    CoreStats,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SampleDelta,
+)
+from pagedllm.engine.errors import SchedulerStallError
+from pagedllm.engine.input_processing import InputProcessor
+from pagedllm.engine.kv_stats import KVCacheStats, KVCacheStatsTracker
+from pagedllm.engine.request_state import RequestState, SeqState, sample_seed
+from pagedllm.engine.sequence_update import SequenceUpdater
+from pagedllm.kernels.status import log_kernel_status
+from pagedllm.layers.kv_cache_format import resolve_kv_cache_dtype
+from pagedllm.layers.sampler import Sampler
+from pagedllm.model.loader import load_model
+from pagedllm.model_source import ModelSource, load_hf_config, resolve_model
+from pagedllm.tokenizer import load_tokenizer
+from pagedllm.worker.cache_engine import CacheEngine
+from pagedllm.worker.device import resolve_device, resolve_dtype
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """add_request / abort_requests / finish_samples / step, on token ids."""
+
+    # Consecutive steps with unfinished requests that schedule nothing and move no block
+    # before the watchdog calls it a stall (the scheduler's liveness argument allows one or
+    # two such steps in a row, never many).
+    stall_steps = 100
+
+    def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
+        self.config = config
+        self.engine_index = engine_index
+        t0 = time.perf_counter()
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.source: ModelSource = resolve_model(config.model)
+        self.model_name = config.served_model_name or self.source.name
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.hf_config = load_hf_config(self.source)
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.model = load_model(
+            self.source.path, self.source.gguf_file, self.hf_config, self.dtype, self.device,
+            quantization=config.quantization, quant_compute=config.quant_compute,
+        )
+        self.max_model_len = self._resolve_max_model_len()
+        self.block_size = config.block_size
+        self.num_blocks = self._determine_num_blocks()
+        self.num_host_blocks = int(config.swap_space * (1 << 30)) // self._bytes_per_block()
+        self._log_cache_size()
+
+        self.kv_cache_manager = KVCacheManager(
+            self.num_blocks,
+            self.block_size,
+            enable_caching=config.enable_prefix_caching,
+            num_host_blocks=self.num_host_blocks,
+        )
+        self.max_num_batched_tokens = config.resolved_max_num_batched_tokens(self.max_model_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                preemption_mode=config.preemption_mode,
+            ),
+            self.kv_cache_manager,
+        )
+        self.model_runner = ModelRunner(
+            self.model, self.hf_config, self.num_blocks, self.block_size, self.dtype, self.device,
+            max_model_len=self.max_model_len, compile_batch_sizes=self._compile_batch_sizes(),
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+        if self.model_runner.decode_graphs is not None:
+            self.model_runner.decode_graphs.request_all()  # in the background, smallest first
+        self.model_runner.cache_engine.allocate_host_pool(self.num_host_blocks)
+        self.sampler = Sampler()
+        self.eos_token_ids = self._eos_token_ids()
+        # The core validates again what the front end validated (a request from another
+        # process is not trusted); it needs no tokenizer for token ids.
+        self.inputs = InputProcessor(None, self.vocab_size, self.max_model_len,
+                                     self.scheduler.check_request_fits)
+        self.updater = SequenceUpdater(self.eos_token_ids, self.max_model_len)
+        self.requests: dict[str, RequestState] = {}
+        self._seq_counter = itertools.count()
+        self._idle_steps = 0  # the watchdog's count (see `stall_steps`)
+        self._kv_stats = KVCacheStatsTracker(self.num_blocks, self.block_size)
+        self.startup_seconds = time.perf_counter() - t0
+        log_kernel_status(self.device)  # which path runs: the C kernels or plain torch
+        logger.info("Engine core ready in %.1f s (%s, %s)", self.startup_seconds, self.device,
+                    self.dtype)
+
+    # ---- start-up -------------------------------------------------------------------------
+
+    def _resolve_max_model_len(self) -> int:
+        model_max = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0)
+        wanted = self.config.max_model_len
+        if wanted is None:
+            return model_max or 2048
+        if model_max and wanted > model_max:
+            raise ValueError(
+                f"max_model_len={wanted} is larger than the model's maximum context length "
+                f"(max_position_embeddings={model_max})."
+            )
+        return wanted
+
+    def _bytes_per_block(self) -> int:
+        cfg = self.hf_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        return CacheEngine.bytes_per_block(
+            cfg.num_hidden_layers, kv_heads, head_dim, self.block_size, self.kv_cache_dtype
+        )
+
+    def _determine_num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = self._bytes_per_block()
+        if self.device.type == "cuda":
+            budget = self._profile_gpu_budget()
+        else:
+            budget = int(self.config.kv_cache_space * (1 << 30))
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"The KV cache budget ({budget} bytes) holds no block of {per_block} bytes; "
+                "raise kv_cache_space / gpu_memory_utilization."
+            )
+        return int(num_blocks)
+
+    def _profile_gpu_budget(self) -> int:
+        """GPU: what is left of `gpu_memory_utilization` of the device after a dummy forward."""
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        tokens = min(self.config.resolved_max_num_batched_tokens(self.max_model_len), 4096)
+        probe = ModelRunner(self.model, self.hf_config, 1, self.block_size, self.dtype, self.device,
+                            kv_cache_dtype=self.kv_cache_dtype)
+        probe.profile_run(tokens)
+        del probe
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        _, total = torch.cuda.mem_get_info()
+        return int(total * self.config.gpu_memory_utilization) - peak
+
+    def _compile_batch_sizes(self) -> list[int] | None:
+        """The compiled decode graphs' batch sizes; None (eager only) unless asked for, with
+        enforce_eager, or off CPU (the GPU path is not compiled yet)."""
+        if self.config.enforce_eager or self.device.type != "cpu" or not self.config.compile_batch_sizes:
+            return None
+        return sorted(set(self.config.compile_batch_sizes))
+
+    def _log_cache_size(self) -> None:
+        per_block = self._bytes_per_block()
+        tokens = self.num_blocks * self.block_size
+        concurrency = tokens / self.max_model_len
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB of %s; maximum concurrency for "
+            "%d tokens per request: %.2fx; swap space: %d blocks",
+            self.num_blocks, self.block_size, tokens, self.num_blocks * per_block / (1 << 30),
+            str(self.kv_cache_dtype).removeprefix("torch."),
+            self.max_model_len, concurrency, self.num_host_blocks,
+        )
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (self.hf_config, getattr(self.model, "generation_config", None)):
+            value = getattr(src, "eos_token_id", None) if src is not None else None
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        gen_cfg = self._generation_config()
+        if gen_cfg is not None:
+            value = gen_cfg.get("eos_token_id")
+            ids.update([value] if isinstance(value, int) else (value or []))
+        if not ids:
+            # The tokenizer's EOS, the last resort (a GGUF file names it in its metadata).
+            tok_source = resolve_model(self.config.tokenizer) if self.config.tokenizer else self.source
+            eos = load_tokenizer(tok_source.path, tok_source.gguf_file).eos_token_id
+            if eos is not None:
+                ids.add(eos)
+        return ids
+
+    def _generation_config(self) -> dict | None:
+        if self.source.is_gguf:
+            return None
+        path = Path(self.source.path) / "generation_config.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Validate and queue a tokenized request; one that can never run is a ValueError."""
+        request_id = request.request_id
+        if request_id in self.requests:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        params = request.sampling_params
+        prompt_ids = self.inputs.check_token_ids(request.prompt_token_ids)
+        self.inputs.validate(prompt_ids, params)
+        beam_params = request.beam_params
+        if params.use_beam_search and beam_params is None:
+            from pagedllm.engine.beam_search import beam_params_from_sampling
+
+            beam_params = beam_params_from_sampling(params, params.max_tokens)
+        state = RequestState(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            arrival_time=request.arrival_time,
+            num_prompt_logprobs=0 if params.prompt_logprobs is not None else None,
+        )
+        if beam_params is not None:
+            seq = self._new_beam_sequence(state, request.cache_salt, [])
+            stop_ids = self.eos_token_ids | set(params.stop_token_ids)
+            state.beam = BeamSearchRequest(BeamSearch(beam_params, stop_ids), running=[seq])
+        else:
+            seq = self._new_sequence(state, index=0, cache_salt=request.cache_salt)
+        if params.prompt_logprobs is not None:
+            seq.skip_prefix_cache = True
+        state.seqs.append(seq)
+        self.requests[request_id] = state
+        self.scheduler.add_sequence(seq, lockstep=beam_params is not None)
+
+    def _new_beam_sequence(
+        self, state: RequestState, cache_salt: str | None, output_token_ids: list[int]
+    ) -> Sequence:
+        """A beam: no sampler state (beam search chooses its tokens itself)."""
+        seq = self._make_sequence(state, 0, cache_salt, output_token_ids)
+        seq.data["state"] = None
+        return seq
+
+    def _make_sequence(
+        self, state: RequestState, index: int, cache_salt: str | None,
+        output_token_ids: list[int] = (),
+    ) -> Sequence:
+        return Sequence(
+            seq_id=next(self._seq_counter),
+            request_id=state.request_id,
+            prompt_token_ids=state.prompt_token_ids,
+            arrival_time=state.arrival_time,
+            index=index,
+            cache_salt=cache_salt,
+            output_token_ids=list(output_token_ids),
+        )
+
+    def _new_sequence(self, state: RequestState, index: int, cache_salt: str | None) -> Sequence:
+        params = state.params
+        seq = self._make_sequence(state, index, cache_salt)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(sample_seed(params.seed, index))
+        seq.data["state"] = SeqState(generator=generator,
+                                     wants_logprobs=params.logprobs is not None)
+        return seq
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        """Drop requests wherever they are; their blocks return to the pool at once."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            state = self.requests.pop(rid, None)
+            if state is None:
+                continue
+            for seq in state.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish_sequence(seq, SequenceStatus.FINISHED_ABORTED)
+        self._observe_kv_usage()  # kv_cache_stats() shows the freed blocks at once
+
+    def finish_samples(self, samples: Iterable[tuple[str, int]]) -> None:
+        """The front end saw a stop string end these (request id, sample index) samples: free
+        them now; a request whose samples are all finished leaves the core."""
+        for rid, index in samples:
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            for seq in state.seqs:
+                if seq.index == index and not seq.is_finished:
+                    self.scheduler.finish_sequence(seq, SequenceStatus.FINISHED_STOPPED)
+                    seq.data["state"].reported = True
+            if state.finished:
+                del self.requests[rid]
+        self._observe_kv_usage()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        """Run one scheduler step; an output for every request that advanced."""
+        sched_out = self.scheduler.schedule()
+        self._watch_progress(sched_out)
+        if not sched_out.scheduled:
+            if sched_out.has_cache_ops:  # e.g. a step that only swapped a group out
+                self.model_runner.execute_model(sched_out)
+            return EngineCoreOutputs(timestamp=time.time(), engine_index=self.engine_index)
+        now = time.time()
+        outputs: dict[str, EngineCoreOutput] = {}
+        for item in sched_out.scheduled:
+            state = self.requests[item.seq.request_id]
+            if state.first_scheduled_time is None:
+                state.first_scheduled_time = now
+                state.num_cached_tokens = item.seq.num_cached_tokens
+                outputs[state.request_id] = EngineCoreOutput(
+                    state.request_id, [], first_scheduled_time=now,
+                    num_cached_tokens=item.seq.num_cached_tokens,
+                )
+            item.all_logits = state.num_prompt_logprobs is not None and not state.prompt_logprobs_done
+        runner_out = self.model_runner.execute_model(sched_out)
+        self.scheduler.update_after_step(sched_out)
+        self._observe_kv_usage()
+        self._process_outputs(sched_out, runner_out, outputs)
+        self._observe_kv_usage()  # finished sequences gave their blocks back
+        result = []
+        for rid, out in outputs.items():
+            state = self.requests.get(rid)
+            if state is not None and state.finished:
+                out.finished = True
+                if state.beam is not None:
+                    out.beam_completions = state.beam_outputs or []
+                del self.requests[rid]
+            if out.samples or out.finished or out.new_prompt_logprobs or out.beam_completions:
+                result.append(out)
+            elif out.first_scheduled_time is not None:
+                result.append(out)  # the first scheduling: its cache hits and queue time
+        return EngineCoreOutputs(result, timestamp=time.time(), engine_index=self.engine_index)
+
+    def _watch_progress(self, sched_out: SchedulerOutput) -> None:
+        """The watchdog: raise `SchedulerStallError` naming the stuck requests when
+        `stall_steps` steps in a row had work but scheduled nothing and moved no block."""
+        if sched_out.scheduled or sched_out.has_cache_ops or not self.requests:
+            self._idle_steps = 0
+            return
+        self._idle_steps += 1
+        if self._idle_steps >= self.stall_steps:
+            self._idle_steps = 0
+            sched, kv = self.scheduler, self.kv_cache_manager
+            raise SchedulerStallError(
+                list(self.requests), self.stall_steps,
+                f"running {sched.num_running}, waiting {sched.num_waiting}, swapped "
+                f"{sched.num_swapped}; free blocks {kv.num_free_blocks}/{kv.num_blocks}, free "
+                f"host blocks {kv.num_free_host_blocks}",
+            )
+
+    def _output_for(self, outputs: dict[str, EngineCoreOutput], rid: str) -> EngineCoreOutput:
+        out = outputs.get(rid)
+        if out is None:
+            out = outputs[rid] = EngineCoreOutput(rid, [])
+        return out
+
+    def _process_outputs(
+        self, sched_out: SchedulerOutput, runner_out, outputs: dict[str, EngineCoreOutput]
+    ) -> None:
+        rows: list[tuple[RequestState, Sequence]] = []
+        row_logits: list[int] = []  # which runner logits row each sampling row reads
+        sample_i = 0
+        for item in sched_out.scheduled:
+            state = self.requests[item.seq.request_id]
+            if item.all_logits:
+                entries = self.updater.add_prompt_logprobs(
+                    state, item, runner_out.all_logits[item.seq.seq_id], self.sampler
+                )
+                if entries:
+                    out = self._output_for(outputs, state.request_id)
+                    out.new_prompt_logprobs = (out.new_prompt_logprobs or []) + entries
+            if not item.sample:
+                continue
+            if state.beam is not None:
+                # A copy: a view would keep the step's whole logits tensor alive.
+                state.beam.add_logits(item.seq, runner_out.sample_logits[sample_i].clone())
+                sample_i += 1
+                if state.beam.ready():
+                    self._advance_beams(state)
+                    if state.finished:  # beam search reports once, at the end
+                        self._output_for(outputs, state.request_id)
+                continue
+            targets = [item.seq]
+            if state.params.n > 1 and not state.forked:
+                # First sample of an n > 1 request: fork n - 1 children that share the
+                # prompt's blocks; each samples its own first token from the same logits.
+                targets += [self._fork(state, item.seq, idx) for idx in range(1, state.params.n)]
+                state.forked = True
+            for target in targets:
+                rows.append((state, target))
+                row_logits.append(sample_i)
+            sample_i += 1
+        if not rows:
+            return
+        logits = runner_out.sample_logits
+        if len(row_logits) != logits.shape[0]:
+            logits = logits.index_select(0, torch.tensor(row_logits, device=logits.device))
+        metadata = self.updater.build_sampling_metadata(rows, logits.device)
+        sampler_out = self.sampler(logits, metadata)
+        for r, (state, seq) in enumerate(rows):
+            token, logprob, status = self.updater.append_token(state, seq, sampler_out, r)
+            st: SeqState = seq.data["state"]
+            delta = SampleDelta(seq.index, [token], [logprob] if logprob is not None else None)
+            if status is not None:
+                self.scheduler.finish_sequence(seq, status)
+                delta.finish_reason = st.finish_reason
+                delta.stop_reason = st.stop_reason
+                st.reported = True
+            self._output_for(outputs, state.request_id).samples.append(delta)
+
+    def _fork(self, state: RequestState, parent: Sequence, idx: int) -> Sequence:
+        """Sample `idx` of an n > 1 request, made at the first sample: it shares the parent's
+        blocks (ref counts raised; copy-on-write before it writes a shared block)."""
+        child = self._new_sequence(state, index=idx, cache_salt=parent.cache_salt)
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.scheduler.fork_sequence(parent, child)
+        state.seqs.append(child)
+        return child
+
+    def _advance_beams(self, state: RequestState) -> None:
+        """One beam-search step for a request whose running beams all have their logits."""
+        beam = state.beam
+        assert beam is not None
+        done = beam.advance(
+            fork=lambda parent: self._fork_beam(state, parent),
+            drop=lambda seq: self.scheduler.finish_sequence(seq, SequenceStatus.FINISHED_ABORTED),
+        )
+        state.seqs = list(beam.running)
+        if done:
+            state.beam_outputs = beam_completions(beam.search.results(), state,
+                                                  self.eos_token_ids)
+
+    def _fork_beam(self, state: RequestState, parent: Sequence) -> Sequence:
+        """A beam chosen twice: the copy shares every block of its parent (CoW on write)."""
+        child = self._new_beam_sequence(state, parent.cache_salt, parent.output_token_ids)
+        self.scheduler.fork_sequence(parent, child)
+        return child
+
+    def _observe_kv_usage(self) -> None:
+        kv = self.kv_cache_manager
+        shared = kv.num_shared_blocks
+        # One addition per running sequence; blocks walked only where they are shared.
+        tokens = KVCacheStatsTracker.stored_tokens(
+            self.scheduler.running, kv.req_to_blocks, self.block_size, shared
+        )
+        self._kv_stats.observe(self.num_blocks - kv.num_free_blocks, tokens, shared)
+
+    # ---- statistics -----------------------------------------------------------------------
+
+    def stats(self) -> CoreStats:
+        """The gauges and counters that /metrics shows (metrics.EngineMetrics)."""
+        sched, kv = self.scheduler, self.kv_cache_manager
+        swapped = getattr(sched, "swapped", ())  # groups of one request's sequences
+        return CoreStats(
+            num_running=len({s.request_id for s in sched.running}),
+            num_waiting=len({s.request_id for s in sched.waiting}),
+            num_swapped=len({s.request_id for g in swapped for s in g}),
+            kv_used_blocks=kv.num_blocks - kv.num_free_blocks,
+            kv_num_blocks=kv.num_blocks,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=sched.num_preemptions,
+        )
+
+    def kv_cache_stats(self) -> KVCacheStats:
+        kv = self.kv_cache_manager
+        return self._kv_stats.snapshot(
+            self.scheduler.num_preemptions, kv.prefix_cache_queries, kv.prefix_cache_hits,
+            kv.num_swapped_out, kv.num_swapped_in,
+        )
+
+    def reset_kv_cache_peak(self) -> None:
+        self._kv_stats.reset_peak()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def utility(self, name: str, args: list[Any]) -> Any:
+        """The calls a front end in another process may make (besides requests)."""
+        if name not in ("reset_prefix_cache", "reset_kv_cache_peak", "kv_cache_stats"):
+            raise ValueError(f"Unknown engine core call {name!r}.")
+        return getattr(self, name)(*args)

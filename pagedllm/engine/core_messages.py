@@ -1,0 +1,147 @@
+"""What the front end and the engine core say to each other (vLLM v1's protocol, on msgspec).
+
+In: an `EngineCoreRequest` carries token ids, never text (the front end tokenizes). Out: one
+`EngineCoreOutputs` per core step, holding for every request that advanced only what is *new*
+(`SampleDelta`: the step's token ids and their logprobs), never cumulative copies, and a
+`CoreStats` snapshot for the gauges. The front end (`engine/output_processor.py`) detokenizes,
+checks stop strings and assembles `RequestOutput`s.
+
+The same objects travel in process (the offline `LLMEngine`) and over ZeroMQ as msgpack
+(`engine/core_client.py`): `encode` / `decode_*` are the only wire functions. Logprobs are
+compact tuples here (`(token_id, logprob, rank)` plus the top-k `(token_id, logprob)` pairs)
+and become `Logprob` dicts with decoded text in the front end.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+
+
+class EngineCoreRequestType(enum.IntEnum):
+    """The first frame of a message to the core: what the second frame is."""
+
+    ADD = 0
+    ABORT = 1  # list of request ids
+    FINISH_SAMPLES = 2  # list of (request id, sample index): stopped by a stop string
+    UTILITY = 3  # (name, args): reset_prefix_cache, ...
+    SHUTDOWN = 4
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    beam_params: BeamSearchParams | None = None
+    cache_salt: str | None = None
+
+
+# (token id, logprob, rank, top-k [(token id, logprob), ...] in rank order)
+TokenLogprob = tuple[int, float, int, list[tuple[int, float]]]
+# One prompt position: {token id: (logprob, rank)}; None for the first position.
+PromptLogprobEntry = dict[int, tuple[float, int]] | None
+
+
+class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one sample (index `index` of the request's n) gained in one step."""
+
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None = None
+    # set on the step the core finished the sample: "stop" (EOS / stop token), "length", "abort"
+    finish_reason: str | None = None
+    stop_reason: int | None = None  # the stop token id, when one ended it
+
+
+class BeamCompletion(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A finished beam hypothesis (beam search reports once, at the end). The front end
+    decodes the first `num_text_tokens` of `token_ids` (a stop token's text is left out)."""
+
+    index: int
+    token_ids: list[int]
+    num_text_tokens: int
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    samples: list[SampleDelta] = []
+    finished: bool = False  # the core holds nothing of the request any more
+    new_prompt_logprobs: list[PromptLogprobEntry] | None = None
+    num_cached_tokens: int | None = None  # sent once, with the first scheduling
+    first_scheduled_time: float | None = None  # likewise
+    beam_completions: list[BeamCompletion] | None = None
+    error: str | None = None  # the core rejected or failed the request (ValueError text)
+    error_kind: str | None = None  # "invalid" (the client's fault: 400) / "stall" / "internal"
+
+
+class CoreStats(msgspec.Struct, array_like=True):
+    """The scheduler and KV cache gauges and counters after a step (metrics.py)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    kv_used_blocks: int = 0
+    kv_num_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    stats: CoreStats | None = None
+    timestamp: float = 0.0
+    engine_index: int = 0  # the data-parallel replica that sent it
+    utility_result: tuple[int, str, bool] | None = None  # (call id, repr result, ok)
+    health_error: str | None = None  # a scheduler stall was seen: /health turns 503
+
+
+class CoreReady(msgspec.Struct):
+    """The core's hand-shake once its model is loaded (or the error it failed with)."""
+
+    ok: bool
+    error: str | None = None
+    error_is_value_error: bool = False
+    num_blocks: int = 0
+    block_size: int = 16
+    max_model_len: int = 0
+    max_num_batched_tokens: int = 0
+    model_name: str = ""
+    vocab_size: int = 0
+    eos_token_ids: list[int] = []
+    startup_seconds: float = 0.0
+    kernel_info: dict[str, str] = {}
+    pid: int = 0
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+_outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+_ready_decoder = msgspec.msgpack.Decoder(CoreReady)
+
+
+def encode(obj: object) -> bytes:
+    return _encoder.encode(obj)
+
+
+def decode_request(data: bytes) -> EngineCoreRequest:
+    return _request_decoder.decode(data)
+
+
+def decode_outputs(data: bytes) -> EngineCoreOutputs:
+    return _outputs_decoder.decode(data)
+
+
+def decode_ready(data: bytes) -> CoreReady:
+    return _ready_decoder.decode(data)
+
+
+def decode_any(data: bytes) -> object:
+    return msgspec.msgpack.decode(data)

@@ -1,0 +1,142 @@
+"""The engine core in its own process, behind ZeroMQ (vLLM v1's EngineCoreProc).
+
+    front end (API server)                          engine core process
+    PUSH input  --(kind frame, msgpack frame)-->    PULL: input thread -> CoreBusyLoop queue
+    PULL output <--(msgpack EngineCoreOutputs)--    PUSH: output thread <- CoreBusyLoop.send
+    PULL ready  <--(msgpack CoreReady, once)----    PUSH: after the model loaded (or failed)
+
+The front end binds the sockets (ipc:// in a private temporary folder) and starts the process
+with `spawn` (no inherited threads or CUDA state); the core connects. Two threads move bytes so
+that the busy loop never waits on a socket: the input thread decodes messages into the loop's
+queue, the output thread encodes and sends what the loop produced (ZeroMQ sends and receives
+release the GIL). The core exits when told (SHUTDOWN), on SIGTERM / SIGINT of its own, or when
+the front end's process is gone (it polls its parent once a second), so no core outlives its
+server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import zmq
+
+from pagedllm.engine.core_messages import (
+    CoreReady,
+    EngineCoreOutputs,
+    EngineCoreRequestType,
+    decode_any,
+    decode_request,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CoreAddresses:
+    input: str
+    output: str
+    ready: str
+
+
+def run_engine_core(config, engine_index: int, addresses: CoreAddresses, parent_pid: int,
+                    log_level: int = logging.INFO) -> None:
+    """The core process's main function (a `multiprocessing` spawn target)."""
+    logging.basicConfig(level=log_level,
+                        format=f"%(levelname)s %(name)s [core {engine_index}]: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides; Ctrl-C reaches both
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    _exit_with_parent(parent_pid)
+    ctx = zmq.Context()
+    ready = ctx.socket(zmq.PUSH)
+    ready.setsockopt(zmq.LINGER, 5000)
+    ready.connect(addresses.ready)
+    try:
+        from pagedllm.engine.core import EngineCore
+        from pagedllm.kernels.status import kernel_status
+
+        core = EngineCore(config, engine_index)
+        info = kernel_status().info_labels() if core.device.type == "cpu" else {}
+    except BaseException as exc:  # the front end prints it and exits
+        ready.send(encode(CoreReady(
+            ok=False, error=str(exc) if isinstance(exc, ValueError) else traceback.format_exc(),
+            error_is_value_error=isinstance(exc, ValueError), pid=os.getpid(),
+        )))
+        ready.close()
+        ctx.term()
+        sys.exit(1)
+    out_q: queue.SimpleQueue[EngineCoreOutputs | None] = queue.SimpleQueue()
+    from pagedllm.engine.core_loop import CoreBusyLoop
+
+    loop = CoreBusyLoop(core, out_q.put, engine_index)
+    threading.Thread(target=_input_thread, args=(ctx, addresses.input, loop),
+                     name="pagedllm-core-input", daemon=True).start()
+    sender = threading.Thread(target=_output_thread, args=(ctx, addresses.output, out_q),
+                              name="pagedllm-core-output", daemon=True)
+    sender.start()
+    ready.send(encode(CoreReady(
+        ok=True, num_blocks=core.num_blocks, block_size=core.block_size,
+        max_model_len=core.max_model_len, max_num_batched_tokens=core.max_num_batched_tokens,
+        model_name=core.model_name, vocab_size=core.vocab_size,
+        eos_token_ids=sorted(core.eos_token_ids), startup_seconds=core.startup_seconds,
+        kernel_info=info, pid=os.getpid(),
+    )))
+    ready.close()
+    try:
+        loop.run()
+    except BaseException:
+        logger.exception("The engine core's loop died")
+        out_q.put(None)
+        sender.join(5)
+        os._exit(1)
+    out_q.put(None)
+    sender.join(5)
+    os._exit(0)
+
+
+def _input_thread(ctx: zmq.Context, address: str, loop) -> None:
+    sock = ctx.socket(zmq.PULL)
+    sock.connect(address)
+    while True:
+        kind_frame, payload = sock.recv_multipart(copy=False)
+        kind = EngineCoreRequestType(int(bytes(kind_frame.buffer)[0]))
+        data = payload.buffer
+        if kind == EngineCoreRequestType.ADD:
+            loop.put(kind, decode_request(data))
+        else:
+            loop.put(kind, decode_any(data))
+        if kind == EngineCoreRequestType.SHUTDOWN:
+            return
+
+
+def _output_thread(ctx: zmq.Context, address: str, out_q: queue.SimpleQueue) -> None:
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(address)
+    while True:
+        outputs = out_q.get()
+        if outputs is None:
+            sock.close()
+            return
+        sock.send(encode(outputs), copy=False)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Leave when the front end is gone (SIGKILLed servers must not leave cores behind)."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="pagedllm-parent-watch", daemon=True).start()
