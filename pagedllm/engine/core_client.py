@@ -229,6 +229,7 @@ class MPCoreClient:
 
     def _watch_process(self, on_death: OnDeath) -> None:
         multiprocessing.connection.wait([self.process.sentinel])
+        self.process.join(1)  # reaps it: exitcode is set
         self.alive = False
         if not self._stopping:
             code = self.process.exitcode

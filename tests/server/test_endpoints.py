@@ -135,7 +135,7 @@ def test_unsupported_flags_are_clear_startup_errors():
     proc = _run(["-m", "pagedllm.entrypoints.openai.api_server",
                  "--tensor-parallel-size", "2"])
     assert proc.returncode == 2
-    assert "tensor_parallel_size=2 is not supported" in proc.stderr
+    assert "tensor_parallel_size=2 does not divide the model's 9 attention heads" in proc.stderr
     proc = _run(["-m", "pagedllm.entrypoints.cli", "serve", "--quantization", "bitsandbytes"])
     assert proc.returncode == 2
     assert "quantization='bitsandbytes' is not supported" in proc.stderr
@@ -183,11 +183,12 @@ def test_chat_template_flag_reaches_the_server(tmp_path):
 
             return Template(chat_template).render(messages=conversation)
 
-    engine = SimpleNamespace(
-        model_name="m", source=SimpleNamespace(path="/x", gguf_file=None), max_model_len=8,
-        hf_config=SimpleNamespace(vocab_size=10), config=config, tokenizer=Tok(),
-    )
-    ctx = ServingContext(SimpleNamespace(engine=engine))
+    from pagedllm.engine.async_engine import EngineInfo
+
+    info = EngineInfo(model_name="m", model_root="/x", max_model_len=8, vocab_size=10,
+                      num_blocks=4, block_size=16, chat_template=config.chat_template,
+                      startup_seconds=0.0, kernel_info={})
+    ctx = ServingContext(SimpleNamespace(info=info, tokenizer=Tok()))
     try:
         text = ctx.render_chat([{"role": "user", "content": "hi"}], None, True, False, None)
         assert text == "[user]hi[bot]"

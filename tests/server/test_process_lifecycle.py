@@ -60,7 +60,11 @@ def test_killed_core_fails_the_stream_turns_health_503_and_exits_1():
         assert reader.started.wait(60), srv.log_tail()
         core.kill()  # SIGKILL
         killed_at = time.monotonic()
-        health = httpx.get(f"{srv.url}/health", timeout=5)
+        while True:  # /health turns 503 within a second
+            health = httpx.get(f"{srv.url}/health", timeout=5)
+            if health.status_code != 200 or time.monotonic() - killed_at > 1.0:
+                break
+            time.sleep(0.05)
         reader.join(30)
         assert not reader.is_alive()
         assert health.status_code == 503, health.text
