@@ -1,6 +1,7 @@
 """The server against the offline engine, before and after the process split, in one run.
 
-    flock /tmp/pagedllm-cpu.lock python -m benchmarks.serving_split --before 9d6b94b --repeats 3
+    flock /tmp/pagedllm-cpu.lock python -m benchmarks.serving_split --before 9d6b94b \
+        --after HEAD --repeats 3
 
 Modes (each a `pagedllm serve` started from its own source tree, default model, float32):
 - `before`: a git worktree at `--before` (the commit before the split: the engine in a thread
@@ -45,13 +46,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def offline(workload: str, repeats: int) -> float:
-    """Median output tok/s of the offline engine (this tree) on `workload`."""
+def offline(root: Path, workload: str, repeats: int) -> float:
+    """Median output tok/s of the offline engine (of the tree `root`) on `workload`."""
     with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
         out = f.name
     subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--workload", workload,
-                    "--repeats", str(repeats), "--json-out", out], cwd=ROOT, check=True,
-                   stdout=subprocess.DEVNULL)
+                    "--repeats", str(repeats), "--json-out", out], cwd=root, check=True,
+                   env=dict(os.environ, PYTHONPATH=str(root)), stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in Path(out).read_text().splitlines() if line.strip()]
     os.unlink(out)
     return float(rows[-1]["output_tokens_per_s"])
@@ -118,12 +119,16 @@ def run_mode(name: str, root: Path, env_extra: dict, rate: float, repeats: int) 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--before", default=None, help="commit of the 'before' server (omit: skip)")
+    p.add_argument("--after", default=None,
+                   help="commit of the 'split' / 'inproc' servers and the offline engine "
+                        "(default: this tree as it is)")
     p.add_argument("--modes", default="before,split,inproc")
     p.add_argument("--rate", type=float, default=8.0, help="Poisson rate of the 32-in-flight run")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
-    base = {w: offline(w, args.repeats) for w in ("seed20", "burst200")}
+    after = worktree(args.after) if args.after else ROOT
+    base = {w: offline(after, w, args.repeats) for w in ("seed20", "burst200")}
     print(json.dumps({"offline_output_tokens_per_s": base}), flush=True)
     rows = []
     for mode in args.modes.split(","):
@@ -132,9 +137,9 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             rows += run_mode("before", worktree(args.before), {}, args.rate, args.repeats)
         elif mode == "split":
-            rows += run_mode("split", ROOT, {}, args.rate, args.repeats)
+            rows += run_mode("split", after, {}, args.rate, args.repeats)
         elif mode == "inproc":
-            rows += run_mode("inproc", ROOT, {"PAGEDLLM_ENGINE_IN_PROCESS": "1"}, args.rate,
+            rows += run_mode("inproc", after, {"PAGEDLLM_ENGINE_IN_PROCESS": "1"}, args.rate,
                              args.repeats)
         else:
             raise SystemExit(f"unknown mode {mode!r}")
