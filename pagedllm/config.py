@@ -143,11 +143,6 @@ class EngineConfig:
         if self.distributed_executor_backend not in SUPPORTED_EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {list(SUPPORTED_EXECUTOR_BACKENDS)}, "
                              f"got {self.distributed_executor_backend!r}.")
-        if self.tensor_parallel_size != 1:  # until the engine core builds its executor (issue 12)
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: "
-                "this build runs on a single device (tensor_parallel_size=1)."
-            )
         if self.tensor_parallel_size > 1 and self.compile_batch_sizes and not self.enforce_eager:
             raise ValueError(f"compile_batch_sizes (compiled decode graphs) is not supported with "
                              f"tensor_parallel_size={self.tensor_parallel_size}; leave it unset or use "

@@ -41,12 +41,11 @@ from pagedllm.engine.sequence_update import SequenceUpdater
 from pagedllm.kernels.status import log_kernel_status
 from pagedllm.layers.kv_cache_format import resolve_kv_cache_dtype
 from pagedllm.layers.sampler import Sampler
-from pagedllm.model.loader import load_model
+from pagedllm.executor import create_executor
 from pagedllm.model_source import ModelSource, load_hf_config, resolve_model
 from pagedllm.tokenizer import load_tokenizer
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.device import resolve_device, resolve_dtype
-from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +72,10 @@ class EngineCore:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.hf_config = load_hf_config(self.source)
         self.vocab_size = int(self.hf_config.vocab_size)
-        self.model = load_model(
-            self.source.path, self.source.gguf_file, self.hf_config, self.dtype, self.device,
-            quantization=config.quantization, quant_compute=config.quant_compute,
-        )
+        # Every rank's weights (tensor parallelism: worker processes load their shards meanwhile).
+        self.executor = create_executor(config, self.source.path, self.source.gguf_file, self.hf_config,
+                                        self.dtype, self.device, self.kv_cache_dtype)
+        self.model = self.executor.model  # rank 0's (its shard under tensor parallelism)
         self.max_model_len = self._resolve_max_model_len()
         self.block_size = config.block_size
         self.num_blocks = self._determine_num_blocks()
@@ -100,14 +99,12 @@ class EngineCore:
             ),
             self.kv_cache_manager,
         )
-        self.model_runner = ModelRunner(
-            self.model, self.hf_config, self.num_blocks, self.block_size, self.dtype, self.device,
-            max_model_len=self.max_model_len, compile_batch_sizes=self._compile_batch_sizes(),
-            kv_cache_dtype=self.kv_cache_dtype,
-        )
+        # Every rank: its runner, the same number of blocks of its own KV heads, the host pool.
+        self.executor.initialize_cache(self.num_blocks, self.num_host_blocks, self.max_model_len,
+                                       self._compile_batch_sizes())
+        self.model_runner = self.executor.model_runner  # rank 0's
         if self.model_runner.decode_graphs is not None:
             self.model_runner.decode_graphs.request_all()  # in the background, smallest first
-        self.model_runner.cache_engine.allocate_host_pool(self.num_host_blocks)
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_token_ids()
         # The core validates again what the front end validated (a request from another
@@ -167,14 +164,11 @@ class EngineCore:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         tokens = min(self.config.resolved_max_num_batched_tokens(self.max_model_len), 4096)
-        probe = ModelRunner(self.model, self.hf_config, 1, self.block_size, self.dtype, self.device,
-                            kv_cache_dtype=self.kv_cache_dtype)
-        probe.profile_run(tokens)
-        del probe
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        peak = self.executor.profile_peak_memory(tokens)  # the largest over the ranks
         _, total = torch.cuda.mem_get_info()
-        return int(total * self.config.gpu_memory_utilization) - peak
+        # Each rank's device holds only its KV heads of every block: its budget buys
+        # `kv_share` times as many blocks as `_bytes_per_block` (all heads) says.
+        return (int(total * self.config.gpu_memory_utilization) - peak) * self.executor.kv_share
 
     def _compile_batch_sizes(self) -> list[int] | None:
         """The compiled decode graphs' batch sizes; None (eager only) unless asked for, with
@@ -329,7 +323,7 @@ class EngineCore:
         self._watch_progress(sched_out)
         if not sched_out.scheduled:
             if sched_out.has_cache_ops:  # e.g. a step that only swapped a group out
-                self.model_runner.execute_model(sched_out)
+                self.executor.execute_model(sched_out)
             return EngineCoreOutputs(timestamp=time.time(), engine_index=self.engine_index)
         now = time.time()
         outputs: dict[str, EngineCoreOutput] = {}
@@ -343,7 +337,7 @@ class EngineCore:
                     num_cached_tokens=item.seq.num_cached_tokens,
                 )
             item.all_logits = state.num_prompt_logprobs is not None and not state.prompt_logprobs_done
-        runner_out = self.model_runner.execute_model(sched_out)
+        runner_out = self.executor.execute_model(sched_out)
         self.scheduler.update_after_step(sched_out)
         self._observe_kv_usage()
         self._process_outputs(sched_out, runner_out, outputs)

@@ -31,6 +31,14 @@ class Executor(ABC):
         """Rank 0's runner (its KV cache share); set by `initialize_cache`."""
         return self.driver.model_runner
 
+    @property
+    def kv_share(self) -> int:
+        """How many times fewer bytes a KV block costs one rank than the whole block (each rank
+        holds `model.num_kv_heads` of the model's KV heads): 1 without tensor parallelism."""
+        cfg = self.driver.config.hf_config
+        total = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        return total // self.model.num_kv_heads
+
     @abstractmethod
     def initialize_cache(self, num_blocks: int, num_host_blocks: int, max_model_len: int,
                          compile_batch_sizes: list[int] | None = None) -> None:

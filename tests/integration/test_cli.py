@@ -24,7 +24,7 @@ def test_generate_prints_completions(smollm2_gguf):
 def test_unsupported_knob_is_a_clear_error(smollm2_gguf):
     proc = _run("generate", "--model", smollm2_gguf, "--tensor-parallel-size", "2", "hi")
     assert proc.returncode == 2
-    assert "tensor_parallel_size=2 is not supported" in proc.stderr
+    assert "tensor_parallel_size=2 does not divide the model's 9 attention heads" in proc.stderr
 
 
 def test_unit_engine_config_rejects_unknown_kwarg():
