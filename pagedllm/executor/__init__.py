@@ -5,6 +5,7 @@ worker processes (`MultiprocExecutor`, `distributed_executor_backend="mp"`) or R
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -21,6 +22,8 @@ def worker_config(config: Any, model_path: str, gguf_file: str | None, hf_config
         device_type=torch.device(device).type, kv_cache_dtype=kv_cache_dtype, block_size=config.block_size,
         seed=config.seed, quantization=config.quantization, quant_compute=config.quant_compute,
         tensor_parallel_size=config.tensor_parallel_size, num_threads=config.num_threads,
+        # how long a rank waits in a collective for the others (a hung peer; a dead one is seen at once)
+        collective_timeout_s=float(os.environ.get("PAGEDLLM_TP_TIMEOUT_S", "120")),
     )
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.distributed import cpu_binding
+from pagedllm.distributed import cpu_binding, parallel_state
 from pagedllm.executor.base import Executor
 from pagedllm.executor.channel import Listener, free_port
 from pagedllm.executor.messages import BlockTableMirror, encode_step
@@ -83,6 +83,9 @@ class MultiprocExecutor(Executor):
         if world < 2:
             raise ValueError("MultiprocExecutor is for tensor_parallel_size > 1")
         check_tensor_parallel_devices(config.device_type, world)
+        if parallel_state.tp_group().world_size > 1:  # torch.distributed: one default group per process
+            raise RuntimeError("this process already runs a tensor-parallel engine (it is rank 0 of its group); "
+                               "one at a time: shut the other down first (llm.llm_engine.core.executor.shutdown())")
         self._procs: list[_Proc] = []
         self._failed: WorkerFailure | None = None
         self._closed = False

@@ -45,7 +45,9 @@ class Worker:
         self.config = config
         self.rank = rank
         self.device = torch.device(f"cuda:{rank}" if config.device_type == "cuda" else config.device_type)
-        self.tp = parallel_state.tp_group()
+        # A group of one until `init_distributed` (not the process's group: an engine of one rank
+        # may live beside a tensor-parallel one, e.g. a test's reference).
+        self.tp = parallel_state.TensorParallelGroup(0, 1, "none")
         self.model: torch.nn.Module | None = None
         self.model_runner: ModelRunner | None = None
         self._previous_binding: cpu_binding.CpuBinding | None = None
@@ -98,8 +100,9 @@ class Worker:
 
     def close(self) -> None:
         """Leave the group and give the process its cores back (rank 0 is the engine's process)."""
-        parallel_state.destroy_tensor_parallel()
-        self.tp = parallel_state.tp_group()
+        if self.tp.world_size > 1:
+            parallel_state.destroy_tensor_parallel()
+        self.tp = parallel_state.TensorParallelGroup(0, 1, "none")
         if self._previous_binding is not None:
             cpu_binding.restore(self._previous_binding)
             self._previous_binding = None
