@@ -4,7 +4,9 @@ N ranks that each use every core fight over them (oversubscribed OpenMP pools sp
 other), so each rank gets its own `cores // N` cores (at least one) and as many intra-op threads,
 and every thread of its process is bound to those cores. With more ranks than cores, ranks
 share cores round-robin, one thread each. The engine-core process is rank 0: its binding is
-undone (`restore`) when the executor shuts down.
+undone (`restore`) when the executor shuts down. Data-parallel replicas on CPU split the
+machine the same way first (engine/core_process.py); their tensor-parallel ranks then split
+the replica's share.
 """
 
 from __future__ import annotations
@@ -59,12 +61,13 @@ def _set_all_threads_affinity(cores: set[int]) -> None:
             pass  # a thread that just ended, or no affinity API: the thread count still applies
 
 
-def apply(binding: CpuBinding, rank: int) -> CpuBinding:
-    """Bind this process to `binding`; returns the previous state (for `restore`)."""
+def apply(binding: CpuBinding, rank: int, role: str = "tensor-parallel rank") -> CpuBinding:
+    """Bind this process to `binding`; returns the previous state (for `restore`). `role`
+    names what `rank` counts in the log line (a data-parallel replica binds this way too)."""
     previous = CpuBinding(tuple(available_cores()), torch.get_num_threads())
     _set_all_threads_affinity(set(binding.cores))
     torch.set_num_threads(binding.num_threads)
-    logger.info("tensor-parallel rank %d: %d threads on cores %s", rank, binding.num_threads,
+    logger.info("%s %d: %d threads on cores %s", role, rank, binding.num_threads,
                 ",".join(map(str, binding.cores)))
     return previous
 

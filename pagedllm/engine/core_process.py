@@ -63,6 +63,7 @@ def run_engine_core(config, engine_index: int, addresses: CoreAddresses, parent_
         from pagedllm.engine.core import EngineCore
         from pagedllm.kernels.status import kernel_status
 
+        _bind_replica(config, engine_index)
         core = EngineCore(config, engine_index)
         info = kernel_status().info_labels() if core.device.type == "cpu" else {}
     except BaseException as exc:  # the front end prints it and exits
@@ -100,6 +101,24 @@ def run_engine_core(config, engine_index: int, addresses: CoreAddresses, parent_
     out_q.put(None)
     sender.join(5)
     os._exit(0)
+
+
+def _bind_replica(config, engine_index: int) -> None:
+    """CPU, data parallelism: replica i of M takes its own `cores // M` cores (as tensor-parallel
+    ranks do), so that M replicas' thread pools do not fight over every core."""
+    replicas = getattr(config, "data_parallel_size", 1)
+    if replicas <= 1:
+        return
+    from pagedllm.worker.device import resolve_device
+
+    if resolve_device(config.device).type != "cpu":
+        return
+    from pagedllm.distributed import cpu_binding
+
+    threads = config.num_threads if config.tensor_parallel_size == 1 else None
+    binding = cpu_binding.rank_binding(engine_index, replicas, cpu_binding.available_cores(),
+                                       threads)
+    cpu_binding.apply(binding, engine_index, role="data-parallel replica")
 
 
 def _input_thread(ctx: zmq.Context, address: str, loop) -> None:
