@@ -40,7 +40,8 @@ def run_pagedllm(args, model: str | None) -> dict:
     t0 = time.perf_counter()
     kwargs = dict(kv_cache_space=args.kv_cache_space, block_size=args.block_size,
                   max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
-                  quant_compute=args.quant_compute, kv_cache_dtype=args.kv_cache_dtype)
+                  quant_compute=args.quant_compute, kv_cache_dtype=args.kv_cache_dtype,
+                  tensor_parallel_size=args.tensor_parallel_size)
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(model, **kwargs)
@@ -267,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant-compute", default="auto", choices=["auto", "exact", "int8"],
                    help="pagedllm: integer-weight arithmetic (docs/quantization.md)")
     p.add_argument("--kv-cache-dtype", default="auto", help="pagedllm: KV cache element type")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="pagedllm: tensor-parallel ranks (docs/tensor_parallel.md)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="pagedllm: no compiled decode graphs (default: wait for them, then time)")
     p.add_argument("--base-url", default=None, help="server URL for llamacpp/openai backends")

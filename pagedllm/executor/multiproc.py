@@ -62,18 +62,24 @@ def check_tensor_parallel_devices(device_type: str, world: int, visible_gpus: in
 
 
 class _Proc:
-    """One worker process and its link."""
+    """One worker and its link. `popen` is a `subprocess.Popen`, or anything with its `poll`,
+    `wait`, `terminate`, `kill` (executor/ray_executor.py's actor handle, which also says how it
+    ended: `exit_text`)."""
 
-    def __init__(self, rank: int, popen: subprocess.Popen) -> None:
+    def __init__(self, rank: int, popen: Any) -> None:
         self.rank = rank
         self.popen = popen
+        self.pid: int | None = getattr(popen, "pid", None)  # else from its hello
         self.conn: Connection | None = None
         self.error: str | None = None  # a traceback it sent
 
     def describe(self) -> str:
         code = self.popen.poll()
-        state = "running" if code is None else f"exited with code {code}"
-        text = f"tensor-parallel worker rank {self.rank} (pid {self.popen.pid}, {state})"
+        if code is None:
+            state = "running"
+        else:
+            state = self.popen.exit_text() if hasattr(self.popen, "exit_text") else f"exited with code {code}"
+        text = f"tensor-parallel worker rank {self.rank} (pid {self.pid}, {state})"
         return text + (f":\n{self.error}" if self.error else "")
 
 
@@ -92,7 +98,7 @@ class MultiprocExecutor(Executor):
         self._mirror = BlockTableMirror()
         self.driver = Worker(config, rank=0)
         t0 = time.perf_counter()
-        self._listener = Listener("127.0.0.1")
+        self._listener = Listener(self._host())
         self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._listener, self.driver)
         try:
             self._start(config)
@@ -103,22 +109,35 @@ class MultiprocExecutor(Executor):
 
     # ---- start-up ---------------------------------------------------------------------------------------
 
-    def _start(self, config: WorkerConfig) -> None:
-        world = self.world_size
+    # ---- what a backend decides (executor/ray_executor.py overrides these) -----------------------------
+
+    def _host(self) -> str:
+        """The address rank 0 listens on and hosts torch.distributed's store at."""
+        return "127.0.0.1"
+
+    def _launch(self, config: WorkerConfig) -> None:
+        """Start ranks 1..N-1; each connects back to the listener."""
         env = dict(os.environ)
         env[AUTHKEY_ENV] = self._listener.authkey.hex()
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         host, port = self._listener.address
-        for rank in range(1, world):
+        for rank in range(1, self.world_size):
             popen = subprocess.Popen([sys.executable, "-m", "pagedllm.executor.worker_proc", host, str(port), str(rank)],
                                      env=env, stdin=subprocess.DEVNULL)
             self._procs.append(_Proc(rank, popen))
-        self._accept_all()
+
+    def _bindings(self, config: WorkerConfig) -> list[cpu_binding.CpuBinding | None]:
+        """Each rank's cores (all ranks on this machine's CPU), or None (GPUs)."""
         cores = cpu_binding.available_cores() if config.device_type == "cpu" else []
-        bindings = [cpu_binding.rank_binding(r, world, cores, config.num_threads) if cores else None
-                    for r in range(world)]
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        return [cpu_binding.rank_binding(r, self.world_size, cores, config.num_threads) if cores else None
+                for r in range(self.world_size)]
+
+    def _start(self, config: WorkerConfig) -> None:
+        self._launch(config)
+        self._accept_all()
+        bindings = self._bindings(config)
+        init_method = f"tcp://{self._host()}:{free_port(self._host())}"
         for p in self._procs:
             p.conn.send(("config", config, init_method, bindings[p.rank]))
         if bindings[0] is not None:
@@ -130,7 +149,7 @@ class MultiprocExecutor(Executor):
 
     def _accept_all(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
-        pending = {p.popen.pid: p for p in self._procs}
+        pending = {p.rank: p for p in self._procs}
         while pending:
             for p in pending.values():
                 if p.popen.poll() is not None:
@@ -142,11 +161,11 @@ class MultiprocExecutor(Executor):
             if conn is None:
                 continue
             kind, rank, pid = conn.recv()
-            proc = pending.pop(pid, None)
-            if kind != "hello" or proc is None or proc.rank != rank:
+            proc = pending.pop(rank, None)
+            if kind != "hello" or proc is None or (proc.pid is not None and proc.pid != pid):
                 conn.close()
                 raise WorkerFailure(f"unexpected connection to rank 0 ({kind!r}, rank {rank}, pid {pid})")
-            proc.conn = conn
+            proc.pid, proc.conn = pid, conn
 
     def _wait_all(self, expected: str, stage: str, timeout_s: float = START_TIMEOUT_S) -> list[tuple]:
         """Every worker's next message, which must be `expected`; a worker's error or death, or the
@@ -173,11 +192,11 @@ class MultiprocExecutor(Executor):
         try:
             msg = p.conn.recv()
         except (EOFError, OSError):
-            p.popen.wait(timeout=5)
+            _wait_quietly(p, 5)
             raise WorkerFailure(f"{p.describe()}: its link to rank 0 closed") from None
         if msg[0] == "error":
             p.error = msg[2]
-            p.popen.wait(timeout=5)
+            _wait_quietly(p, 5)
             raise WorkerFailure(p.describe())
         return msg
 
@@ -239,10 +258,7 @@ class MultiprocExecutor(Executor):
                         pass
                 if p.error is not None or p.popen.poll() is not None:
                     if p.error is None:
-                        try:
-                            p.popen.wait(timeout=0.5)
-                        except subprocess.TimeoutExpired:
-                            pass
+                        _wait_quietly(p, 0.5)
                     return f"{p.describe()} during a step" if p.error is None else p.describe()
             if time.monotonic() > deadline:
                 return None
@@ -264,11 +280,19 @@ class MultiprocExecutor(Executor):
 
     @property
     def worker_pids(self) -> list[int]:
-        return [p.popen.pid for p in self._procs]
+        return [p.pid for p in self._procs]
 
     def shutdown(self) -> None:
         self._closed = True
         self._finalizer()
+
+
+def _wait_quietly(p: _Proc, timeout_s: float) -> None:
+    """Give a failing worker a moment to exit (so its exit code can be shown)."""
+    try:
+        p.popen.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _stop_workers(procs: list[_Proc], listener: Listener, driver: Worker) -> None:

@@ -12,6 +12,7 @@ says so, when its link closes (the engine's process died), or when its parent pr
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import sys
@@ -84,6 +85,7 @@ def main(argv: list[str]) -> int:
     from pagedllm.executor.channel import connect
 
     host, port, rank = argv[0], int(argv[1]), int(argv[2])
+    logging.basicConfig(level=logging.INFO, format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s")
     authkey = bytes.fromhex(os.environ.pop(AUTHKEY_ENV))
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
     conn = connect((host, port), authkey)

@@ -44,7 +44,9 @@ class Worker:
     def __init__(self, config: WorkerConfig, rank: int = 0) -> None:
         self.config = config
         self.rank = rank
-        self.device = torch.device(f"cuda:{rank}" if config.device_type == "cuda" else config.device_type)
+        # One GPU per rank: rank r's on one machine; a Ray actor sees only its own (index 0).
+        self.device = (torch.device(f"cuda:{rank % max(1, torch.cuda.device_count())}")
+                       if config.device_type == "cuda" else torch.device(config.device_type))
         # A group of one until `init_distributed` (not the process's group: an engine of one rank
         # may live beside a tensor-parallel one, e.g. a test's reference).
         self.tp = parallel_state.TensorParallelGroup(0, 1, "none")
