@@ -88,7 +88,7 @@ class MultiprocExecutor(Executor):
         self.world_size = world = config.tensor_parallel_size
         if world < 2:
             raise ValueError("MultiprocExecutor is for tensor_parallel_size > 1")
-        check_tensor_parallel_devices(config.device_type, world)
+        self._check_devices(config)
         if parallel_state.tp_group().world_size > 1:  # torch.distributed: one default group per process
             raise RuntimeError("this process already runs a tensor-parallel engine (it is rank 0 of its group); "
                                "one at a time: shut the other down first (llm.llm_engine.core.executor.shutdown())")
@@ -110,6 +110,10 @@ class MultiprocExecutor(Executor):
     # ---- start-up ---------------------------------------------------------------------------------------
 
     # ---- what a backend decides (executor/ray_executor.py overrides these) -----------------------------
+
+    def _check_devices(self, config: WorkerConfig) -> None:
+        """This machine must have a GPU per rank (CUDA)."""
+        check_tensor_parallel_devices(config.device_type, self.world_size)
 
     def _host(self) -> str:
         """The address rank 0 listens on and hosts torch.distributed's store at."""

@@ -131,6 +131,9 @@ class RayExecutor(MultiprocExecutor):
         self._pg = None
         super().__init__(config)
 
+    def _check_devices(self, config: WorkerConfig) -> None:
+        """The GPUs are the cluster's: a placement group that cannot get them is the error."""
+
     def _host(self) -> str:
         return self._ray.util.get_node_ip_address()
 

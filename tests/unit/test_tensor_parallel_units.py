@@ -234,3 +234,18 @@ def test_gguf_cuts_read_only_the_rank_part_of_the_blocks():
         assert torch.equal(gguf_blocks(data, qtype, shape).dequantize(), full[2:6, 64:])
     data, shape, left = cut_gguf_data(quantize(w, T.Q8_0), T.Q8_0, (8, 128), [(1, 16, 32)])
     assert shape == (8, 128) and left == [(1, 16, 32)]  # inside a block of 32: cut after dequantizing
+
+
+def test_ray_placement_knobs_are_checked(monkeypatch):
+    from pagedllm.executor.ray_executor import _placement
+
+    monkeypatch.delenv("PAGEDLLM_RAY_PLACEMENT_STRATEGY", raising=False)
+    monkeypatch.delenv("PAGEDLLM_RAY_CPUS_PER_RANK", raising=False)
+    assert _placement() == (1.0, "STRICT_PACK")
+    monkeypatch.setenv("PAGEDLLM_RAY_PLACEMENT_STRATEGY", "SPREAD")
+    monkeypatch.setenv("PAGEDLLM_RAY_CPUS_PER_RANK", "2")
+    assert _placement() == (2.0, "SPREAD")
+    monkeypatch.setenv("PAGEDLLM_RAY_PLACEMENT_STRATEGY", "ANYWHERE")
+    with pytest.raises(ValueError, match=r"must be one of \['STRICT_PACK', 'PACK', 'SPREAD', 'STRICT_SPREAD'\] "
+                                         r"\(got 'ANYWHERE'\)"):
+        _placement()
