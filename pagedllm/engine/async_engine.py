@@ -3,7 +3,8 @@
 The engine core (scheduler, KV cache, model) runs elsewhere: in its own process by default
 (`MPCoreClient`, over ZeroMQ), in a thread with `PAGEDLLM_ENGINE_IN_PROCESS=1`
 (`InprocCoreClient`). With `data_parallel_size=M` there are M cores and a `Router` picks one
-per request. This side tokenizes nothing itself (the server hands it token ids), turns the
+per request; with `distributed_executor_backend="ray"` those M cores are Ray actors placed on
+the cluster (`RayCoreClient`, one placement-group bundle each). This side tokenizes nothing itself (the server hands it token ids), turns the
 cores' token deltas into `RequestOutput`s (`OutputProcessor`: detokenization, stop strings)
 and fans them out to one `RequestStream` per request.
 
@@ -139,6 +140,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, RequestStream] = {}  # core id -> stream (event loop only)
         self._serials = itertools.count()
         self._utility_calls: dict[int, asyncio.Future] = {}
+        self.ray_replicas = None  # the Ray placement group of the replicas, if Ray placed them
         self._started = False
         self._stopping = False
         self.dead_error: BaseException | None = None
@@ -161,6 +163,7 @@ class AsyncLLMEngine:
             raise ValueError(f"{IN_PROCESS_ENV}=1 runs one engine core in this process; "
                              f"data_parallel_size={replicas} needs core processes.")
         clients: list[Any] = []
+        ray_replicas = None
         try:
             if in_process:
                 from pagedllm.engine.core import EngineCore
@@ -170,8 +173,15 @@ class AsyncLLMEngine:
                 # The cores load their models while this process loads the tokenizer.
                 import concurrent.futures
 
+                make = MPCoreClient
+                if config.distributed_executor_backend == "ray" and replicas > 1:
+                    from pagedllm.engine.core_client import RayCoreClient, RayReplicas
+                    from pagedllm.worker.device import resolve_device
+
+                    ray_replicas = RayReplicas(replicas, resolve_device(config.device).type)
+                    make = functools.partial(RayCoreClient, replicas=ray_replicas)
                 with concurrent.futures.ThreadPoolExecutor(max(replicas, 1)) as pool:
-                    futures = [pool.submit(MPCoreClient, config, i) for i in range(replicas)]
+                    futures = [pool.submit(make, config, i) for i in range(replicas)]
                     for f in futures:
                         try:
                             clients.append(f.result())
@@ -183,6 +193,8 @@ class AsyncLLMEngine:
         except BaseException:
             for c in clients:
                 c.shutdown(5)
+            if ray_replicas is not None:
+                ray_replicas.remove()
             raise
         from pagedllm.model_source import load_hf_config
 
@@ -211,7 +223,9 @@ class AsyncLLMEngine:
 
             metrics = EngineMetrics(info.model_name, num_engines=len(clients),
                                     kernel_info=info.kernel_info or None)
-        return cls(clients, tokenizer, info, metrics)
+        engine = cls(clients, tokenizer, info, metrics)
+        engine.ray_replicas = ray_replicas
+        return engine
 
     # ---- life cycle (event loop) ----------------------------------------------------------
 
@@ -235,6 +249,8 @@ class AsyncLLMEngine:
             if not fut.done():
                 fut.set_exception(error)
         await asyncio.gather(*(asyncio.to_thread(c.shutdown, timeout) for c in self.clients))
+        if getattr(self, "ray_replicas", None) is not None:
+            self.ray_replicas.remove()
 
     @property
     def is_running(self) -> bool:

@@ -11,6 +11,10 @@ loop, and `shutdown()`.
   reaches `on_death` within milliseconds (a wait on the process sentinel).
 - `InprocCoreClient`: the same `CoreBusyLoop` in a thread of this process (no IPC), for
   `PAGEDLLM_ENGINE_IN_PROCESS=1` and the tests.
+- `RayCoreClient` (`--distributed-executor-backend ray` with `--data-parallel-size M`): the
+  core process is a Ray actor placed in a bundle of the replicas' placement group, on any node
+  of the cluster; the same protocol over TCP sockets this process binds on its node's address;
+  the actor's end (its `run` call fails) is the death signal.
 """
 
 from __future__ import annotations
@@ -151,22 +155,7 @@ class MPCoreClient:
         self._own_dir = socket_dir is None
         self._dir = socket_dir or tempfile.mkdtemp(prefix="pagedllm-core-")
         base = f"ipc://{self._dir}/core{engine_index}"
-        self.addresses = CoreAddresses(f"{base}-input", f"{base}-output", f"{base}-ready")
-        self._ctx = zmq.Context()
-        self._input = self._ctx.socket(zmq.PUSH)
-        self._input.setsockopt(zmq.SNDHWM, 0)
-        self._input.setsockopt(zmq.LINGER, 1000)
-        self._input.bind(self.addresses.input)
-        self._output = self._ctx.socket(zmq.PULL)
-        self._output.setsockopt(zmq.RCVHWM, 0)
-        self._output.bind(self.addresses.output)
-        ready_sock = self._ctx.socket(zmq.PULL)
-        ready_sock.bind(self.addresses.ready)
-        self._delivery = _LoopDelivery()
-        self._stopping = False
-        self._reader: threading.Thread | None = None
-        self._closed = False
-        self.alive = False
+        ready_sock = self._bind_sockets(f"{base}-input", f"{base}-output", f"{base}-ready")
         # spawn: a fresh interpreter, no threads or CUDA state inherited. Not a daemon: the core
         # starts tensor-parallel workers of its own; it leaves with us (it watches its parent).
         ctx = multiprocessing.get_context("spawn")
@@ -176,9 +165,35 @@ class MPCoreClient:
                   logging.getLogger().getEffectiveLevel()),
             name=f"pagedllm-core-{engine_index}", daemon=False,
         )
+        self._start(ready_sock, self.process.start, startup_timeout)
+
+    def _bind_sockets(self, input_addr: str, output_addr: str, ready_addr: str) -> zmq.Socket:
+        """Bind input (PUSH), output (PULL) and the hand-shake (PULL); a `tcp://host:0` address
+        gets a free port, and `self.addresses` holds what the core must connect to."""
+        self._ctx = zmq.Context()
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._input.setsockopt(zmq.LINGER, 1000)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        ready_sock = self._ctx.socket(zmq.PULL)
+        bound = []
+        for sock, addr in ((self._input, input_addr), (self._output, output_addr),
+                           (ready_sock, ready_addr)):
+            sock.bind(addr)
+            bound.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.addresses = CoreAddresses(*bound)
+        self._delivery = _LoopDelivery()
+        self._stopping = False
+        self._reader: threading.Thread | None = None
+        self._closed = False
+        self.alive = False
+        return ready_sock
+
+    def _start(self, ready_sock: zmq.Socket, launch: Callable[[], None], timeout: float) -> None:
         try:
-            self.process.start()
-            self.ready = self._wait_ready(ready_sock, startup_timeout)
+            launch()
+            self.ready = self._wait_ready(ready_sock, timeout)
         except BaseException:
             ready_sock.close(0)
             self._kill()
@@ -187,6 +202,10 @@ class MPCoreClient:
         ready_sock.close(0)
         self.alive = True
 
+    def _process_exitcode(self) -> int | None:
+        """None while the core runs; its exit code once it ended."""
+        return None if self.process.is_alive() else self.process.exitcode
+
     def _wait_ready(self, sock: zmq.Socket, timeout: float) -> CoreReady:
         deadline = time.monotonic() + timeout
         while True:
@@ -194,14 +213,16 @@ class MPCoreClient:
                 ready = decode_ready(sock.recv())
                 if ready.ok:
                     return ready
-                self.process.join(10)
+                self._join(10)
                 if ready.error_is_value_error:
                     raise ValueError(ready.error)
                 raise EngineCoreStartError(f"The engine core failed to start:\n{ready.error}")
-            if not self.process.is_alive():
+            code = self._process_exitcode()
+            if code is not None:
+                how = f"exit code {code}" if isinstance(code, int) else code
                 raise EngineCoreStartError(
-                    f"The engine core process exited during start-up (exit code "
-                    f"{self.process.exitcode}); see its output above.")
+                    f"The engine core process exited during start-up ({how}); see its "
+                    "output above.")
             if time.monotonic() > deadline:
                 raise EngineCoreStartError(f"The engine core did not start within {timeout:.0f} s.")
 
@@ -259,17 +280,20 @@ class MPCoreClient:
         """Ask the core to stop; kill it if it has not within `timeout` seconds. Idempotent."""
         if self._closed:
             return
-        if not self._stopping and self.process.is_alive():
+        if not self._stopping and self._process_exitcode() is None:
             try:
                 self._send(EngineCoreRequestType.SHUTDOWN, None)
             except zmq.ZMQError:
                 pass
         self._stopping = True
         self._delivery.closed = True
-        self.process.join(timeout)
+        self._join(timeout)
         self._kill()
         self._close_sockets()
         self.alive = False
+
+    def _join(self, timeout: float) -> None:
+        self.process.join(timeout)
 
     def _kill(self) -> None:
         if self.process.is_alive():
@@ -291,3 +315,122 @@ class MPCoreClient:
         self._ctx.term()
         if self._own_dir:
             shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class _CoreActor:
+    """The body of a Ray actor that is one engine core (a data-parallel replica)."""
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def run(self, config: Any, engine_index: int, addresses: CoreAddresses, log_level: int) -> None:
+        run_engine_core(config, engine_index, addresses, parent_pid=None, log_level=log_level,
+                        handle_signals=False)
+
+
+class RayReplicas:
+    """The placement group of the data-parallel replicas: one bundle per replica
+    (`PAGEDLLM_RAY_CPUS_PER_REPLICA` CPUs, default 1, and a GPU on CUDA), PACK by default
+    (`PAGEDLLM_RAY_REPLICA_STRATEGY`: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD)."""
+
+    def __init__(self, num_replicas: int, device_type: str, wait_s: float = 120.0) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise ValueError("distributed_executor_backend='ray' needs Ray: "
+                             "pip install 'pagedllm[ray]'") from None
+        from ray.util.placement_group import placement_group
+
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True)
+        self.ray = ray
+        cpus = float(os.environ.get("PAGEDLLM_RAY_CPUS_PER_REPLICA", "1"))
+        strategy = os.environ.get("PAGEDLLM_RAY_REPLICA_STRATEGY", "PACK")
+        if cpus <= 0 or strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ValueError(f"PAGEDLLM_RAY_CPUS_PER_REPLICA must be positive (got {cpus}) and "
+                             f"PAGEDLLM_RAY_REPLICA_STRATEGY one of PACK, SPREAD, STRICT_PACK, "
+                             f"STRICT_SPREAD (got {strategy!r})")
+        self.bundle: dict[str, float] = {"CPU": cpus}
+        if device_type == "cuda":
+            self.bundle["GPU"] = 1
+        self.group = placement_group([dict(self.bundle) for _ in range(num_replicas)],
+                                     strategy=strategy)
+        ready, _ = ray.wait([self.group.ready()], timeout=wait_s)
+        if not ready:
+            self.remove()
+            raise ValueError(f"data_parallel_size={num_replicas}: the Ray cluster cannot place "
+                             f"{num_replicas} bundles of {self.bundle} ({strategy}) within "
+                             f"{wait_s:.0f} s; available: {ray.available_resources()}")
+
+    def remove(self) -> None:
+        try:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.group)
+        except Exception:  # removed already, or the cluster is gone
+            pass
+
+
+class RayCoreClient(MPCoreClient):
+    """An engine core as a Ray actor in bundle `engine_index` of `replicas`, over TCP."""
+
+    def __init__(self, config: Any, engine_index: int, replicas: RayReplicas,
+                 startup_timeout: float = 1800.0) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ray = replicas.ray
+        self.engine_index = engine_index
+        self._own_dir = False
+        self._ray = ray
+        host = ray.util.get_node_ip_address()
+        ready_sock = self._bind_sockets(f"tcp://{host}:0", f"tcp://{host}:0", f"tcp://{host}:0")
+        strategy = PlacementGroupSchedulingStrategy(placement_group=replicas.group,
+                                                    placement_group_bundle_index=engine_index)
+        actor_cls = ray.remote(num_cpus=replicas.bundle["CPU"],
+                               num_gpus=replicas.bundle.get("GPU", 0))(_CoreActor)
+        self.actor = actor_cls.options(scheduling_strategy=strategy,
+                                       name=None).remote()
+        self._run_ref = None
+        self._ended: str | None = None
+
+        def launch() -> None:
+            self._run_ref = self.actor.run.remote(config, engine_index, self.addresses,
+                                                  logging.getLogger().getEffectiveLevel())
+
+        self._start(ready_sock, launch, startup_timeout)
+
+    def _process_exitcode(self):
+        if self._ended is not None:
+            return self._ended
+        if self._run_ref is None:
+            return None
+        ready, _ = self._ray.wait([self._run_ref], timeout=0)
+        if not ready:
+            return None
+        try:
+            self._ray.get(self._run_ref)
+            self._ended = "its Ray actor returned"
+        except Exception as exc:  # RayActorError: the actor's process died
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            self._ended = f"its Ray actor ended: {type(exc).__name__}: {first}"
+        return self._ended
+
+    def _watch_process(self, on_death: OnDeath) -> None:
+        while self._process_exitcode() is None:
+            self._ray.wait([self._run_ref], timeout=1.0)
+        self.alive = False
+        if not self._stopping:
+            logger.error("Engine core %d (Ray actor) died: %s", self.engine_index, self._ended)
+            self._delivery.call(on_death, self.engine_index, self._ended)
+
+    def _join(self, timeout: float) -> None:
+        if self._run_ref is not None:
+            self._ray.wait([self._run_ref], timeout=timeout)
+
+    def _kill(self) -> None:
+        try:
+            self._ray.kill(self.actor, no_restart=True)
+        except Exception:
+            pass

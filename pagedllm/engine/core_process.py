@@ -47,14 +47,19 @@ class CoreAddresses:
     ready: str
 
 
-def run_engine_core(config, engine_index: int, addresses: CoreAddresses, parent_pid: int,
-                    log_level: int = logging.INFO) -> None:
-    """The core process's main function (a `multiprocessing` spawn target)."""
+def run_engine_core(config, engine_index: int, addresses: CoreAddresses,
+                    parent_pid: int | None, log_level: int = logging.INFO,
+                    handle_signals: bool = True) -> None:
+    """The core process's main function (a `multiprocessing` spawn target, or the `run` of a
+    Ray actor: then `parent_pid` is None, Ray ends the actor with its owner, and Ray keeps
+    its own signal handlers)."""
     logging.basicConfig(level=log_level,
                         format=f"%(levelname)s %(name)s [core {engine_index}]: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides; Ctrl-C reaches both
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    _exit_with_parent(parent_pid)
+    if handle_signals:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides; Ctrl-C reaches both
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    if parent_pid is not None:
+        _exit_with_parent(parent_pid)
     ctx = zmq.Context()
     ready = ctx.socket(zmq.PUSH)
     ready.setsockopt(zmq.LINGER, 5000)
@@ -112,6 +117,14 @@ def _bind_replica(config, engine_index: int) -> None:
     from pagedllm.worker.device import resolve_device
 
     if resolve_device(config.device).type != "cpu":
+        return
+    if config.distributed_executor_backend == "ray":
+        # Ray placed this replica on a node and gave it its bundle's CPUs: use that many.
+        import torch
+
+        if config.num_threads is None:
+            torch.set_num_threads(max(1, int(float(
+                os.environ.get("PAGEDLLM_RAY_CPUS_PER_REPLICA", "1")))))
         return
     from pagedllm.distributed import cpu_binding
 
