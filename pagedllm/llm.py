@@ -42,6 +42,10 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes now (else they leave with this one)."""
+        self.llm_engine.shutdown()
+
     def wait_for_compilation(self, timeout: float | None = None) -> bool:
         """Block until every compiled decode graph is ready (they compile in the background;
         steps run eager meanwhile). True if all compiled; False with `enforce_eager`, off CPU,

@@ -500,6 +500,10 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers now (they would also leave with this process)."""
+        self.executor.shutdown()
+
     def utility(self, name: str, args: list[Any]) -> Any:
         """The calls a front end in another process may make (besides requests)."""
         if name not in ("reset_prefix_cache", "reset_kv_cache_peak", "kv_cache_stats"):

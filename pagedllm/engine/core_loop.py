@@ -93,6 +93,12 @@ class CoreBusyLoop:
                                         engine_index=self.engine_index, timestamp=time.time()))
         elif kind == EngineCoreRequestType.SHUTDOWN:
             self._stopped = True
+            shutdown = getattr(core, "shutdown", None)
+            if shutdown is not None:
+                try:
+                    shutdown()  # the workers first, while their links are open
+                except Exception:
+                    logger.exception("The engine core's shutdown failed")
         else:
             logger.error("Unknown message kind %r from the front end", kind)
 

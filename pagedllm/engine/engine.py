@@ -183,6 +183,10 @@ class LLMEngine:
             self.core.finish_samples(processed.finish_samples)
         return [out for _, out in processed.request_outputs]
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers now (else they leave with this process)."""
+        self.core.shutdown()
+
     # ---- statistics -----------------------------------------------------------------------
 
     def kv_cache_stats(self) -> KVCacheStats:

@@ -77,6 +77,9 @@ class FakeCore:
     def utility(self, name, args):
         return {"name": name, "args": args}
 
+    def shutdown(self):
+        self.shut_down = True
+
     def step(self):
         self.step_threads.add(threading.get_ident())
         if self.step_gate is not None:
@@ -384,6 +387,7 @@ def test_shutdown_during_a_long_step_fails_everyone_and_never_calls_back_later(t
         thread = engine.clients[0]._thread
         await asyncio.to_thread(thread.join, 5)
         assert not thread.is_alive()
+        assert getattr(fake, "shut_down", False)  # the core stopped its workers
         await asyncio.sleep(0.05)  # anything the thread scheduled would have run by now
         assert calls_after == [] and loop_errors == []
         with pytest.raises(EngineDeadError):
