@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.scheduler import check_request_fits_pool
 from pagedllm.engine.core_messages import CoreReady, EngineCoreOutputs
-from pagedllm.engine.errors import SchedulerStallError
+from pagedllm.engine.errors import STALL_STEPS, SchedulerStallError
 from pagedllm.engine.input_processing import InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.router import Router
@@ -448,9 +448,7 @@ def _request_error(request_id: str, message: str, kind: str) -> BaseException:
     if kind == "invalid":
         return ValueError(message)
     if kind == "stall":
-        from pagedllm.engine.core import EngineCore
-
-        return SchedulerStallError([request_id], EngineCore.stall_steps,
+        return SchedulerStallError([request_id], STALL_STEPS,
                                    "the request was aborted; the server reports itself "
                                    "unhealthy until restarted")
     return RuntimeError(message)

@@ -33,7 +33,7 @@ from pagedllm.engine.core_messages import (
     EngineCoreRequest,
     SampleDelta,
 )
-from pagedllm.engine.errors import SchedulerStallError
+from pagedllm.engine.errors import STALL_STEPS, SchedulerStallError
 from pagedllm.engine.input_processing import InputProcessor
 from pagedllm.engine.kv_stats import KVCacheStats, KVCacheStatsTracker
 from pagedllm.engine.request_state import RequestState, SeqState, sample_seed
@@ -53,10 +53,7 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """add_request / abort_requests / finish_samples / step, on token ids."""
 
-    # Consecutive steps with unfinished requests that schedule nothing and move no block
-    # before the watchdog calls it a stall (the scheduler's liveness argument allows one or
-    # two such steps in a row, never many).
-    stall_steps = 100
+    stall_steps = STALL_STEPS  # the watchdog's threshold (engine/errors.py)
 
     def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
         self.config = config
@@ -342,7 +339,8 @@ class EngineCore:
         self._observe_kv_usage()
         self._process_outputs(sched_out, runner_out, outputs)
         self._observe_kv_usage()  # finished sequences gave their blocks back
-        result = []
+        # Every entry carries something: a first scheduling (cache hits, queue time), tokens,
+        # prompt logprobs, or a finished beam search.
         for rid, out in outputs.items():
             state = self.requests.get(rid)
             if state is not None and state.finished:
@@ -350,11 +348,8 @@ class EngineCore:
                 if state.beam is not None:
                     out.beam_completions = state.beam_outputs or []
                 del self.requests[rid]
-            if out.samples or out.finished or out.new_prompt_logprobs or out.beam_completions:
-                result.append(out)
-            elif out.first_scheduled_time is not None:
-                result.append(out)  # the first scheduling: its cache hits and queue time
-        return EngineCoreOutputs(result, timestamp=time.time(), engine_index=self.engine_index)
+        return EngineCoreOutputs(list(outputs.values()), timestamp=time.time(),
+                                 engine_index=self.engine_index)
 
     def _watch_progress(self, sched_out: SchedulerOutput) -> None:
         """The watchdog: raise `SchedulerStallError` naming the stuck requests when

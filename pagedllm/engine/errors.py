@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+# Consecutive steps with unfinished requests that schedule nothing and move no block before
+# the watchdog calls it a stall (the scheduler's liveness argument allows one or two such
+# steps in a row, never many).
+STALL_STEPS = 100
+
 
 class SchedulerStallError(RuntimeError):
     """The engine has unfinished requests but made no progress for many consecutive steps.
