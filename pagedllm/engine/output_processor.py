@@ -178,11 +178,13 @@ class OutputProcessor:
             if sample.logprobs is not None and delta.new_logprobs is not None:
                 tid, lp, rank, top = delta.new_logprobs[i]
                 sample.cumulative_logprob += lp
-                sample.logprobs.append(make_logprob_dict(tid, lp, rank, top, self.decode_token))
+                sample.logprobs.append(make_logprob_dict(
+                    tid, lp, rank, top, self.decode_token if params.detokenize else None))
             core_reason = delta.finish_reason if i == last else None
-            # A stop token's own text is not part of the output (unless asked for).
+            # A stop token's own text is not part of the output (unless asked for);
+            # detokenize=False: token ids only, no text (SamplingParams refuses stop strings).
             by_token = core_reason == "stop"
-            if not by_token or params.include_stop_str_in_output:
+            if params.detokenize and (not by_token or params.include_stop_str_in_output):
                 text_delta = sample.detokenizer.add_token(token)
                 sample.text = sample.detokenizer.text
                 if (not by_token and params.stop

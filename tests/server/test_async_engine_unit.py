@@ -419,3 +419,13 @@ def test_scheduler_stall_fails_the_stuck_requests_and_marks_the_engine_unhealthy
         assert engine.health_error is not None  # unhealthy until restart
 
     with_engine(body)
+
+
+def test_detokenize_false_gives_token_ids_without_text(with_engine):
+    async def body(fake, engine):
+        outs = [o async for o in engine.generate(
+            "p", SamplingParams(max_tokens=3, detokenize=False, logprobs=0), "nd")]
+        last = outs[-1].outputs[0]
+        assert last.token_ids == toks(3) and last.text == ""
+
+    with_engine(body)
