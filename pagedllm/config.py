@@ -18,7 +18,13 @@ SUPPORTED_QUANTIZATION: tuple[str, ...] = ("gguf", "gptq", "awq", "compressed-te
 SUPPORTED_PREEMPTION_MODES = ("recompute", "swap")
 # KV cache element type: "auto" = the model's dtype (float32 on CPU); bfloat16 halves the cache,
 # int8 (per-(block, head) scales) quarters it (docs/kv_cache.md).
-SUPPORTED_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
+# fp8 (= fp8_e4m3) / fp8_e5m2: one byte per element with a float32 scale per KV head and layer
+# (1.0 unless the checkpoint has k_scale / v_scale), as vLLM's; the Triton backend on GPUs, the
+# torch path elsewhere.
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+# How a layer reads and writes the paged cache (layers/backends): "auto" = the Triton kernels on
+# CUDA (when triton is installed), the torch / C-kernel path on CPU.
+SUPPORTED_ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # Arithmetic of integer-weight layers (docs/quantization.md): "exact" unpacks to float32 and
 # FMAs (equal to dequantize-then-matmul); "int8" quantizes activations to int8 per block of 32
 # and multiplies in integers (AVX-512 VNNI / AVX2); "auto": int8 for AWQ/GPTQ/compressed-tensors
@@ -61,8 +67,13 @@ class EngineConfig:
     quantization: str | None = None
     quant_compute: str = "auto"
     kv_cache_dtype: str = "auto"
-    # True: never compile (overrides compile_batch_sizes).
+    attention_backend: str = "auto"
+    # True: never compile or capture (overrides compile_batch_sizes and CUDA graphs).
     enforce_eager: bool = False
+    # GPU: decode-only steps of up to these padded batch sizes replay captured CUDA graphs
+    # (worker/cuda_graphs.py); None: 1, 2, 4, 8, then every multiple of 8 up to max_num_seqs
+    # (at most 512), as vLLM captures.
+    cuda_graph_sizes: list[int] | None = None
     # Opt-in (CPU): decode-only steps of up to these padded batch sizes run torch.compile'd graphs,
     # compiled in the background (eager until ready). Off by default: with the C kernels the
     # eager step is as fast here (benchmarks/NOTES.md) and compiling costs ~40 s and ~0.7 GB per size.
@@ -125,6 +136,16 @@ class EngineConfig:
         if self.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(SUPPORTED_KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}.")
+        if self.attention_backend not in SUPPORTED_ATTENTION_BACKENDS:
+            hint = (" The flashinfer backend is not implemented in pagedllm; use 'triton' (the GPU default)."
+                    if self.attention_backend == "flashinfer" else "")
+            raise ValueError(f"attention_backend must be one of {list(SUPPORTED_ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}.{hint}")
+        if self.cuda_graph_sizes is not None:
+            if not self.cuda_graph_sizes or any(isinstance(b, bool) or int(b) != b or int(b) < 1
+                                                for b in self.cuda_graph_sizes):
+                raise ValueError(f"cuda_graph_sizes must be a non-empty list of positive batch sizes, "
+                                 f"got {self.cuda_graph_sizes!r}.")
         if self.compile_batch_sizes is not None:
             if not self.compile_batch_sizes or any(int(b) < 1 for b in self.compile_batch_sizes):
                 raise ValueError(

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from pagedllm.config import (
+    SUPPORTED_ATTENTION_BACKENDS,
     SUPPORTED_BLOCK_SIZES,
     SUPPORTED_DEVICES,
     SUPPORTED_DTYPES,
@@ -56,8 +57,15 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         "(auto: int8 for AWQ/GPTQ/compressed-tensors, exact for GGUF)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=SUPPORTED_KV_CACHE_DTYPES,
                    help="KV cache element type (auto: the model's dtype)")
+    g.add_argument("--attention-backend", default="auto",
+                   help=f"one of {list(SUPPORTED_ATTENTION_BACKENDS)}: auto = Triton kernels on CUDA, "
+                        "the torch / C-kernel path on CPU")
     g.add_argument("--enforce-eager", action="store_true",
-                   help="never compile, even with --compile-batch-sizes")
+                   help="never capture CUDA graphs nor compile, even with --compile-batch-sizes")
+    g.add_argument("--cuda-graph-sizes", default=None,
+                   type=lambda s: [int(x) for x in s.split(",") if x.strip()],
+                   help="GPU: comma-separated decode batch sizes to capture as CUDA graphs "
+                        "(default: 1,2,4,8,16,24,... up to --max-num-seqs, at most 512)")
     g.add_argument("--compile-batch-sizes", default=None,
                    type=lambda s: [int(x) for x in s.split(",") if x.strip()],
                    help="opt-in: comma-separated padded batch sizes of torch.compile'd decode "
@@ -101,8 +109,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "tokenizer", "dtype", "device", "seed", "max_model_len", "block_size", "kv_cache_space",
         "gpu_memory_utilization", "num_kv_blocks", "swap_space", "max_num_seqs",
         "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill",
-        "preemption_mode", "tensor_parallel_size", "data_parallel_size", "quantization", "quant_compute", "kv_cache_dtype",
-        "enforce_eager",
+        "preemption_mode", "tensor_parallel_size", "distributed_executor_backend", "data_parallel_size", "quantization", "quant_compute", "kv_cache_dtype",
+        "attention_backend", "enforce_eager", "cuda_graph_sizes",
         "compile_batch_sizes", "num_threads", "served_model_name", "chat_template",
     ):
         kwargs[name] = getattr(args, name)

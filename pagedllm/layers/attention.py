@@ -38,6 +38,12 @@ class AttentionMetadata:
     # The same tables as one LongTensor[P, max_blocks] for the prefill kernel (entries past a
     # sequence's own blocks are never read); None: the per-sequence torch path only.
     prefill_block_tables_padded: torch.Tensor | None = None
+    # The prefill part as device tensors, for kernels that take the whole varlen batch (Triton):
+    # int32 [P + 1] query offsets relative to the first prefill token, int32 [P] context lengths,
+    # and the longest query (a host int: it sizes the kernel's grid).
+    prefill_query_start_loc: torch.Tensor | None = None
+    prefill_context_lens_tensor: torch.Tensor | None = None
+    max_prefill_query_len: int = 0
     # Masks shared by all layers of one forward, keyed by (kind, sequence, sliding window).
     _mask_cache: dict[Any, torch.Tensor | None] = field(default_factory=dict, repr=False, compare=False)
 
