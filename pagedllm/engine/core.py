@@ -46,6 +46,7 @@ from pagedllm.model_source import ModelSource, load_hf_config, resolve_model
 from pagedllm.tokenizer import load_tokenizer
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.device import resolve_device, resolve_dtype
+from pagedllm.worker.memory_sizing import MemoryProfile, size_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class EngineCore:
         self.model = self.executor.model  # rank 0's (its shard under tensor parallelism)
         self.max_model_len = self._resolve_max_model_len()
         self.block_size = config.block_size
+        self.memory_profile: MemoryProfile | None = None  # GPU: the figures the pool was sized by
         self.num_blocks = self._determine_num_blocks()
         self.num_host_blocks = int(config.swap_space * (1 << 30)) // self._bytes_per_block()
         self._log_cache_size()
@@ -145,31 +147,36 @@ class EngineCore:
             return self.config.num_kv_blocks
         per_block = self._bytes_per_block()
         if self.device.type == "cuda":
-            budget = self._profile_gpu_budget()
-        else:
-            budget = int(self.config.kv_cache_space * (1 << 30))
+            return self._size_gpu_cache(per_block)
+        budget = int(self.config.kv_cache_space * (1 << 30))
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(
                 f"The KV cache budget ({budget} bytes) holds no block of {per_block} bytes; "
-                "raise kv_cache_space / gpu_memory_utilization."
+                "raise kv_cache_space."
             )
         return int(num_blocks)
 
-    def _profile_gpu_budget(self) -> int:
-        """GPU: what is left of `gpu_memory_utilization` of the device after a dummy forward."""
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        tokens = min(self.config.resolved_max_num_batched_tokens(self.max_model_len), 4096)
-        peak = self.executor.profile_peak_memory(tokens)  # the largest over the ranks
-        _, total = torch.cuda.mem_get_info()
-        # Each rank's device holds only its KV heads of every block: its budget buys
-        # `kv_share` times as many blocks as `_bytes_per_block` (all heads) says.
-        return (int(total * self.config.gpu_memory_utilization) - peak) * self.executor.kv_share
+    def _size_gpu_cache(self, per_block: int) -> int:
+        """GPU: what is left of `gpu_memory_utilization` of the device after the weights, a
+        profile step of `max_num_batched_tokens` tokens, the CUDA graph pool and non-torch memory
+        (worker/memory_sizing.py); errors say what to change."""
+        tokens = self.config.resolved_max_num_batched_tokens(self.max_model_len)
+        profile = self.executor.profile_memory(tokens, min(self.config.max_num_seqs, tokens), self.max_model_len)
+        # Each rank's device holds only its KV heads of every block: one block costs a rank
+        # `kv_share` times fewer bytes than `_bytes_per_block` (all heads) says.
+        rank_block = -(-per_block // self.executor.kv_share)
+        sizing = size_kv_cache(profile, self.config.gpu_memory_utilization, rank_block, self.block_size,
+                               self.max_model_len)
+        logger.info("GPU memory: %s; gpu_memory_utilization=%.2f leaves %.2f GiB for the KV cache: %d blocks",
+                    profile.describe(), self.config.gpu_memory_utilization, sizing.budget_bytes / (1 << 30),
+                    sizing.num_blocks)
+        self.memory_profile = profile
+        return sizing.num_blocks
 
     def _compile_batch_sizes(self) -> list[int] | None:
-        """The compiled decode graphs' batch sizes; None (eager only) unless asked for, with
-        enforce_eager, or off CPU (the GPU path is not compiled yet)."""
+        """The torch.compile'd decode graphs' batch sizes (CPU; a GPU captures CUDA graphs instead:
+        executor/cuda_graph_sizes); None (eager only) unless asked for, or with enforce_eager."""
         if self.config.enforce_eager or self.device.type != "cpu" or not self.config.compile_batch_sizes:
             return None
         return sorted(set(self.config.compile_batch_sizes))

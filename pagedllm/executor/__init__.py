@@ -24,7 +24,18 @@ def worker_config(config: Any, model_path: str, gguf_file: str | None, hf_config
         tensor_parallel_size=config.tensor_parallel_size, num_threads=config.num_threads,
         # how long a rank waits in a collective for the others (a hung peer; a dead one is seen at once)
         collective_timeout_s=float(os.environ.get("PAGEDLLM_TP_TIMEOUT_S", "120")),
+        attention_backend=config.attention_backend, cuda_graph_sizes=cuda_graph_sizes(config, device),
     )
+
+
+def cuda_graph_sizes(config: Any, device: torch.device) -> list[int] | None:
+    """The decode buckets to capture: on a GPU unless enforce_eager (the worker drops them where
+    its attention backend is not capture-safe)."""
+    if config.enforce_eager or torch.device(device).type != "cuda":
+        return None
+    from pagedllm.worker.cuda_graphs import capture_sizes
+
+    return capture_sizes(config.max_num_seqs, config.cuda_graph_sizes)
 
 
 def create_executor(config: Any, model_path: str, gguf_file: str | None, hf_config: Any, dtype: torch.dtype,

@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from pagedllm.worker.memory_sizing import MemoryProfile
 from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 from pagedllm.worker.worker import Worker
 
@@ -49,8 +50,9 @@ class Executor(ABC):
         """One step on every rank; the logits (rank 0's) come back."""
 
     @abstractmethod
-    def profile_peak_memory(self, num_tokens: int) -> int:
-        """GPU: the largest activation peak of a `num_tokens` prefill over the ranks (bytes)."""
+    def profile_memory(self, num_tokens: int, num_seqs: int, max_model_len: int) -> MemoryProfile:
+        """GPU: every rank's memory figures for a `num_tokens` step over `num_seqs` sequences,
+        combined rank by rank (`MemoryProfile.worst`; worker/memory_sizing.py)."""
 
     def shutdown(self) -> None:  # noqa: B027 (nothing to stop in process)
         """Stop the workers (idempotent)."""

@@ -36,6 +36,7 @@ from pagedllm.executor.base import Executor
 from pagedllm.executor.channel import Listener, free_port
 from pagedllm.executor.messages import BlockTableMirror, encode_step
 from pagedllm.executor.worker_proc import AUTHKEY_ENV
+from pagedllm.worker.memory_sizing import MemoryProfile
 from pagedllm.worker.model_runner import ModelRunnerOutput
 from pagedllm.worker.worker import Worker, WorkerConfig
 
@@ -219,11 +220,11 @@ class MultiprocExecutor(Executor):
         self._broadcast(encode_step(scheduler_output, self._mirror))
         return self._guarded(self.driver.execute_model, scheduler_output)
 
-    def profile_peak_memory(self, num_tokens: int) -> int:
-        self._broadcast(pickle.dumps(("profile", num_tokens)))
-        peak = self._guarded(self.driver.profile_run, num_tokens)
+    def profile_memory(self, num_tokens: int, num_seqs: int, max_model_len: int) -> MemoryProfile:
+        self._broadcast(pickle.dumps(("profile", num_tokens, num_seqs, max_model_len)))
+        mine = self._guarded(self.driver.profile_memory, num_tokens, num_seqs, max_model_len)
         replies = self._guarded(self._wait_all, "profiled", "run the profile forward")
-        return max([peak] + [r[2] for r in replies])
+        return MemoryProfile.worst([mine] + [r[2] for r in replies])
 
     def _broadcast(self, payload: bytes) -> None:
         self._check_alive()

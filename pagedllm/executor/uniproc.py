@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.executor.base import Executor
+from pagedllm.worker.memory_sizing import MemoryProfile
 from pagedllm.worker.model_runner import ModelRunnerOutput
 from pagedllm.worker.worker import Worker, WorkerConfig
 
@@ -20,5 +21,5 @@ class UniprocExecutor(Executor):
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
         return self.driver.execute_model(scheduler_output)
 
-    def profile_peak_memory(self, num_tokens: int) -> int:
-        return self.driver.profile_run(num_tokens)
+    def profile_memory(self, num_tokens: int, num_seqs: int, max_model_len: int) -> MemoryProfile:
+        return self.driver.profile_memory(num_tokens, num_seqs, max_model_len)

@@ -64,7 +64,7 @@ def run_worker(conn: Connection, rank: int, config: Any, init_method: str, bindi
             worker.initialize_cache(*msg[1:])
             conn.send(("cache_ready", rank))
         elif kind == "profile":
-            conn.send(("profiled", rank, worker.profile_run(msg[1])))
+            conn.send(("profiled", rank, worker.profile_memory(*msg[1:])))
         elif kind == "shutdown":
             worker.close()  # only on a clean stop: after a failure the peers may be gone
             return

@@ -7,12 +7,8 @@ by default: the hand-written kernels (kernels/packed_gemm.c, paged_decode_attent
 eager step as fast as these graphs on this project's machines, without ~40 s of compilation and
 ~0.7 GB of repacked weights per batch size (benchmarks/NOTES.md). Under torch.compile the
 projections take inductor's path, not the C GEMM. Shapes must be static, so a decode-only step
-of `n` sequences runs in the graph of the smallest `bucket >= n`, padded:
-
-- padded rows write their K/V into a *scratch block* (one block past the pool, which the block
-  pool never hands out) and attend over that one slot; their logits are dropped;
-- block tables are always `[bucket, table_width]` (`table_width` covers `max_model_len`); the
-  attention op reads only each row's first `ceil(context_len / block_size)` entries.
+of `n` sequences runs in the graph of the smallest `bucket >= n`, padded in persistent buffers
+(worker/padded_decode.py, shared with the CUDA graphs of worker/cuda_graphs.py).
 
 Attention stays one opaque custom op (`pagedllm::paged_decode_attention`), so the graph has no
 data-dependent shapes. Graphs compile in one background thread, most wanted first: a step whose
@@ -32,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.worker.padded_decode import DecodeStep, StaticDecodeInputs, bucket_for
 
 logger = logging.getLogger(__name__)
 
@@ -42,34 +38,6 @@ INDUCTOR_OPTIONS = {
     "max_autotune": True,
     "max_autotune_gemm_backends": "CPP,ATEN",
 }
-
-
-class DecodeStep(nn.Module):
-    """One decode step as a pure function of tensors: the unit that torch.compile traces."""
-
-    def __init__(self, model: nn.Module, block_size: int) -> None:
-        super().__init__()
-        self.model = model
-        self.block_size = block_size
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-    ) -> torch.Tensor:
-        md = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            block_size=self.block_size,
-            num_decode_tokens=input_ids.shape[0],
-            decode_block_tables=block_tables,
-            decode_context_lens=context_lens,
-        )
-        hidden = self.model(input_ids, positions, kv_caches, md)
-        return self.model.compute_logits(hidden)
 
 
 class DecodeGraphs:
@@ -112,15 +80,11 @@ class DecodeGraphs:
         self.compile_seconds: dict[int, float] = {}
         self.steps_run = 0  # decode steps served by a compiled graph
         self.padded_rows = 0  # rows of those steps that were padding
-        big = max(self.batch_sizes)
-        self._tables = torch.full((big, self.table_width), scratch_block, dtype=torch.long, device=device)
+        self.inputs = StaticDecodeInputs(max(self.batch_sizes), self.table_width, block_size, scratch_block, device)
 
     # ---- scheduling of compilations -------------------------------------------------------
     def bucket_for(self, num_seqs: int) -> int | None:
-        for b in self.batch_sizes:
-            if b >= num_seqs:
-                return b
-        return None
+        return bucket_for(self.batch_sizes, num_seqs)
 
     def request(self, bucket: int, urgent: bool = False) -> None:
         """Queue `bucket` for compilation (first in line when urgent); no-op if done or queued."""
@@ -205,38 +169,15 @@ class DecodeGraphs:
 
     def _compile_now(self, bucket: int) -> nn.Module:
         compiled = torch.compile(self.step_module, dynamic=False)
-        # The first call compiles. Dummy rows only touch the scratch block.
-        inputs = self._inputs(
-            torch.zeros(0, dtype=torch.long, device=self.device),
-            torch.zeros(0, dtype=torch.long, device=self.device),
-            torch.zeros(0, dtype=torch.long, device=self.device),
-            torch.zeros(0, 0, dtype=torch.long, device=self.device),
-            torch.zeros(0, dtype=torch.long, device=self.device),
-            bucket,
-            tables=torch.full((bucket, self.table_width), self.scratch_block, dtype=torch.long, device=self.device),
-        )
+        # The first call compiles. The dummy rows of a fresh bucket only touch the scratch block;
+        # its own static inputs, not the shared buffers (a step may be filling them meanwhile).
+        inputs = StaticDecodeInputs(bucket, self.table_width, self.block_size, self.scratch_block,
+                                    self.device).views(bucket)
         with torch.no_grad():
             compiled(*inputs, self.kv_caches)
         return compiled
 
     # ---- running ----------------------------------------------------------------------------
-    def _inputs(self, input_ids, positions, slot_mapping, block_tables, context_lens, bucket, tables=None):
-        n = input_ids.shape[0]
-        pad = bucket - n
-        dev = self.device
-        if pad:
-            zeros = torch.zeros(pad, dtype=torch.long, device=dev)
-            input_ids = torch.cat([input_ids, zeros])
-            positions = torch.cat([positions, zeros])
-            scratch_slots = torch.full((pad,), self.scratch_block * self.block_size, dtype=torch.long, device=dev)
-            slot_mapping = torch.cat([slot_mapping, scratch_slots])
-            context_lens = torch.cat([context_lens, torch.ones(pad, dtype=torch.long, device=dev)])
-        if tables is None:
-            tables = self._tables[:bucket]
-            tables[:n, : block_tables.shape[1]] = block_tables
-            tables[n:, 0] = self.scratch_block
-        return input_ids, positions, slot_mapping, tables, context_lens
-
     def run(
         self,
         input_ids: torch.Tensor,
@@ -255,7 +196,7 @@ class DecodeGraphs:
         if module is None:
             self.request(bucket, urgent=True)
             return None
-        inputs = self._inputs(input_ids, positions, slot_mapping, block_tables, context_lens, bucket)
+        inputs = self.inputs.fill(input_ids, positions, slot_mapping, block_tables, context_lens, bucket)
         with torch.no_grad():
             logits = module(*inputs, self.kv_caches)
         self.steps_run += 1

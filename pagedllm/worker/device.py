@@ -16,8 +16,19 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """"auto" is float32 on CPU (exact parity, fast kernels there) and bfloat16 on GPU."""
+def resolve_dtype(dtype: str, device: torch.device, bf16_supported: bool | None = None) -> torch.dtype:
+    """"auto" is float32 on CPU (exact parity, fast kernels there) and bfloat16 on a GPU, float16
+    on one without bfloat16 (before Ampere), as vLLM chooses; bfloat16 asked of such a GPU is an
+    error. `bf16_supported`: the GPU's answer (None: asked of torch)."""
+    if device.type == "cuda" and dtype in ("auto", "bfloat16"):
+        if bf16_supported is None:
+            bf16_supported = torch.cuda.is_bf16_supported()
+        if not bf16_supported:
+            if dtype == "bfloat16":
+                raise ValueError("dtype='bfloat16' is not supported by this GPU (compute capability below 8.0); "
+                                 "use dtype='float16'.")
+            return torch.float16
+        return torch.bfloat16
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.float32
     return _DTYPES[dtype]

@@ -9,10 +9,15 @@ the optional `blocks_to_swap_out` (device, host) and `blocks_to_swap_in` (host, 
 Inside a step the runner orders the batch decodes first (sequences with exactly one query token),
 then the rest (prefills), as `AttentionMetadata` requires; outputs come back in scheduled order.
 
-With `compile_batch_sizes`, decode-only steps run in compiled graphs (worker/decode_graphs.py)
-once the graph of their padded batch size is ready; every other step, and every step before
-that, runs the eager model. The cache then has one extra *scratch* block past `num_blocks`
-that the block pool never hands out: padded rows write there.
+With `compile_batch_sizes` (CPU), decode-only steps run in compiled graphs
+(worker/decode_graphs.py) once the graph of their padded batch size is ready; with
+`cuda_graph_sizes` (GPU) they replay captured CUDA graphs (worker/cuda_graphs.py, captured by
+`capture_cuda_graphs` at start-up); every other step runs the eager model. The cache then has one
+extra *scratch* block past `num_blocks` that the block pool never hands out: padded rows write there.
+
+On a GPU a step's inputs are built on the host (numpy / CPU tensors), packed into one pinned
+buffer and copied to the device with one non-blocking copy (`_upload`); the one synchronisation
+of a step is the sampler's reading of the sampled tokens.
 
 Under tensor parallelism every rank runs its own runner on the same steps (executor/): the
 model is the rank's shard, the cache holds only its KV heads (`model.num_kv_heads`), and only
@@ -31,6 +36,7 @@ from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.rotary import head_dim_of
 from pagedllm.worker.block_table import BlockTable
 from pagedllm.worker.cache_engine import CacheEngine
+from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.decode_graphs import DecodeGraphs
 
 
@@ -68,8 +74,10 @@ class ModelRunner:
         max_model_len: int | None = None,
         compile_batch_sizes: list[int] | None = None,
         kv_cache_dtype: torch.dtype | None = None,
+        cuda_graph_sizes: list[int] | None = None,
     ) -> None:
-        """`kv_cache_dtype`: the cache's storage dtype (layers/kv_cache_format.py); None: `dtype`."""
+        """`kv_cache_dtype`: the cache's storage dtype (layers/kv_cache_format.py); None: `dtype`.
+        `cuda_graph_sizes`: the decode buckets to capture (GPU, a capture-safe attention backend)."""
         self.model = model
         self.hf_config = hf_config
         self.block_size = block_size
@@ -82,7 +90,7 @@ class ModelRunner:
             num_kv_heads=getattr(model, "num_kv_heads", None)
             or getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
             head_dim=head_dim_of(hf_config),
-            num_blocks=num_blocks + (1 if compile_batch_sizes else 0),  # + the scratch block
+            num_blocks=num_blocks + (1 if compile_batch_sizes or cuda_graph_sizes else 0),  # + the scratch block
             block_size=block_size,
             dtype=kv_cache_dtype or dtype,
             device=self.device,
@@ -100,6 +108,10 @@ class ModelRunner:
                 batch_sizes=compile_batch_sizes,
                 device=self.device,
             )
+        self.cuda_graphs: CudaGraphRunner | None = None
+        if cuda_graph_sizes:
+            self.cuda_graphs = CudaGraphRunner(model, self.kv_caches, block_size, max_len, scratch_block=num_blocks,
+                                               batch_sizes=cuda_graph_sizes, device=self.device)
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
@@ -151,30 +163,40 @@ class ModelRunner:
         slot_mapping = block_tables[seq_of_token, positions // B] * B + positions % B
 
         query_starts = query_starts_t.tolist()
-        dev = self.device
-        decode_block_tables = decode_context_lens = None
+        num_prefills = len(order) - num_decodes
+        host: dict[str, torch.Tensor] = {
+            "input_ids": torch.tensor(token_ids, dtype=torch.long),
+            "positions": positions,
+            "slot_mapping": slot_mapping,
+        }
         if num_decodes:
             max_decode_blocks = -(-max(ctx_lens[:num_decodes]) // B)
-            decode_block_tables = block_tables[:num_decodes, :max_decode_blocks].to(dev).contiguous()
-            decode_context_lens = torch.tensor(ctx_lens[:num_decodes], dtype=torch.long, device=dev)
-        prefill_tables = [
-            block_tables[j, : n_blocks_of[j]].to(dev) for j in range(num_decodes, len(order))
-        ]
-        prefill_padded = None
-        if num_decodes < len(order):
+            host["decode_block_tables"] = block_tables[:num_decodes, :max_decode_blocks]
+            host["decode_context_lens"] = torch.tensor(ctx_lens[:num_decodes], dtype=torch.long)
+        if num_prefills:
             max_prefill_blocks = max(n_blocks_of[num_decodes:])
-            prefill_padded = block_tables[num_decodes:, :max_prefill_blocks].to(dev).contiguous()
+            host["prefill_tables"] = block_tables[num_decodes:, :max_prefill_blocks]
+            first = query_starts[num_decodes]
+            host["prefill_query_start_loc"] = torch.tensor(
+                [q - first for q in query_starts[num_decodes:]] + [num_tokens - first], dtype=torch.long)
+            host["prefill_context_lens"] = torch.tensor(ctx_lens[num_decodes:], dtype=torch.long)
+        dev_t = self._upload(host)
+        prefill_padded = dev_t.get("prefill_tables")
         attn_metadata = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev),
+            slot_mapping=dev_t["slot_mapping"],
             block_size=B,
             num_decode_tokens=num_decodes,
-            decode_block_tables=decode_block_tables,
-            decode_context_lens=decode_context_lens,
+            decode_block_tables=dev_t.get("decode_block_tables"),
+            decode_context_lens=dev_t.get("decode_context_lens"),
             prefill_query_starts=query_starts[num_decodes:],
             prefill_query_lens=lens[num_decodes:],
             prefill_context_lens=ctx_lens[num_decodes:],
-            prefill_block_tables=prefill_tables,
+            # views of the one padded table: no copy per sequence
+            prefill_block_tables=[prefill_padded[j, : n_blocks_of[num_decodes + j]] for j in range(num_prefills)],
             prefill_block_tables_padded=prefill_padded,
+            prefill_query_start_loc=dev_t.get("prefill_query_start_loc"),
+            prefill_context_lens_tensor=dev_t.get("prefill_context_lens"),
+            max_prefill_query_len=max(lens[num_decodes:], default=0),
         )
 
         # Logits rows: every row of an all_logits sequence (its last row doubles as its sample
@@ -194,14 +216,32 @@ class ModelRunner:
                 sample_indices.append(len(logits_rows))
                 logits_rows.append(first + n - 1)
         return ModelInput(
-            input_ids=torch.tensor(token_ids, dtype=torch.long).to(dev),
-            positions=positions.to(dev),
+            input_ids=dev_t["input_ids"],
+            positions=dev_t["positions"],
             attn_metadata=attn_metadata,
             logits_rows=logits_rows,
             sample_indices=sample_indices,
             all_logits_slices=all_logits_slices,
             decode_only=num_decodes == len(order) and not all_logits_slices and len(sample_indices) == len(order),
         )
+
+    def _upload(self, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The step's int64 host tensors on the device. CPU: as they are (contiguous). GPU: packed
+        into one pinned buffer, one non-blocking copy, then views of it."""
+        if self.device.type == "cpu":
+            return {k: v.contiguous() for k, v in host.items()}
+        flat = torch.cat([v.reshape(-1) for v in host.values()]).pin_memory()
+        on_device = flat.to(self.device, non_blocking=True)
+        out, at = {}, 0
+        for name, v in host.items():
+            out[name] = on_device[at : at + v.numel()].view(v.shape)
+            at += v.numel()
+        return out
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture the decode buckets (start-up, after the cache exists: the graphs read it)."""
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.capture_all()
 
     @torch.no_grad()
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput | None:
@@ -231,9 +271,10 @@ class ModelRunner:
     def run_model(self, inp: ModelInput) -> torch.Tensor | None:
         """float32 logits of the rows `inp.logits_rows`: from a compiled decode graph where one
         is ready for this step, else from the eager model (None on tensor-parallel ranks > 0)."""
-        if inp.decode_only and self.decode_graphs is not None:
+        graphs = self.cuda_graphs or self.decode_graphs
+        if inp.decode_only and graphs is not None:
             md = inp.attn_metadata
-            logits = self.decode_graphs.run(
+            logits = graphs.run(
                 inp.input_ids, inp.positions, md.slot_mapping, md.decode_block_tables, md.decode_context_lens
             )
             if logits is not None:
@@ -259,22 +300,43 @@ class ModelRunner:
         return self.decode_graphs.wait(buckets or None, timeout=timeout)
 
     @torch.no_grad()
-    def profile_run(self, num_tokens: int, num_logit_rows: int = 1) -> None:
-        """A dummy forward of one `num_tokens`-token prefill and `num_logit_rows` logits rows:
-        the activation peak of the largest step, for sizing the KV cache on a GPU. Writes garbage
-        into the cache (the slots wrap around), so use it on a throwaway runner."""
-        dev = self.device
-        num_slots = self.cache_engine.num_blocks * self.block_size
-        attn_metadata = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, device=dev) % num_slots,
-            block_size=self.block_size,
-            prefill_query_starts=[0],
-            prefill_query_lens=[num_tokens],
-            prefill_context_lens=[num_tokens],  # no cached context: the cache is only written
-            prefill_block_tables=[torch.zeros(1, dtype=torch.long, device=dev)],
-        )
-        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
-        positions = torch.arange(num_tokens, dtype=torch.long, device=dev)
-        with torch.inference_mode():
-            hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
-            self.model.compute_logits(hidden[-num_logit_rows:])
+    def profile_run(self, num_tokens: int, num_seqs: int = 1) -> int:
+        """A dummy step of `num_tokens` prefill tokens over `num_seqs` sequences, each sampled (a
+        logits row each): the activation peak of the largest step, for sizing the KV cache on a
+        GPU. Built by `prepare_input` like any step, every block table pointing at block 0: it
+        writes garbage into the cache, so use it on a throwaway runner. Returns the logits rows."""
+        num_seqs = max(1, min(num_seqs, num_tokens))
+        base, extra = divmod(num_tokens, num_seqs)
+        steps = []
+        for i in range(num_seqs):
+            n = base + (1 if i < extra else 0)
+            steps.append(_ProfileSequence(i, n, -(-n // self.block_size)))
+        inp = self.prepare_input(steps)
+        logits = self.run_model(inp)
+        for s in steps:
+            self.block_table.release(s.seq.seq_id)
+        return 0 if logits is None else int(logits.shape[0])  # logits rows (rank 0)
+
+
+@dataclass
+class _ProfileSequence:
+    """A scheduled prefill of `n` dummy tokens, its table all block 0 (`profile_run`)."""
+
+    seq_id: int
+    n: int
+    n_blocks: int
+    sample: bool = True
+    all_logits: bool = False
+    start_pos: int = 0
+
+    @property
+    def seq(self) -> "_ProfileSequence":
+        return self
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [0] * self.n
+
+    @property
+    def block_table(self) -> list[int]:
+        return [0] * self.n_blocks

@@ -15,7 +15,9 @@ from typing import Any
 import torch
 
 from pagedllm.distributed import cpu_binding, parallel_state
+from pagedllm.layers.backends import select_attn_backend, set_attn_backend
 from pagedllm.model.loader import load_model
+from pagedllm.worker.memory_sizing import MemoryProfile
 from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -38,6 +40,9 @@ class WorkerConfig:
     tensor_parallel_size: int = 1
     num_threads: int | None = None  # per rank; None: the rank's share of the cores
     collective_timeout_s: float = 120.0
+    attention_backend: str = "auto"
+    # GPU: the decode buckets to capture as CUDA graphs (None: eager; worker/cuda_graphs.py)
+    cuda_graph_sizes: list[int] | None = None
 
 
 class Worker:
@@ -52,6 +57,7 @@ class Worker:
         self.tp = parallel_state.TensorParallelGroup(0, 1, "none")
         self.model: torch.nn.Module | None = None
         self.model_runner: ModelRunner | None = None
+        self.attn_backend: type | None = None
         self._previous_binding: cpu_binding.CpuBinding | None = None
 
     def bind_cpu(self, binding: cpu_binding.CpuBinding) -> None:
@@ -73,6 +79,20 @@ class Worker:
         self.model = load_model(c.model_path, c.gguf_file, c.hf_config, c.dtype, self.device,
                                 quantization=c.quantization, quant_compute=c.quant_compute,
                                 tp=self.tp if self.tp.world_size > 1 else None)
+        self.attn_backend = select_attn_backend(c.attention_backend, self.device, c.kv_cache_dtype)
+        set_attn_backend(self.model, self.attn_backend)
+
+    @property
+    def graph_sizes(self) -> list[int] | None:
+        """The buckets to capture: the configured ones on a GPU over a capture-safe backend."""
+        sizes = self.config.cuda_graph_sizes
+        if not sizes or self.device.type != "cuda":
+            return None
+        if not getattr(self.attn_backend, "capture_safe", False):
+            logger.info("CUDA graphs need the Triton attention backend (%s reads tensors on the host); "
+                        "decode steps run eager", getattr(self.attn_backend, "name", self.attn_backend))
+            return None
+        return sizes
 
     def initialize_cache(self, num_blocks: int, num_host_blocks: int, max_model_len: int,
                          compile_batch_sizes: list[int] | None = None) -> None:
@@ -81,24 +101,41 @@ class Worker:
         c = self.config
         self.model_runner = ModelRunner(self.model, c.hf_config, num_blocks, c.block_size, c.dtype, self.device,
                                         max_model_len=max_model_len, compile_batch_sizes=compile_batch_sizes,
-                                        kv_cache_dtype=c.kv_cache_dtype)
+                                        kv_cache_dtype=c.kv_cache_dtype, cuda_graph_sizes=self.graph_sizes)
         self.model_runner.cache_engine.allocate_host_pool(num_host_blocks)
+        self.model_runner.capture_cuda_graphs()
 
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput | None:
         return self.model_runner.execute_model(scheduler_output)
 
-    def profile_run(self, num_tokens: int) -> int:
-        """GPU: the activation peak (bytes) of a `num_tokens` prefill on a throwaway runner,
-        and the memory this rank's device has; every rank runs it (the forward's collectives)."""
-        c = self.config
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        probe = ModelRunner(self.model, c.hf_config, 1, c.block_size, c.dtype, self.device,
-                            kv_cache_dtype=c.kv_cache_dtype)
-        probe.profile_run(num_tokens)
+    def profile_memory(self, num_tokens: int, num_seqs: int, max_model_len: int) -> MemoryProfile:
+        """GPU: this rank's figures for sizing the KV cache (worker/memory_sizing.py), measured on
+        a throwaway runner of one block: the weights (what torch holds now), the activation peak of
+        a `num_tokens` step over `num_seqs` sampled sequences, the pool that capturing the largest
+        decode bucket takes, and what the device uses outside torch. Every rank runs it (the
+        forward's collectives)."""
+        c, dev = self.config, self.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        weights = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        sizes = self.graph_sizes
+        probe = ModelRunner(self.model, c.hf_config, 1, c.block_size, c.dtype, dev, max_model_len=max_model_len,
+                            kv_cache_dtype=c.kv_cache_dtype, cuda_graph_sizes=[max(sizes)] if sizes else None)
+        probe.profile_run(num_tokens, num_seqs)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - weights
+        graphs = 0
+        if probe.cuda_graphs is not None:
+            probe.capture_cuda_graphs()
+            graphs = probe.cuda_graphs.pool_bytes
         del probe
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        non_torch = max(0, (total - free) - torch.cuda.memory_reserved(dev))
+        return MemoryProfile(total=total, weights=weights, peak_activations=max(0, peak), cuda_graphs=graphs,
+                             non_torch=non_torch)
 
     def close(self) -> None:
         """Leave the group and give the process its cores back (rank 0 is the engine's process)."""

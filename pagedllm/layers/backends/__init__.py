@@ -1,16 +1,74 @@
 """Attention backends: how a layer reads and writes the paged KV cache.
 
-`torch_paged` is the portable implementation (plain torch ops, any device). A GPU backend
-(Triton kernels, CUDA graphs) plugs in here with the same `forward` signature.
+`torch_paged` is the portable implementation (plain torch ops and, on CPU, the C kernels);
+`triton_paged` is the CUDA one (Triton kernels, capture-safe for CUDA graphs). Layers are built
+with the torch backend; the worker sets the chosen one on every attention layer once the model
+is loaded (`select_attn_backend`, `set_attn_backend`), so the choice is one per model.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+
+import torch
+from torch import nn
+
 from pagedllm.layers.backends.torch_paged import TorchPagedAttentionBackend
 
+logger = logging.getLogger(__name__)
 
-def get_attn_backend() -> type[TorchPagedAttentionBackend]:
+
+def get_attn_backend() -> type:
+    """The backend a layer is built with (replaced by `set_attn_backend`)."""
     return TorchPagedAttentionBackend
 
 
-__all__ = ["TorchPagedAttentionBackend", "get_attn_backend"]
+def _triton_installed() -> bool:
+    from pagedllm.layers.backends import triton_attention
+
+    return triton_attention.HAS_TRITON
+
+
+def select_attn_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype) -> type:
+    """The backend for `attention_backend=name` on `device` with this cache type; a choice that
+    cannot run is a ValueError that says why."""
+    if name == "torch":
+        return TorchPagedAttentionBackend
+    if name not in ("auto", "triton"):
+        raise ValueError(f"attention_backend must be one of ['auto', 'torch', 'triton'], got {name!r}.")
+    from pagedllm.layers.backends.triton_paged import SUPPORTED_CACHE_DTYPES, TritonPagedAttentionBackend
+
+    if name == "auto":
+        if device.type != "cuda":
+            return TorchPagedAttentionBackend
+        if kv_cache_dtype not in SUPPORTED_CACHE_DTYPES:
+            logger.info("kv_cache_dtype %s: the torch attention backend (the Triton kernels read float and "
+                        "fp8 caches); decode steps run eager", kv_cache_dtype)
+            return TorchPagedAttentionBackend
+        if not _triton_installed():
+            logger.warning("triton is not installed: attention runs in the torch backend, without CUDA "
+                           "graphs (pip install triton for the fast path)")
+            return TorchPagedAttentionBackend
+        return TritonPagedAttentionBackend
+    if not _triton_installed():
+        raise ValueError("attention_backend='triton' needs the triton package (pip install triton).")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"attention_backend='triton' needs a CUDA device, not {device.type!r} "
+                         "(or TRITON_INTERPRET=1, which runs the kernels slowly in Triton's interpreter: tests).")
+    if kv_cache_dtype not in SUPPORTED_CACHE_DTYPES:
+        raise ValueError(f"attention_backend='triton' does not read kv_cache_dtype {kv_cache_dtype}; "
+                         "use a float or fp8 cache, or attention_backend='torch'.")
+    return TritonPagedAttentionBackend
+
+
+def set_attn_backend(model: nn.Module, backend: type) -> None:
+    """Make every attention layer of `model` use `backend`."""
+    from pagedllm.layers.attention import Attention
+
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.backend = backend
+
+
+__all__ = ["TorchPagedAttentionBackend", "get_attn_backend", "select_attn_backend", "set_attn_backend"]
