@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Create .venv in the repo root (once) and install pagedllm with its pinned CPU torch.
-# EXTRAS="test" adds the test dependencies. GPU users: install a CUDA build of torch 2.13.0
-# into .venv first (see README), then run this; pip keeps the torch that satisfies the pin.
+# Create .venv in the repo root (once) and install pagedllm with exactly torch 2.13.0 (the CPU
+# build on this machine's disk: a loose torch requirement could pull a multi-GB CUDA build).
+# EXTRAS="test" adds the test dependencies. GPU machines: `pip install -e .[gpu]` into an
+# environment whose CUDA torch is in pyproject's range (>=2.11,<2.14) keeps that torch (docs/gpu.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
