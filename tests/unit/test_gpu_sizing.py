@@ -129,4 +129,10 @@ def test_attention_backend_choice(monkeypatch):
     assert select_attn_backend("triton", cpu, torch.float32).name == "triton"
     with pytest.raises(ValueError, match="does not read kv_cache_dtype torch.int8"):
         select_attn_backend("triton", cpu, torch.int8)
-    assert select_attn_backend("auto", torch.device("cuda"), torch.bfloat16).name == "triton"
+    cuda = torch.device("cuda")
+    assert select_attn_backend("auto", cuda, torch.bfloat16).name == "triton"
+    # fp8: Triton's conversions need sm_89+; below, auto takes the torch backend and triton refuses
+    assert select_attn_backend("auto", cuda, torch.float8_e4m3fn, capability=(9, 0)).name == "triton"
+    assert select_attn_backend("auto", cuda, torch.float8_e4m3fn, capability=(8, 0)) is TorchPagedAttentionBackend
+    with pytest.raises(ValueError, match=r"compute capability 8.9 or more.*this one is \(8, 0\)"):
+        select_attn_backend("triton", cuda, torch.float8_e5m2, capability=(8, 0))

@@ -30,9 +30,14 @@ def _triton_installed() -> bool:
     return triton_attention.HAS_TRITON
 
 
-def select_attn_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype) -> type:
+FP8_MIN_CAPABILITY = (8, 9)  # Ada, Hopper: Triton's fp8 conversions need sm_89+
+
+
+def select_attn_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype,
+                        capability: tuple[int, int] | None = None) -> type:
     """The backend for `attention_backend=name` on `device` with this cache type; a choice that
-    cannot run is a ValueError that says why."""
+    cannot run is a ValueError that says why. `capability`: the GPU's compute capability (None:
+    asked of torch, only for an fp8 cache)."""
     if name == "torch":
         return TorchPagedAttentionBackend
     if name not in ("auto", "triton"):
@@ -50,6 +55,10 @@ def select_attn_backend(name: str, device: torch.device, kv_cache_dtype: torch.d
             logger.warning("triton is not installed: attention runs in the torch backend, without CUDA "
                            "graphs (pip install triton for the fast path)")
             return TorchPagedAttentionBackend
+        if _fp8_unsupported(device, kv_cache_dtype, capability):
+            logger.warning("kv_cache_dtype %s on a GPU below compute capability 8.9: the torch backend "
+                           "converts it (slower, no CUDA graphs)", kv_cache_dtype)
+            return TorchPagedAttentionBackend
         return TritonPagedAttentionBackend
     if not _triton_installed():
         raise ValueError("attention_backend='triton' needs the triton package (pip install triton).")
@@ -59,7 +68,22 @@ def select_attn_backend(name: str, device: torch.device, kv_cache_dtype: torch.d
     if kv_cache_dtype not in SUPPORTED_CACHE_DTYPES:
         raise ValueError(f"attention_backend='triton' does not read kv_cache_dtype {kv_cache_dtype}; "
                          "use a float or fp8 cache, or attention_backend='torch'.")
+    if _fp8_unsupported(device, kv_cache_dtype, capability):
+        raise ValueError(f"attention_backend='triton' with kv_cache_dtype {kv_cache_dtype} needs a GPU of compute "
+                         f"capability 8.9 or more (Ada, Hopper); this one is {_capability(device, capability)}. "
+                         "Use attention_backend='torch' or a bfloat16 / float16 cache.")
     return TritonPagedAttentionBackend
+
+
+def _capability(device: torch.device, capability: tuple[int, int] | None) -> tuple[int, int]:
+    return capability if capability is not None else torch.cuda.get_device_capability(device)
+
+
+def _fp8_unsupported(device: torch.device, kv_cache_dtype: torch.dtype, capability: tuple[int, int] | None) -> bool:
+    from pagedllm.layers.backends.triton_paged import FP8_DTYPES
+
+    return (device.type == "cuda" and kv_cache_dtype in FP8_DTYPES
+            and tuple(_capability(device, capability)) < FP8_MIN_CAPABILITY)
 
 
 def set_attn_backend(model: nn.Module, backend: type) -> None:
