@@ -25,10 +25,11 @@ Kernel design (all accumulate in float32; the output is in the query's dtype):
   `BLOCK_M // G` query tokens x the G heads of one KV head (row r: token r // G, head r % G),
   again one K/V load per group. Keys run from the tile's first visible position (window) to
   its last query's position, `BLOCK_N` tokens per step, gathered through the block table as in
-  decode; the bottom-right causal mask (query i of a sequence sits at `ctx - qlen + i`) and the
-  window are applied per element, with a -inf-safe online softmax (a row may see nothing in a
-  step). Every key and value comes from the cache, so a prompt run whole, in chunks or after a
-  prefix-cache hit sees the same numbers.
+  decode. The bottom-right causal mask (query i of a sequence sits at `ctx - qlen + i`) and the
+  window are applied per element only in the steps that need them (a step every query of the
+  tile sees wholly, most of a long prompt's, skips the mask), with a -inf-safe online softmax
+  (a row may see nothing in a step). Every key and value comes from the cache, so a prompt run
+  whole, in chunks or after a prefix-cache hit sees the same numbers.
 - fp8 caches: the K/V tiles are converted exactly to the dot dtype (every e4m3 / e5m2 value is
   a bfloat16 / float16 value), and the program's one KV-head scale multiplies the scores (k)
   and the accumulator (v) in float32.
@@ -37,7 +38,9 @@ CUDA-graph capture: no function here reads a device value on the host (no .item(
 .tolist()); grids and every kernel constant come from shapes and host ints (`max_query_len`),
 `num_splits` defaults to a function of `(seqs, kv_heads, block-table width, block size, SM
 count)`; context lengths, block ids and slots are read by the kernels only, and the workspace
-is allocated with torch.empty (the graph's pool during capture).
+is allocated with torch.empty (the graph's pool during capture). Triton compiles a kernel on
+its first launch for each specialization (dtypes, tiles, `num_splits == 1` or not, strides
+divisible by 16): run every captured shape once before capturing, as graph runners do anyway.
 
 Triton is optional (`HAS_TRITON`); nothing imports this module on CPU inference. With
 `TRITON_INTERPRET=1` when a kernel is first called, it runs in Triton's interpreter on CPU
@@ -87,7 +90,7 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
         FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     ):
-        t = tl.program_id(0)
+        t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         blk = slot // PAGE
         off = slot % PAGE
@@ -254,6 +257,12 @@ if HAS_TRITON:
             lo = ctx * 0
         tile_lo = lo // BLOCK_N
         tile_hi = tl.where(first_q < q_len, (hi + BLOCK_N - 1) // BLOCK_N, tile_lo)  # past the queries: none
+        # keys every query of the tile sees: a step wholly inside needs no mask (most steps of a long prompt)
+        first_pos = ctx - q_len + first_q
+        if HAS_WINDOW:
+            all_lo = hi - window  # the last query's first visible key
+        else:
+            all_lo = lo
 
         if FP8:
             qk_scale = scale_log2 * tl.load(ks_ptr + kvh)
@@ -280,10 +289,12 @@ if HAS_TRITON:
                 qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
                 qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)))
-            visible = valid[None, :] & (tok[None, :] <= qpos[:, None])
-            if HAS_WINDOW:
-                visible = visible & (tok[None, :] > qpos[:, None] - window)
-            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            qk = qk * qk_scale
+            if (t * BLOCK_N < all_lo) | (t * BLOCK_N + BLOCK_N - 1 > first_pos):
+                visible = valid[None, :] & (tok[None, :] <= qpos[:, None])
+                if HAS_WINDOW:
+                    visible = visible & (tok[None, :] > qpos[:, None] - window)
+                qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.reduce(qk, 1, tl.standard._elementwise_max))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
             p = tl.math.exp2(qk - m_safe[:, None])
@@ -341,6 +352,7 @@ def _next_pow2(n: int) -> int:
 
 
 _SMS: dict[int, int] = {}
+_CAPS: dict[int, tuple[int, int]] = {}
 
 
 def _num_sms(device: torch.device) -> int:
@@ -381,9 +393,6 @@ def _capability(device: torch.device) -> tuple[int, int]:
     if index not in _CAPS:
         _CAPS[index] = tuple(torch.cuda.get_device_capability(index))
     return _CAPS[index]
-
-
-_CAPS: dict[int, tuple[int, int]] = {}
 
 
 def _decode_config(head_dim: int, group: int, q_dtype: torch.dtype) -> dict:
