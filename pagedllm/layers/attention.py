@@ -66,6 +66,11 @@ class Attention(nn.Module):
 
     `forward(q [T, Hq, D], k [T, Hk, D], v [T, Hk, D], kv_cache, attn_metadata) -> [T, Hq * D]`.
     `kv_cache` is this layer's cache `[2, num_blocks, block_size, Hk, D]` (keys, values).
+
+    `k_scale` / `v_scale` (float32 buffers [Hk], ones unless the checkpoint has them): an fp8
+    cache's per-KV-head scales (stored = x / scale, read = stored * scale; docs/kv_cache.md),
+    passed to the backend on every call and ignored by other cache types. Not persistent: a
+    state dict without them (every float checkpoint) loads as before.
     """
 
     def __init__(
@@ -75,6 +80,7 @@ class Attention(nn.Module):
         scale: float,
         num_kv_heads: int,
         sliding_window: int | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -85,6 +91,26 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.backend = get_attn_backend()
+        self.k_scale: torch.Tensor
+        self.v_scale: torch.Tensor
+        self.register_buffer("k_scale", torch.ones(num_kv_heads, dtype=torch.float32, device=device), persistent=False)
+        self.register_buffer("v_scale", torch.ones(num_kv_heads, dtype=torch.float32, device=device), persistent=False)
+
+    @torch.no_grad()
+    def load_kv_scale(self, which: str, tensor: torch.Tensor) -> None:
+        """Set `k_scale` or `v_scale` from a checkpoint tensor: one scale (any shape of one
+        element: expanded to every KV head) or one per KV head of this layer (`[Hk]`, or
+        `[Hk, 1, ...]`; under tensor parallelism already cut to this rank's heads). ValueError
+        for another size, or a scale that is not positive and finite (x / 0 is inf)."""
+        if which not in ("k_scale", "v_scale"):
+            raise ValueError(f"load_kv_scale: which must be 'k_scale' or 'v_scale', got {which!r}")
+        flat = tensor.detach().reshape(-1).to(torch.float32)
+        if flat.numel() not in (1, self.num_kv_heads):
+            raise ValueError(f"a KV cache {which} must be one scale or one per KV head ({self.num_kv_heads}), "
+                             f"got shape {tuple(tensor.shape)}")
+        if not bool(torch.isfinite(flat).all() & (flat > 0).all()):
+            raise ValueError(f"a KV cache {which} must be positive and finite, got {flat.tolist()}")
+        getattr(self, which).copy_(flat.expand(self.num_kv_heads))
 
     def forward(
         self,
@@ -102,6 +128,8 @@ class Attention(nn.Module):
             attn_metadata,
             scale=self.scale,
             sliding_window=self.sliding_window,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 

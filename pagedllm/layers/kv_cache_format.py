@@ -5,6 +5,13 @@ kernels read and write the same layout in place (kernels/kv_cache_types.h).
 One tensor per layer, whatever the type, so that block copies (copy-on-write), swaps and the
 compiled decode graphs handle every type alike:
 - float32 / bfloat16 / float16: `[2 (K, V), num_blocks, block_size, kv_heads, head_dim]`;
+- fp8 (float8_e4m3fn, float8_e5m2): the same float layout, one byte per element, as vLLM's.
+  The scales are not in the blocks: one float32 scale per KV head *per layer* for keys and one
+  for values (`k_scale`, `v_scale` [Hk], the `Attention` layer's buffers: 1.0, or the
+  checkpoint's calibrated ones), stored = fp8(clamp(x / scale, -fmax, fmax)), read =
+  stored * scale. A static scale needs no requantization and no per-block header, and block
+  copies and swaps need nothing beyond the bytes (the scale is the same for every block);
+  `ScaledBlocks` pairs a half with its scale so the torch paths take it like a float half;
 - int8: `[2, num_blocks, block_bytes]` raw bytes, each block a header of one float32 scale per
   KV head (padded to 16 bytes) followed by its int8 codes `[block_size, kv_heads, head_dim]`
   (value = code * scale, symmetric absmax). The scales live *inside* their block: whatever
@@ -30,9 +37,15 @@ import torch
 KV_CACHE_TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
     "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,  # vLLM's "fp8" is e4m3
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
 }
-# The C kernels' element kinds (kernels/kv_cache_types.h: KV_F32, KV_BF16, KV_I8).
+FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
+# The C kernels' element kinds (kernels/kv_cache_types.h: KV_F32, KV_BF16, KV_I8). float16 and
+# fp8 are absent on purpose: the kernels decline them and the portable torch path runs.
 KERNEL_KIND: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 _INV127 = 1.0 / 127.0  # as float32: the C kernels' 1.0f / 127.0f
 
@@ -96,7 +109,34 @@ class Int8Blocks(NamedTuple):
         return self.raw.is_contiguous()
 
 
-KVHalf = torch.Tensor | Int8Blocks
+class ScaledBlocks(NamedTuple):
+    """One half (keys or values) of a layer's fp8 cache with the layer's scale for it: value =
+    `data.float() * scale` per KV head. Has a float half's `shape` / `dtype` (the fp8 dtype,
+    which no C kernel knows, so they decline it) / `data_ptr` / `is_contiguous`."""
+
+    data: torch.Tensor  # float8 [num_blocks, block_size, kv_heads, head_dim]
+    scale: torch.Tensor  # float32 [kv_heads]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def data_ptr(self) -> int:
+        return self.data.data_ptr()
+
+    def is_contiguous(self) -> bool:
+        return self.data.is_contiguous()
+
+
+KVHalf = torch.Tensor | Int8Blocks | ScaledBlocks
 
 
 def int8_blocks(raw: torch.Tensor, num_kv_heads: int, head_dim: int) -> Int8Blocks:
@@ -112,22 +152,60 @@ def int8_blocks(raw: torch.Tensor, num_kv_heads: int, head_dim: int) -> Int8Bloc
     return Int8Blocks(raw, codes, scales)
 
 
-def split_kv_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[KVHalf, KVHalf]:
-    """(keys, values) of one layer's cache: tensors `[num_blocks, block_size, Hk, D]`, or the
-    int8 views."""
+def split_kv_cache(
+    kv_cache: torch.Tensor,
+    num_kv_heads: int,
+    head_dim: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> tuple[KVHalf, KVHalf]:
+    """(keys, values) of one layer's cache: tensors `[num_blocks, block_size, Hk, D]`, the int8
+    views, or for fp8 `ScaledBlocks` with the layer's `k_scale` / `v_scale` (float32 [Hk]; a
+    ValueError without them). Other types ignore the scales."""
     if kv_cache.dtype == torch.int8:
         return int8_blocks(kv_cache[0], num_kv_heads, head_dim), int8_blocks(kv_cache[1], num_kv_heads, head_dim)
+    if kv_cache.dtype in FP8_DTYPES:
+        return (ScaledBlocks(kv_cache[0], _checked_scale(k_scale, "k_scale", kv_cache.dtype, num_kv_heads)),
+                ScaledBlocks(kv_cache[1], _checked_scale(v_scale, "v_scale", kv_cache.dtype, num_kv_heads)))
     return kv_cache[0], kv_cache[1]
+
+
+def _checked_scale(scale: torch.Tensor | None, name: str, dtype: torch.dtype, num_kv_heads: int) -> torch.Tensor:
+    """An fp8 half's scale as float32 [Hk] (a few integer compares: this runs every layer, every
+    step). Without one an fp8 cache cannot be written or read: its bytes mean nothing."""
+    if scale is None:
+        raise ValueError(f"an fp8 KV cache ({dtype}) needs the layer's {name}: a float32 tensor of one scale "
+                         f"per KV head [{num_kv_heads}] (ones when the checkpoint has none; the Attention "
+                         f"layer's buffers)")
+    if scale.shape != (num_kv_heads,):
+        raise ValueError(f"{name} of an fp8 KV cache must have shape [{num_kv_heads}] (one per KV head), "
+                         f"got {tuple(scale.shape)}")
+    return scale if scale.dtype == torch.float32 else scale.float()
 
 
 def write_rows(cache: KVHalf, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store `x [T, Hk, D]` at the flat slots `slot_mapping [T]`: converted to the cache's dtype
-    (round to nearest even), or quantized into int8 blocks (module docstring)."""
+    (round to nearest even), scaled into fp8, or quantized into int8 blocks (module docstring)."""
     if isinstance(cache, Int8Blocks):
         _quantize_rows(cache, x, slot_mapping)
         return
+    if isinstance(cache, ScaledBlocks):
+        num_kv_heads, head_dim = cache.shape[-2:]
+        codes = fp8_quantize(x, cache.scale, cache.dtype)
+        # Through a uint8 view: index_copy_ has no fp8 kernel on CPU (the bytes are the same).
+        cache.data.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_copy_(
+            0, slot_mapping, codes.view(torch.uint8))
+        return
     num_kv_heads, head_dim = cache.shape[-2:]
     cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, x.to(cache.dtype))
+
+
+def fp8_quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x [..., Hk, D]` -> `dtype` (an fp8 type): `clamp(x / scale, -fmax, fmax)`, rounded to
+    nearest even by the cast, as vLLM's. The clamp makes both formats saturate (a plain cast
+    turns e5m2 overflow into inf, which would poison the softmax); NaN stays NaN."""
+    fmax = torch.finfo(dtype).max
+    return (x.float() / scale[:, None]).clamp_(-fmax, fmax).to(dtype)
 
 
 def _quantize_rows(cache: Int8Blocks, x: torch.Tensor, slots: torch.Tensor) -> None:
@@ -159,7 +237,7 @@ def _quantize_rows(cache: Int8Blocks, x: torch.Tensor, slots: torch.Tensor) -> N
 
 def gather_blocks(cache: KVHalf, block_table: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The blocks `block_table [..., n]` of a cache half, flattened to `[..., n * block_size,
-    Hk, D]`, in `dtype` (default: the cache's; int8 is dequantized, to float32 by default).
+    Hk, D]`, in `dtype` (default: the cache's; int8 and fp8 are dequantized, to float32 by default).
     One `index_select` (several times faster than `cache[table]`)."""
     flat = block_table.reshape(-1)
     if isinstance(cache, Int8Blocks):
@@ -167,6 +245,12 @@ def gather_blocks(cache: KVHalf, block_table: torch.Tensor, dtype: torch.dtype |
         out_dtype = dtype or torch.float32
         codes = cache.codes.index_select(0, flat).to(out_dtype)
         rows = codes * cache.scales.index_select(0, flat).to(out_dtype)[:, None, :, None]
+    elif isinstance(cache, ScaledBlocks):
+        num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+        codes = torch.index_select(cache.data.view(torch.uint8).view(num_blocks, -1), 0, flat).view(cache.dtype)
+        rows = codes.view(-1, block_size, num_kv_heads, head_dim).float() * cache.scale[:, None]  # float32, as vLLM
+        if dtype is not None and dtype != torch.float32:
+            rows = rows.to(dtype)
     else:
         num_blocks, block_size, num_kv_heads, head_dim = cache.shape
         rows = torch.index_select(cache.view(num_blocks, -1), 0, flat)
@@ -179,4 +263,6 @@ def dequantize(cache: KVHalf) -> torch.Tensor:
     """Every block of a cache half as float32 `[num_blocks, block_size, Hk, D]` (tests, tools)."""
     if isinstance(cache, Int8Blocks):
         return cache.codes.float() * cache.scales[:, None, :, None]
+    if isinstance(cache, ScaledBlocks):
+        return cache.data.float() * cache.scale[:, None]
     return cache.float()

@@ -20,6 +20,7 @@ checkpoint tensor this rank reads. With N = 1 nothing is split and no collective
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -55,6 +56,33 @@ _STACKED_PARAMS = {
     "up_proj": ("gate_up_proj", 1),
 }
 _SHARD_NAMES = {fused: [n for n, (f, _) in _STACKED_PARAMS.items() if f == fused] for fused, _ in _STACKED_PARAMS.values()}
+# fp8 KV cache scales (docs/kv_cache.md): checkpoint suffix after `model.layers.N.self_attn` ->
+# the Attention buffers it sets, as vLLM maps them: compressed-tensors / llm-compressor
+# (`k_scale`), their `k_proj.output_scale` form, ModelOpt (`k_proj.k_scale`), the deprecated
+# single `kv_scale` (both), and our own buffer names.
+_KV_SCALE_NAMES: dict[str, tuple[str, ...]] = {
+    "k_scale": ("k_scale",), "v_scale": ("v_scale",),
+    "k_proj.output_scale": ("k_scale",), "v_proj.output_scale": ("v_scale",),
+    "k_proj.k_scale": ("k_scale",), "v_proj.v_scale": ("v_scale",),
+    "kv_scale": ("k_scale", "v_scale"),
+    "attn.k_scale": ("k_scale",), "attn.v_scale": ("v_scale",),
+}
+# Scales of fp8 *attention arithmetic* (the query, the softmax probabilities): vLLM uses them
+# only for fp8 attention kernels, which pagedllm has not; accepted and not used.
+_UNUSED_ATTN_SCALES = ("q_scale", "q_proj.output_scale", "prob_scale", "attn.q_scale", "attn.prob_scale")
+
+
+def _kv_scale_target(name: str) -> tuple[str, tuple[str, ...]] | None:
+    """`model.layers.3.self_attn.k_proj.output_scale` -> (`model.layers.3.self_attn.attn`,
+    ("k_scale",)); `()` for an accepted scale that is not used; None for any other name."""
+    head, sep, tail = name.partition(".self_attn.")
+    if not sep:
+        return None
+    if tail in _KV_SCALE_NAMES:
+        return f"{head}.self_attn.attn", _KV_SCALE_NAMES[tail]
+    if tail in _UNUSED_ATTN_SCALES:
+        return f"{head}.self_attn.attn", ()
+    return None
 
 
 def quant_method_for(quant_config: QuantizationConfig | None, prefix: str) -> LinearMethod | None:
@@ -121,6 +149,7 @@ class LlamaAttention(nn.Module):
             self.head_dim**-0.5,
             self.num_kv_heads,
             sliding_window=layer_sliding_window(config, layer_idx),
+            device=device,
         )
 
     def forward(
@@ -329,6 +358,14 @@ class LlamaForCausalLM(nn.Module):
             return []
         modules = self.__dict__.get("_module_index") or self.__dict__.setdefault("_module_index",
                                                                                  dict(self.named_modules()))
+        kv_scale = _kv_scale_target(name)
+        if kv_scale is not None:  # a per-head scale: this rank's KV heads, as k_proj's rows
+            if shape is None or math.prod(shape) <= 1:
+                return []  # one scale for all heads: every rank reads it whole
+            total = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
+            _, (kv_first, kv_local) = head_shard(self.config.num_attention_heads, total, self.tp.rank,
+                                                 self.tp.world_size)
+            return [(0, kv_first, kv_local)] if shape[0] == total else []  # else load_weights names the shape
         parts = name.split(".")
         if len(parts) >= 2 and parts[-2] in _STACKED_PARAMS:
             fused, shard = _STACKED_PARAMS[parts[-2]]
@@ -364,8 +401,11 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load transformers-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...).
 
-        q/k/v and gate/up go into their fused layers. Raises ValueError for an unknown name, a
-        shape mismatch, or a parameter that the checkpoint does not provide.
+        q/k/v and gate/up go into their fused layers. fp8 KV cache scales (`self_attn.k_scale`,
+        `k_proj.output_scale`, ...: `_KV_SCALE_NAMES`) go into the Attention layer's `k_scale` /
+        `v_scale` whatever `kv_cache_dtype` is; only an fp8 cache reads them (vLLM ignores them
+        likewise). Raises ValueError for an unknown name, a shape mismatch, or a parameter that
+        the checkpoint does not provide.
         """
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
@@ -375,6 +415,17 @@ class LlamaForCausalLM(nn.Module):
                 continue  # recomputed from the config
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding table is the head
+            kv_scale = _kv_scale_target(name)
+            if kv_scale is not None:  # before the stacked names: `k_proj.output_scale` is no k_proj weight
+                attn = modules.get(kv_scale[0])
+                if not isinstance(attn, Attention):
+                    raise ValueError(f"Unexpected weight {name!r} in checkpoint")
+                for which in kv_scale[1]:
+                    try:
+                        attn.load_kv_scale(which, tensor)
+                    except ValueError as e:
+                        raise ValueError(f"Loading {name}: {e}") from None
+                continue
             parts = name.split(".")
             if len(parts) >= 2 and parts[-2] in _STACKED_PARAMS:
                 fused, shard = _STACKED_PARAMS[parts[-2]]

@@ -186,7 +186,7 @@ def test_torch_path_matches_kernel_path(smollm2_gguf, engines, dtype, max_mean_d
     assert len(got["tokens"]) == 24
 
 
-@pytest.mark.parametrize("bad", ["fp8", "int4", "bf16"])
+@pytest.mark.parametrize("bad", ["fp4", "int4", "bf16"])
 def test_bad_kv_cache_dtype_is_a_value_error(smollm2_gguf, bad):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         LLM(smollm2_gguf, kv_cache_dtype=bad)

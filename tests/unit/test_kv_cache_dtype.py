@@ -58,7 +58,7 @@ def test_int8_needs_a_multiple_of_four_bytes_per_block():
 
 # ---- bad values ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("bad", ["fp8", "int4", "float16", "", "INT8"])
+@pytest.mark.parametrize("bad", ["fp8_e4m3fnuz", "int4", "float64", "", "INT8"])
 def test_unknown_kv_cache_dtype_is_a_value_error(bad):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype=bad)
@@ -73,7 +73,7 @@ def test_cli_flag():
     assert parser.parse_args(["generate", "--kv-cache-dtype", "int8", "hi"]).kv_cache_dtype == "int8"
     assert parser.parse_args(["generate", "hi"]).kv_cache_dtype == "auto"
     with pytest.raises(SystemExit):
-        parser.parse_args(["generate", "--kv-cache-dtype", "fp8", "hi"])
+        parser.parse_args(["generate", "--kv-cache-dtype", "fp4", "hi"])
 
 
 def test_auto_is_the_model_dtype():

@@ -9,8 +9,10 @@ the dispatcher's ~35 us per call, so both paths run one implementation.
 
 On CPU with float32 queries the attention runs in the C kernel (kernels/paged_decode_attention.c),
 which reads K/V in place from their blocks, float32, bfloat16 or int8 (layers/kv_cache_format.py);
-otherwise (other model dtypes, GPU, no compiler) the torch path gathers the used blocks
-(converted or dequantized) and calls SDPA with an additive mask.
+otherwise (float16 and fp8 caches, other model dtypes, GPU, no compiler) the torch path gathers
+the used blocks (converted or dequantized) and calls SDPA with an additive mask. An fp8 cache's
+per-layer scales (`k_scale`, `v_scale` [Hk]) are optional tensor arguments of the op, so a
+compiled decode graph passes them like any other input (other cache types ignore them).
 
 No `from __future__ import annotations` here: `custom_op` reads the signature's real types.
 """
@@ -37,7 +39,8 @@ def decode_attention_torch(
     sliding_window: Optional[int],
 ) -> torch.Tensor:
     """Portable decode attention: gather the used blocks (in the query's dtype), mask, SDPA.
-    `query [D, Hq, dh]`; the caches `[blocks, block_size, Hk, dh]` tensors or int8 views."""
+    `query [D, Hq, dh]`; the caches `[blocks, block_size, Hk, dh]` tensors, int8 views or fp8
+    `ScaledBlocks`."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     max_blocks = -(-int(context_lens.max()) // block_size)
@@ -67,8 +70,9 @@ def decode_attention_c(
     new_kv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
 ) -> Optional[torch.Tensor]:
     """The C kernel's decode attention, or None where it does not apply (not CPU, queries not
-    float32, a cache type the kernel lacks). With `new_kv = (key, value, slot_mapping)` the
-    kernel first stores the new K/V rows at their slots (converted / quantized)."""
+    float32, a cache type the kernel lacks: float16, fp8). With `new_kv = (key, value,
+    slot_mapping)` the kernel first stores the new K/V rows at their slots (converted /
+    quantized)."""
     kernel = _c_kernel()
     kind = KERNEL_KIND.get(key_cache.dtype)
     if (
@@ -179,11 +183,13 @@ def paged_decode_attention_eager(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: Optional[int],
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Write `key/value [D, Hk, dh]` at `slot_mapping` of `kv_cache [2, blocks, block_size, Hk,
     dh]`, then attend `query [D, Hq, dh]` over the first `context_lens[i]` positions of block
-    table row `i` -> `[D, Hq, dh]`."""
-    key_cache, value_cache = split_kv_cache(kv_cache, key.shape[1], key.shape[2])
+    table row `i` -> `[D, Hq, dh]`. `k_scale` / `v_scale` [Hk]: an fp8 cache's (needed there)."""
+    key_cache, value_cache = split_kv_cache(kv_cache, key.shape[1], key.shape[2], k_scale, v_scale)
     args = (query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window)
     out = decode_attention_c(*args, new_kv=(key, value, slot_mapping))
     if out is not None:
@@ -198,5 +204,6 @@ paged_decode_attention = torch.library.custom_op(
 
 
 @paged_decode_attention.register_fake
-def _(query, key, value, kv_cache, slot_mapping, block_tables, context_lens, scale, sliding_window):
+def _(query, key, value, kv_cache, slot_mapping, block_tables, context_lens, scale, sliding_window,
+      k_scale=None, v_scale=None):
     return torch.empty_like(query)

@@ -17,7 +17,7 @@ def write_to_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Store `key/value [T, Hk, D]` at the flat slots `slot_mapping [T]` of the paged caches
-    (converted to the cache's element type: layers/kv_cache_format.py)."""
+    (converted to the cache's element type, fp8 halves with their scales: layers/kv_cache_format.py)."""
     write_rows(key_cache, key, slot_mapping)
     write_rows(value_cache, value, slot_mapping)
 

@@ -5,10 +5,12 @@ mask, optional sliding window). No Python loop over the sequences, no gather of 
 
 The cache may hold float32, bfloat16 or int8 (layers/kv_cache_format.py): the kernel converts
 as it loads, and its queries attend to the cache's values, their own new rows included.
+float16 and fp8 caches are not the kernel's (no element kind for them): it declines them.
 
 `prefill_attention_c` returns None where the kernel does not apply (no compiler, kernels
-disabled, not CPU, not float32 activations, no 2-D prefill block table in the metadata); the
-caller then takes the portable torch path (layers/backends/torch_paged.py: per sequence, SDPA).
+disabled, not CPU, not float32 activations, a float16 / fp8 cache, no 2-D prefill block table
+in the metadata); the caller then takes the portable torch path (layers/backends/torch_paged.py:
+per sequence, SDPA).
 """
 
 from __future__ import annotations

@@ -4,9 +4,11 @@ Decode: all decode sequences of the step in one call of the `pagedllm::paged_dec
 operator (layers/backends/decode_op.py), which writes their K/V and attends over the blocks in
 place (a C kernel on CPU float32; a gather + SDPA torch path elsewhere).
 
-The cache's element type (float32, bfloat16, int8: layers/kv_cache_format.py) is read and
-written by both paths; every query attends to the cache's values, never to fresher ones, so
-that a prompt computed whole or in chunks sees the same numbers.
+The cache's element type (float32, bfloat16, float16, int8, fp8 with the layer's per-KV-head
+`k_scale` / `v_scale`: layers/kv_cache_format.py) is read and written by both paths (the C
+kernels decline float16 and fp8, which then take the torch path); every query attends to the
+cache's values, never to fresher ones, so that a prompt computed whole or in chunks sees the
+same numbers.
 
 Prefill: on CPU float32 all prefill sequences in one call of the C kernel
 (layers/backends/prefill_op.py), which writes their K/V and reads the context in place from the
@@ -47,9 +49,12 @@ class TorchPagedAttentionBackend:
         attn_metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`query [T, Hq, D]`, `key/value [T, Hk, D]`, `kv_cache [2, blocks, block_size, Hk, D]`
-        -> attention output `[T, Hq, D]`."""
+        -> attention output `[T, Hq, D]`. `k_scale` / `v_scale` (float32 [Hk]): the layer's fp8
+        scales, required with an fp8 cache, ignored with any other."""
         md = attn_metadata
         nd = md.num_decode_tokens
         decoded = None
@@ -59,11 +64,11 @@ class TorchPagedAttentionBackend:
             op = torch.ops.pagedllm.paged_decode_attention if torch.compiler.is_compiling() else paged_decode_attention_eager
             decoded = op(
                 query[:nd], key[:nd], value[:nd], kv_cache, md.slot_mapping[:nd],
-                md.decode_block_tables, md.decode_context_lens, scale, sliding_window,
+                md.decode_block_tables, md.decode_context_lens, scale, sliding_window, k_scale, v_scale,
             )  # fmt: skip
             if md.num_prefills == 0:
                 return decoded
-        key_cache, value_cache = split_kv_cache(kv_cache, key.shape[1], key.shape[2])
+        key_cache, value_cache = split_kv_cache(kv_cache, key.shape[1], key.shape[2], k_scale, v_scale)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if decoded is not None:
             out[:nd] = decoded
