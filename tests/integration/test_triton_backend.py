@@ -31,7 +31,7 @@ def tiny_llama(tmp_path_factory, smollm2_gguf):
 
 
 def _run(path: str, backend: str) -> tuple[list[list[int]], LLM]:
-    llm = LLM(path, attention_backend=backend, kv_cache_space=0.05, block_size=8, max_num_seqs=4,
+    llm = LLM(path, device="cpu", attention_backend=backend, kv_cache_space=0.05, block_size=8, max_num_seqs=4,
               max_num_batched_tokens=32, enable_prefix_caching=True)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     tokens = [o.outputs[0].token_ids for o in llm.generate(FIRST, params, use_tqdm=False)]
