@@ -273,8 +273,14 @@ def save_random_llama(config: dict[str, Any], path: Path, dtype: str, device: st
     t0 = time.perf_counter()
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    torch.manual_seed(seed)
-    with torch.device(device):
+    built_on = device
+    try:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = tf.LlamaForCausalLM(tf.LlamaConfig(**config))
+    except Exception:  # noqa: BLE001 (slower on the CPU, but the later stages get their model)
+        built_on = "cpu"
+        torch.manual_seed(seed)
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**config))
     model = model.to(_torch_dtype(dtype)).eval()
     model.save_pretrained(tmp)
@@ -282,7 +288,7 @@ def save_random_llama(config: dict[str, Any], path: Path, dtype: str, device: st
     n_params = sum(p.numel() for p in model.parameters())
     del model
     os.replace(tmp, path)
-    return {"path": str(path), "params": n_params, "dtype": dtype, "seed": seed,
+    return {"path": str(path), "params": n_params, "dtype": dtype, "seed": seed, "built_on": built_on,
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -307,6 +313,7 @@ class Ctx:
     sizes: Sizes
     work: Path
     deadline: float  # this child's: time.perf_counter() value
+    built: dict[str, Any] = dataclasses.field(default_factory=dict)  # the models this process built
 
     @property
     def device(self) -> str:
@@ -327,9 +334,10 @@ class Ctx:
             return path
         self.models.mkdir(parents=True, exist_ok=True)
         if name == "parity":
-            save_random_llama(self.sizes.parity_config, path, "float32", self.device, seed=0)
+            self.built[name] = save_random_llama(self.sizes.parity_config, path, "float32", self.device, seed=0)
         elif name == "bench":
-            save_random_llama(self.sizes.bench_config, path, self.sizes.bench_dtype, self.device, seed=1)
+            self.built[name] = save_random_llama(self.sizes.bench_config, path, self.sizes.bench_dtype, self.device,
+                                                 seed=1)
         elif name == "bench_long":
             long_context_copy(self.ensure_model("bench"), path, LONG_CONTEXT)
         else:
@@ -555,6 +563,7 @@ def stage_models(ctx: Ctx, rec: Record) -> None:
             t0 = time.perf_counter()
             sub["path"] = str(ctx.ensure_model(name))
             sub["build_s"] = round(time.perf_counter() - t0, 1)
+            sub["built"] = ctx.built.get(name)
             cfg = json.loads((ctx.models / name / "config.json").read_text())
             sub["config"] = {k: cfg.get(k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                                      "num_key_value_heads", "intermediate_size", "vocab_size",

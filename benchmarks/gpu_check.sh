@@ -43,6 +43,9 @@ fi
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# A test that wants the default GGUF downloads it with pip: offline (the device) that must fail in
+# seconds, not after pip's retries.
+export PIP_RETRIES="${PIP_RETRIES:-0}" PIP_TIMEOUT="${PIP_TIMEOUT:-5}"
 export OUT="${OUT:-$ROOT/gpu_check_out}"
 mkdir -p "$OUT"
 # The driver keeps its own deadline (450 s; 170 s with --smoke); this is the backstop.
