@@ -24,15 +24,12 @@ result would return NaN.
 from __future__ import annotations
 
 import math
-import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from pagedllm.layers.backends import triton_attention as ta
+from tests.unit.triton_checks import assert_needs_triton_without_it, compile_to_cubin, needs_ptxas
 
 needs_triton = pytest.mark.skipif(not ta.HAS_TRITON, reason="triton is not installed (pip install triton): the "
                                   "kernels cannot run, not even in Triton's CPU interpreter")
@@ -569,20 +566,8 @@ def test_e4m3_refused_before_sm89(monkeypatch):
 
 def test_imports_without_triton():
     """With triton unimportable the module still imports, and its functions say what is missing."""
-    code = (
-        "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
-        "from pagedllm.layers.backends import triton_attention as t\n"
-        "assert not t.HAS_TRITON\n"
-        "try:\n"
-        "    t.paged_decode_attention(None, None, None, None, None, 1.0)\n"
-        "except RuntimeError as e:\n"
-        "    assert 'needs the triton package' in str(e), e\n"
-        "else:\n"
-        "    raise AssertionError('no error')\n"
-        "print('ok')\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert_needs_triton_without_it("pagedllm.layers.backends.triton_attention",
+                                   "t.paged_decode_attention(None, None, None, None, None, 1.0)")
 
 
 # ---- CUDA graphs (GPU only) ------------------------------------------------------------------------
@@ -620,19 +605,10 @@ def test_decode_and_prefill_capture_in_a_cuda_graph(monkeypatch):
 
 # ---- the compiled kernels, without a GPU: ahead-of-time compilation to CUDA binaries -------------
 
-def _ptxas_available() -> bool:
-    if not ta.HAS_TRITON:
-        return False
-    import triton
-    bin_dir = os.path.join(triton.__path__[0], "backends", "nvidia", "bin")
-    return all(os.path.exists(os.path.join(bin_dir, b)) for b in ("ptxas", "cuobjdump"))
-
-
 def _compile(launch, capability, tmp_path):
     """Compile one launch as Triton would at run time: the same argument specialization (ints
-    equal to 1 become constants, multiples of 16 and aligned pointers get divisibility hints)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
+    equal to 1 become constants, multiples of 16 and aligned pointers get divisibility hints);
+    no register spills (triton_checks.compile_to_cubin)."""
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
     from triton.runtime.jit import native_specialize_impl
@@ -647,18 +623,8 @@ def _compile(launch, capability, tmp_path):
         elif attr:
             attrs[(i,)] = CUDABackend.parse_attr(attr)
     signature.update({name: "constexpr" for name in launch.constexprs})
-    kernel = triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", capability, 32), options=launch.options)
-    ptx = kernel.asm["ptx"]
-    assert f".target sm_{capability}" in ptx
-    cubin = tmp_path / f"{launch.kernel}.cubin"
-    cubin.write_bytes(kernel.asm["cubin"])
-    cuobjdump = os.path.join(triton.__path__[0], "backends", "nvidia", "bin", "cuobjdump")
-    usage = subprocess.run([cuobjdump, "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
-                           check=True).stdout
-    assert re.search(r"\bREG:\d+", usage), usage
-    assert re.search(r"\bLOCAL:0\b", usage), f"{launch.kernel}: register spills: {usage}"
-    return ptx
+    return compile_to_cubin(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), capability,
+                            launch.options, tmp_path, launch.kernel)
 
 
 # (Hq, Hk, head_dim, block_size, query dtype, cache dtype, window): SmolLM2, a Llama-3-8B-like
@@ -673,7 +639,7 @@ COMPILE_CASES = [
 ]
 
 
-@pytest.mark.skipif(not _ptxas_available(), reason="triton's NVIDIA backend (ptxas, cuobjdump) is not installed")
+@needs_ptxas
 @pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: f"{c[0]}x{c[1]}-d{c[2]}-b{c[3]}-{str(c[5])[6:]}")
 def test_compiles_to_cuda_binary(monkeypatch, tmp_path, capability, case):

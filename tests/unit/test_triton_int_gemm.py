@@ -20,11 +20,6 @@ the output's dtype.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-
 from types import SimpleNamespace
 
 import pytest
@@ -32,6 +27,7 @@ import torch
 
 from pagedllm.layers.quantization import triton_int_gemm as tig
 from pagedllm.layers.quantization.packing import dequantize, pack_int32
+from tests.unit.triton_checks import assert_needs_triton_without_it, compile_to_cubin, needs_ptxas
 
 needs_triton = pytest.mark.skipif(not tig.HAS_TRITON, reason="triton is not installed (pip install triton): "
                                   "the kernel cannot run, not even in Triton's CPU interpreter")
@@ -237,22 +233,9 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
 def test_imports_without_triton():
     """With triton unimportable the module still imports; the function says what is missing and
     the layer hook declines (the caller keeps the torch path)."""
-    code = (
-        "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
-        "import torch\n"
-        "from pagedllm.layers.quantization import triton_int_gemm as t\n"
-        "assert not t.HAS_TRITON\n"
-        "assert t.apply_packed_int(None, None, torch.zeros(1), None) is None\n"
-        "try:\n"
-        "    t.int_gemm_triton(None, None, None, None, 4, -1)\n"
-        "except RuntimeError as e:\n"
-        "    assert 'needs the triton package' in str(e), e\n"
-        "else:\n"
-        "    raise AssertionError('no error')\n"
-        "print('ok')\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert_needs_triton_without_it(
+        "pagedllm.layers.quantization.triton_int_gemm", "t.int_gemm_triton(None, None, None, None, 4, -1)",
+        checks="import torch\nassert t.apply_packed_int(None, None, torch.zeros(1), None) is None\n")
 
 
 # ---- the compiled kernel (CUDA) ------------------------------------------------------------------
@@ -305,18 +288,10 @@ def test_cuda_layer_dispatches_to_triton(monkeypatch):
 
 # ---- the compiled kernel, without a GPU: ahead-of-time compilation to CUDA binaries -------------
 
-def _ptxas_available() -> bool:
-    if not tig.HAS_TRITON:
-        return False
-    import triton
-    bin_dir = os.path.join(triton.__path__[0], "backends", "nvidia", "bin")
-    return all(os.path.exists(os.path.join(bin_dir, b)) for b in ("ptxas", "cuobjdump"))
-
-
 _TT = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
 
 
-@pytest.mark.skipif(not _ptxas_available(), reason="triton's NVIDIA backend (ptxas, cuobjdump) is not installed")
+@needs_ptxas
 @pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize("M,K,N,bits,gs,x_dtype,act_order,split", [
     (1, 4096, 4096, 4, 128, torch.float16, False, 8),    # decode: split-K into float32 partials
@@ -328,8 +303,6 @@ def test_compiles_to_cuda_binary(monkeypatch, tmp_path, capability, M, K, N, bit
     """What the interpreter cannot show: Triton's real compiler accepts the kernel (types, dot
     shapes, layouts) and ptxas assembles it for sm_80 / sm_90, with no register spills, in the
     configurations the wrapper picks. Nothing runs: no GPU needed."""
-    import triton
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -341,13 +314,5 @@ def test_compiles_to_cuda_binary(monkeypatch, tmp_path, capability, M, K, N, bit
                 "perm_ptr": "*i64" if act_order else "*i32",
                 "y_ptr": "*fp32" if split > 1 else _TT[x_dtype]}
     signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in fn.arg_names}
-    kernel = triton.compile(ASTSource(fn, signature, constexprs=constexprs),
-                            target=GPUTarget("cuda", capability, 32),
-                            options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
-    assert f".target sm_{capability}" in kernel.asm["ptx"]
-    (tmp_path / "k.cubin").write_bytes(kernel.asm["cubin"])
-    cuobjdump = os.path.join(triton.__path__[0], "backends", "nvidia", "bin", "cuobjdump")
-    usage = subprocess.run([cuobjdump, "--dump-resource-usage", str(tmp_path / "k.cubin")],
-                           capture_output=True, text=True, check=True).stdout
-    assert re.search(r"\bREG:\d+", usage), usage
-    assert re.search(r"\bLOCAL:0\b", usage), f"register spills: {usage}"
+    compile_to_cubin(ASTSource(fn, signature, constexprs=constexprs), capability,
+                     {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}, tmp_path, "int_gemm")

@@ -45,15 +45,18 @@ divisible by 16): run every captured shape once before capturing, as graph runne
 Triton is optional (`HAS_TRITON`); nothing imports this module on CPU inference. With
 `TRITON_INTERPRET=1` when a kernel is first called, it runs in Triton's interpreter on CPU
 tensors (the tests); kernels are jitted per mode, as layers/quantization/triton_int_gemm.py
-does. The kernels use core builtins only (`tl.reduce` with the standard combine functions, not
-`tl.max` / `tl.sum` / `tl.zeros`: Triton's standard library is jitted at import, so it is
-interpretable only if TRITON_INTERPRET was set before that). The interpreter's bfloat16 tl.dot
+does, and so is the key sweep decode and prefill share (the device function `_attend_keys`,
+which each mode's kernels call as their own: `_kernels`). The kernels use core builtins only
+(`tl.reduce` with the standard combine functions, not `tl.max` / `tl.sum` / `tl.zeros`:
+Triton's standard library is jitted at import, so it is interpretable only if
+TRITON_INTERPRET was set before that). The interpreter's bfloat16 tl.dot
 multiplies raw bits, so there the dots of bfloat16 queries run on float32-upcast operands.
 """
 
 from __future__ import annotations
 
 import os
+import types
 from typing import NamedTuple
 
 import torch
@@ -113,6 +116,72 @@ if HAS_TRITON:
         tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=mask)
         tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
+    def _attend_keys(
+        q, seq, kvh, t_begin, t_end, lo, hi, scale_log2, k_ptr, v_ptr, bt_ptr, ks_ptr, vs_ptr,
+        stride_kn, stride_kb, stride_kh, stride_kd, stride_vn, stride_vb, stride_vh, stride_vd, stride_bts, stride_btw,
+        offs_d, d_mask, qpos, window, all_lo, first_pos,
+        ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+        DOT_DTYPE: tl.constexpr, FP8: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    ):
+        """The key sweep of decode and prefill (inlined into both): the query rows `q` ([ROWS,
+        BLOCK_D], of KV head `kvh`) over key steps `t_begin .. t_end - 1` of block-table row `seq`,
+        BLOCK_N keys a step (those in [lo, hi) valid), gathered through the table, in an online
+        softmax -> `(m_i, l_i, acc)`: each row's max and sum of exp2 scores, and its unnormalized
+        accumulator (fp8: times the KV head's v scale). CAUSAL (prefill): row r sees only keys <=
+        qpos[r] (and, with a window, > qpos[r] - window), masked per element unless every row
+        sees the whole step (its keys in [all_lo, first_pos]), and the max is -inf-safe (a row
+        may see nothing in a step); else (decode) only invalid keys are masked: every step holds
+        a visible key, so every row's max is finite (padded rows score 0)."""
+        if FP8:
+            qk_scale = scale_log2 * tl.load(ks_ptr + kvh)
+        else:
+            qk_scale = scale_log2
+        m_i = tl.full((ROWS,), float("-inf"), tl.float32)
+        l_i = tl.full((ROWS,), 0.0, tl.float32)
+        acc = tl.full((ROWS, BLOCK_D), 0.0, tl.float32)
+        bt_row = bt_ptr + seq.to(tl.int64) * stride_bts
+        k_base = k_ptr + kvh * stride_kh
+        v_base = v_ptr + kvh * stride_vh
+        arange_n = tl.arange(0, BLOCK_N)
+        for t in range(t_begin, t_end):
+            tok = t * BLOCK_N + arange_n
+            valid = (tok < hi) & (tok >= lo)
+            blk = tl.load(bt_row + (tok // PAGE) * stride_btw, mask=valid, other=0).to(tl.int64)
+            off = tok % PAGE
+            kv_mask = valid[:, None] & d_mask[None, :]
+            k = tl.load(k_base + blk[:, None] * stride_kn + off[:, None] * stride_kb + offs_d[None, :] * stride_kd,
+                        mask=kv_mask, other=0.0)
+            v = tl.load(v_base + blk[:, None] * stride_vn + off[:, None] * stride_vb + offs_d[None, :] * stride_vd,
+                        mask=kv_mask, other=0.0)
+            if DOT_DTYPE == tl.float32:
+                qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)))
+            if CAUSAL:
+                qk = qk * qk_scale
+                if (t * BLOCK_N < all_lo) | (t * BLOCK_N + BLOCK_N - 1 > first_pos):
+                    visible = valid[None, :] & (tok[None, :] <= qpos[:, None])
+                    if HAS_WINDOW:
+                        visible = visible & (tok[None, :] > qpos[:, None] - window)
+                    qk = tl.where(visible, qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.reduce(qk, 1, tl.standard._elementwise_max))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+            else:
+                qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.reduce(qk, 1, tl.standard._elementwise_max))
+                m_safe = m_new
+            p = tl.math.exp2(qk - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+            if DOT_DTYPE == tl.float32:
+                acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
+            else:
+                acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None])
+            m_i = m_new
+        if FP8:
+            acc = acc * tl.load(vs_ptr + kvh)
+        return m_i, l_i, acc
+
     def _decode_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, o_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
         scale_log2, window, num_splits,
@@ -147,45 +216,11 @@ if HAS_TRITON:
         t_begin = tile_lo + sp * per_split
         t_end = tl.minimum(t_begin + per_split, tile_hi)
 
-        if FP8:
-            qk_scale = scale_log2 * tl.load(ks_ptr + kvh)
-        else:
-            qk_scale = scale_log2
-        m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-        l_i = tl.full((BLOCK_G,), 0.0, tl.float32)
-        acc = tl.full((BLOCK_G, BLOCK_D), 0.0, tl.float32)
-        bt_row = bt_ptr + s.to(tl.int64) * stride_bts
-        k_base = k_ptr + kvh * stride_kh
-        v_base = v_ptr + kvh * stride_vh
-        arange_n = tl.arange(0, BLOCK_N)
-        for t in range(t_begin, t_end):
-            tok = t * BLOCK_N + arange_n
-            valid = (tok < ctx) & (tok >= lo)
-            blk = tl.load(bt_row + (tok // PAGE) * stride_btw, mask=valid, other=0).to(tl.int64)
-            off = tok % PAGE
-            kv_mask = valid[:, None] & d_mask[None, :]
-            k = tl.load(k_base + blk[:, None] * stride_kn + off[:, None] * stride_kb + offs_d[None, :] * stride_kd,
-                        mask=kv_mask, other=0.0)
-            v = tl.load(v_base + blk[:, None] * stride_vn + off[:, None] * stride_vb + offs_d[None, :] * stride_vd,
-                        mask=kv_mask, other=0.0)
-            if DOT_DTYPE == tl.float32:
-                qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)))
-            # every step holds a visible key: the max is finite for every row (padded rows score 0)
-            qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.reduce(qk, 1, tl.standard._elementwise_max))
-            p = tl.math.exp2(qk - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-            if DOT_DTYPE == tl.float32:
-                acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
-            else:
-                acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None])
-            m_i = m_new
-
-        if FP8:
-            acc = acc * tl.load(vs_ptr + kvh)
+        m_i, l_i, acc = _attend_keys(
+            q, s, kvh, t_begin, t_end, lo, ctx, scale_log2, k_ptr, v_ptr, bt_ptr, ks_ptr, vs_ptr,
+            stride_kn, stride_kb, stride_kh, stride_kd, stride_vn, stride_vb, stride_vh, stride_vd, stride_bts,
+            stride_btw, offs_d, d_mask, ctx, window, lo, ctx, ROWS=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+            PAGE=PAGE, DOT_DTYPE=DOT_DTYPE, FP8=FP8, CAUSAL=False, HAS_WINDOW=HAS_WINDOW)
         out_mask = g_mask[:, None] & d_mask[None, :]
         if SPLIT:  # partials [S, Hq, num_splits] (m, l) and [S, Hq, num_splits, HEAD_DIM] (acc)
             row = (s * num_heads + heads).to(tl.int64) * num_splits + sp
@@ -264,50 +299,11 @@ if HAS_TRITON:
         else:
             all_lo = lo
 
-        if FP8:
-            qk_scale = scale_log2 * tl.load(ks_ptr + kvh)
-        else:
-            qk_scale = scale_log2
-        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l_i = tl.full((BLOCK_M,), 0.0, tl.float32)
-        acc = tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32)
-        bt_row = bt_ptr + p_id.to(tl.int64) * stride_bts
-        k_base = k_ptr + kvh * stride_kh
-        v_base = v_ptr + kvh * stride_vh
-        arange_n = tl.arange(0, BLOCK_N)
-        for t in range(tile_lo, tile_hi):
-            tok = t * BLOCK_N + arange_n
-            valid = (tok < hi) & (tok >= lo)
-            blk = tl.load(bt_row + (tok // PAGE) * stride_btw, mask=valid, other=0).to(tl.int64)
-            off = tok % PAGE
-            kv_mask = valid[:, None] & d_mask[None, :]
-            k = tl.load(k_base + blk[:, None] * stride_kn + off[:, None] * stride_kb + offs_d[None, :] * stride_kd,
-                        mask=kv_mask, other=0.0)
-            v = tl.load(v_base + blk[:, None] * stride_vn + off[:, None] * stride_vb + offs_d[None, :] * stride_vd,
-                        mask=kv_mask, other=0.0)
-            if DOT_DTYPE == tl.float32:
-                qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)))
-            qk = qk * qk_scale
-            if (t * BLOCK_N < all_lo) | (t * BLOCK_N + BLOCK_N - 1 > first_pos):
-                visible = valid[None, :] & (tok[None, :] <= qpos[:, None])
-                if HAS_WINDOW:
-                    visible = visible & (tok[None, :] > qpos[:, None] - window)
-                qk = tl.where(visible, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.reduce(qk, 1, tl.standard._elementwise_max))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
-            p = tl.math.exp2(qk - m_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-            if DOT_DTYPE == tl.float32:
-                acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
-            else:
-                acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None])
-            m_i = m_new
-
-        if FP8:
-            acc = acc * tl.load(vs_ptr + kvh)
+        m_i, l_i, acc = _attend_keys(
+            q, p_id, kvh, tile_lo, tile_hi, lo, hi, scale_log2, k_ptr, v_ptr, bt_ptr, ks_ptr, vs_ptr,
+            stride_kn, stride_kb, stride_kh, stride_kd, stride_vn, stride_vb, stride_vh, stride_vd, stride_bts,
+            stride_btw, offs_d, d_mask, qpos, window, all_lo, first_pos, ROWS=BLOCK_M, BLOCK_D=BLOCK_D,
+            BLOCK_N=BLOCK_N, PAGE=PAGE, DOT_DTYPE=DOT_DTYPE, FP8=FP8, CAUSAL=True, HAS_WINDOW=HAS_WINDOW)
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         o_rows = (q_start + qi).to(tl.int64) * stride_ot + heads * stride_oh
         tl.store(o_ptr + o_rows[:, None] + offs_d[None, :] * stride_od, out.to(o_ptr.dtype.element_ty),
@@ -319,15 +315,29 @@ _KERNELS: dict[bool, dict[str, object]] = {}
 
 def _kernels() -> dict[str, object]:
     """The jitted kernels for the current mode (compiled, or the interpreter's), made on first
-    use: Triton decides between the two when `triton.jit` runs."""
+    use: Triton decides between the two when `triton.jit` runs.
+
+    The device function `_attend_keys` is jitted per mode too, as neither mode can call the
+    other's (a compiled kernel refuses an interpreted function, an interpreted kernel cannot
+    call a JITFunction). A kernel finds a function it calls by name in its `__globals__` (the
+    compiler when it compiles, the interpreter when it runs), so each mode's kernels are copies
+    of the module's functions over their own globals, where `_attend_keys` is that mode's."""
     mode = _interpreting()
     ks = _KERNELS.get(mode)
     if ks is None:
+        scope = dict(globals())
+
+        def jit(fn):
+            copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+            copy.__annotations__, copy.__qualname__, copy.__doc__ = fn.__annotations__, fn.__qualname__, fn.__doc__
+            return triton.jit(copy)
+
+        scope["_attend_keys"] = jit(_attend_keys)
         ks = _KERNELS[mode] = {
-            "write": triton.jit(_write_kv_kernel),
-            "decode": triton.jit(_decode_kernel),
-            "reduce": triton.jit(_decode_reduce_kernel),
-            "prefill": triton.jit(_prefill_kernel),
+            "write": jit(_write_kv_kernel),
+            "decode": jit(_decode_kernel),
+            "reduce": jit(_decode_reduce_kernel),
+            "prefill": jit(_prefill_kernel),
         }
     return ks
 
