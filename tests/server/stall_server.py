@@ -5,8 +5,11 @@
 `EngineCore.step` is wrapped: once a request whose prompt contains the token ids of
 `STALL_MARKER` holds KV blocks (two tokens generated), the next step raises
 `SchedulerStallError` naming it, as the core's watchdog does when the scheduler makes no
-progress. Other requests run normally. The patch is made at import: the engine core process
-(spawned) imports this module as its `__mp_main__`, so it runs there too.
+progress. Other requests run normally. The patch is made when this module is the program: as
+`__main__` in the server, as `__mp_main__` in the engine core process (spawned, which imports the
+parent's main module under that name). Imported by a test (for `STALL_MARKER`) it patches
+nothing: a patched `EngineCore.step` in the pytest process would stall other tests' engines
+(a tokenizer without the marker's words gives no marker ids, which every prompt "contains").
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ def _stalling_step(self):
     return _step(self)
 
 
-EngineCore.step = _stalling_step
+if __name__ in ("__main__", "__mp_main__"):
+    EngineCore.step = _stalling_step
 
 if __name__ == "__main__":
     from pagedllm.entrypoints.cli import main

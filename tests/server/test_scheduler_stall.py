@@ -70,3 +70,11 @@ def test_stalled_request_fails_with_500_and_health_turns_503(stall_server):
         assert out.choices[0].finish_reason == "length"
         assert http.get("/health").status_code == 503
         assert metric(wait_idle(http), "pagedllm:kv_cache_used_blocks") == 0
+
+
+def test_importing_the_stall_server_patches_nothing_here():
+    """Only the stall server's own processes stall: importing it for STALL_MARKER (above) must
+    leave this process's EngineCore alone, or in-process engines of later tests stall."""
+    from pagedllm.engine.core import EngineCore
+
+    assert EngineCore.step.__qualname__ == "EngineCore.step"
