@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import json as _json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -65,6 +66,99 @@ def _as_float(name: str, value: Any) -> float:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """One output constraint for a request (vLLM's `StructuredOutputsParams`, its names).
+
+    Exactly one of `json` (a JSON schema, as a dict or a JSON string), `regex`, `choice` (the
+    output is one of these strings), `grammar` (EBNF / GBNF, root rule `root`), `json_object`
+    (any JSON object) or `structural_tag` (xgrammar's structural tag, a dict or JSON string) is
+    set; anything else is a ValueError here. `disable_any_whitespace` makes JSON modes emit no
+    whitespace between tokens (small models otherwise may pad with it). The engine compiles the
+    constraint with xgrammar (`pagedllm.structured_output`; `pip install pagedllm[structured]`).
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    disable_any_whitespace: bool = False
+
+    _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        if self.json_object is False:
+            self.json_object = None
+        given = [k for k in self._KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                f"json_object, structural_tag; got {given or 'none'}."
+            )
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    parsed = _json.loads(self.json)
+                except ValueError as exc:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+                if not isinstance(parsed, (dict, bool)):
+                    raise ValueError("structured_outputs.json must be a JSON schema object.")
+            elif not isinstance(self.json, dict):
+                raise ValueError(
+                    "structured_outputs.json must be a JSON schema (dict or JSON string), got "
+                    f"{type(self.json).__name__}."
+                )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string.")
+        if self.choice is not None:
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
+                raise ValueError(
+                    "structured_outputs.choice must be a non-empty list of non-empty strings, "
+                    f"got {self.choice!r}."
+                )
+            self.choice = list(self.choice)
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}.")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
+            raise ValueError("structured_outputs.structural_tag must be a dict or a JSON string.")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs.disable_any_whitespace must be a bool.")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of `_KINDS`."""
+        return next(k for k in self._KINDS if getattr(self, k) is not None)
+
+    def cache_key(self) -> tuple[str, str, bool]:
+        """(kind, canonical text, whitespace flag): equal constraints compile once."""
+        value = getattr(self, self.kind)
+        if isinstance(value, (dict, list)):
+            value = _json.dumps(value, sort_keys=True)
+        return self.kind, str(value), self.disable_any_whitespace
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StructuredOutputsParams:
+        """From a request's `structured_outputs` object; an unknown key is refused by name."""
+        if not isinstance(data, dict):
+            raise ValueError(f"structured_outputs must be an object, got {type(data).__name__}.")
+        known = set(cls._KINDS) | {"disable_any_whitespace"}
+        unknown = sorted(k for k, v in data.items() if k not in known and v is not None)
+        if unknown:
+            raise ValueError(
+                f"structured_outputs field(s) {unknown} are not supported (supported: "
+                f"{sorted(known)})."
+            )
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
 class SamplingParams:
     """Sampling parameters for one request (OpenAI completion semantics, vLLM names).
 
@@ -99,6 +193,11 @@ class SamplingParams:
         output_kind: CUMULATIVE, DELTA or FINAL_ONLY RequestOutputs while streaming.
         use_beam_search: run beam search with beam width `n` (greedy; no sampling knobs).
         length_penalty: beam scores are divided by length ** length_penalty.
+        structured_outputs: a grammar constraint on the output (StructuredOutputsParams, or a
+            dict of its fields); not with beam search.
+        allowed_token_ids: only these token ids may be sampled.
+        bad_words: words that are never generated (vLLM's rule: a word's last token is banned
+            where the tokens before it were just generated; single-token words always).
     """
 
     n: int = 1
@@ -127,6 +226,9 @@ class SamplingParams:
     # Beam search through the sampling API (vLLM's server extra): beam width = n.
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     # Set in __post_init__, not inputs.
     # Characters of output text to hold back while streaming, so that no text is emitted that
@@ -213,6 +315,7 @@ class SamplingParams:
 
         if self.logit_bias is not None:
             self.logit_bias = self._normalize_logit_bias(self.logit_bias)
+        self._normalize_token_constraints()
 
         if self.stop and not self.include_stop_str_in_output:
             self.output_text_buffer_length = max(len(s) for s in self.stop) - 1
@@ -249,6 +352,41 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be non-negative token ids, got {token_id}.")
             out[token_id] = _as_float(f"logit_bias[{token_id}]", bias)
         return out
+
+    def _normalize_token_constraints(self) -> None:
+        """structured_outputs (a dict is accepted), allowed_token_ids and bad_words."""
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            self.structured_outputs = so = StructuredOutputsParams.from_dict(so)
+        elif so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}."
+            )
+        if so is not None and self.use_beam_search:
+            raise ValueError(
+                "structured_outputs is not supported with beam search (use_beam_search=True): "
+                "use sampling or greedy decoding."
+            )
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple, set)) or not all(_is_int(t) for t in ids):
+                raise ValueError(f"allowed_token_ids must be a list of token ids, got {ids!r}.")
+            if not ids:
+                raise ValueError("allowed_token_ids is not None and empty!")
+            if any(t < 0 for t in ids):
+                raise ValueError(f"allowed_token_ids must be non-negative, got {sorted(ids)}.")
+            self.allowed_token_ids = sorted(set(int(t) for t in ids))
+        if self.bad_words is not None:
+            words = self.bad_words
+            if isinstance(words, str):
+                words = [words]
+            if not isinstance(words, (list, tuple)) or not all(
+                isinstance(w, str) and w.strip() for w in words
+            ):
+                raise ValueError(f"bad_words must be a list of non-empty strings, got {words!r}.")
+            self.bad_words = list(words) or None
+        if self.use_beam_search and (self.allowed_token_ids or self.bad_words):
+            raise ValueError("allowed_token_ids and bad_words are not supported with beam search.")
 
     def _verify_args(self) -> None:
         if self.n < 1:
@@ -317,6 +455,19 @@ class SamplingParams:
                     f"token_id(s) {invalid} in logit_bias contain out-of-vocab token ids. "
                     f"Vocabulary size: {vocab_size}"
                 )
+        if self.allowed_token_ids:
+            invalid = [t for t in self.allowed_token_ids if t >= vocab_size]
+            if invalid:
+                raise ValueError(
+                    f"allowed_token_ids {invalid} are out of vocabulary (size {vocab_size})."
+                )
+        if self.structured_outputs is not None:
+            # The constraint's own syntax, without a tokenizer (the front end has none to
+            # spare): a bad schema / regex / grammar is the client's 400 before it reaches the
+            # core, which compiles it (pagedllm.structured_output).
+            from pagedllm.structured_output import check_constraint
+
+            check_constraint(self.structured_outputs)
 
     def update_from_generation_config(
         self, generation_config: dict[str, Any], model_eos_token_id: int | None = None

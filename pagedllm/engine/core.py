@@ -41,6 +41,7 @@ from pagedllm.engine.sequence_update import SequenceUpdater
 from pagedllm.kernels.status import log_kernel_status
 from pagedllm.layers.kv_cache_format import resolve_kv_cache_dtype
 from pagedllm.layers.sampler import Sampler
+from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.executor import create_executor
 from pagedllm.model_source import ModelSource, load_hf_config, resolve_model
 from pagedllm.tokenizer import load_tokenizer
@@ -111,6 +112,9 @@ class EngineCore:
         self.inputs = InputProcessor(None, self.vocab_size, self.max_model_len,
                                      self.scheduler.check_request_fits)
         self.updater = SequenceUpdater(self.eos_token_ids, self.max_model_len)
+        # Grammars, allowed_token_ids, bad_words: the tokenizer is loaded on first use.
+        self.structured = StructuredOutputManager(self._load_tokenizer, self.vocab_size,
+                                                  sorted(self.eos_token_ids))
         self.requests: dict[str, RequestState] = {}
         self._seq_counter = itertools.count()
         self._idle_steps = 0  # the watchdog's count (see `stall_steps`)
@@ -213,6 +217,10 @@ class EngineCore:
                 ids.add(eos)
         return ids
 
+    def _load_tokenizer(self):
+        tok_source = resolve_model(self.config.tokenizer) if self.config.tokenizer else self.source
+        return load_tokenizer(tok_source.path, tok_source.gguf_file)
+
     def _generation_config(self) -> dict | None:
         if self.source.is_gguf:
             return None
@@ -234,12 +242,14 @@ class EngineCore:
             from pagedllm.engine.beam_search import beam_params_from_sampling
 
             beam_params = beam_params_from_sampling(params, params.max_tokens)
+        constraint = self.structured.constraint_for(params)  # a bad grammar: ValueError here
         state = RequestState(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
             params=params,
             arrival_time=request.arrival_time,
             num_prompt_logprobs=0 if params.prompt_logprobs is not None else None,
+            constraint=constraint,
         )
         if beam_params is not None:
             seq = self._new_beam_sequence(state, request.cache_salt, [])
@@ -283,7 +293,8 @@ class EngineCore:
             generator = torch.Generator(device="cpu")
             generator.manual_seed(sample_seed(params.seed, index))
         seq.data["state"] = SeqState(generator=generator,
-                                     wants_logprobs=params.logprobs is not None)
+                                     wants_logprobs=params.logprobs is not None,
+                                     matcher=state.constraint.new_matcher() if state.constraint else None)
         return seq
 
     def abort_requests(self, request_ids: str | Iterable[str]) -> None:
@@ -296,6 +307,8 @@ class EngineCore:
             for seq in state.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish_sequence(seq, SequenceStatus.FINISHED_ABORTED)
+                if isinstance(seq.data.get("state"), SeqState):
+                    seq.data["state"].matcher = None  # frees the grammar state now
         self._observe_kv_usage()  # kv_cache_stats() shows the freed blocks at once
 
     def finish_samples(self, samples: Iterable[tuple[str, int]]) -> None:
@@ -341,10 +354,13 @@ class EngineCore:
                     num_cached_tokens=item.seq.num_cached_tokens,
                 )
             item.all_logits = state.num_prompt_logprobs is not None and not state.prompt_logprobs_done
+        # The token masks depend only on tokens already accepted: filled while the forward runs.
+        pending_masks = self.structured.submit_masks(self._mask_entries(sched_out))
         runner_out = self.executor.execute_model(sched_out)
         self.scheduler.update_after_step(sched_out)
         self._observe_kv_usage()
-        self._process_outputs(sched_out, runner_out, outputs)
+        masks = pending_masks.result() if pending_masks is not None else None
+        self._process_outputs(sched_out, runner_out, outputs, masks)
         self._observe_kv_usage()  # finished sequences gave their blocks back
         # Every entry carries something: a first scheduling (cache hits, queue time), tokens,
         # prompt logprobs, or a finished beam search.
@@ -381,9 +397,27 @@ class EngineCore:
             out = outputs[rid] = EngineCoreOutput(rid, [])
         return out
 
+    def _mask_entries(self, sched_out: SchedulerOutput) -> list:
+        """(sampling index, constraint, matcher, output ids) of the constrained items that
+        sample this step (the index counts every sampling item, as `_process_outputs` does)."""
+        entries = []
+        sample_i = 0
+        for item in sched_out.scheduled:
+            if not item.sample:
+                continue
+            state = self.requests[item.seq.request_id]
+            if state.constraint is not None and state.beam is None:
+                st: SeqState = item.seq.data["state"]
+                entries.append((sample_i, state.constraint, st.matcher, item.seq.output_token_ids))
+            sample_i += 1
+        return entries
+
     def _process_outputs(
-        self, sched_out: SchedulerOutput, runner_out, outputs: dict[str, EngineCoreOutput]
+        self, sched_out: SchedulerOutput, runner_out, outputs: dict[str, EngineCoreOutput],
+        masks: dict | None = None,
     ) -> None:
+        """`masks`: sampling index -> packed token bitmask row (the forks of an n > 1 request
+        take their parent's: at the first sample their matchers are in the same state)."""
         rows: list[tuple[RequestState, Sequence]] = []
         row_logits: list[int] = []  # which runner logits row each sampling row reads
         sample_i = 0
@@ -422,7 +456,7 @@ class EngineCore:
         logits = runner_out.sample_logits
         if len(row_logits) != logits.shape[0]:
             logits = logits.index_select(0, torch.tensor(row_logits, device=logits.device))
-        metadata = self.updater.build_sampling_metadata(rows, logits.device)
+        metadata = self.updater.build_sampling_metadata(rows, logits.device, masks, row_logits)
         sampler_out = self.sampler(logits, metadata)
         for r, (state, seq) in enumerate(rows):
             token, logprob, status = self.updater.append_token(state, seq, sampler_out, r)

@@ -8,7 +8,7 @@ the front end (`engine/output_processor.py`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +17,7 @@ from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagedllm.engine.beam_search import BeamSearchRequest
+    from pagedllm.structured_output import RequestConstraint
     from pagedllm.engine.core_messages import BeamCompletion
 
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -39,6 +40,9 @@ class SeqState:
     stop_reason: int | None = None
     finish_reason: str | None = None
     reported: bool = False  # its finish was sent to the front end
+    # structured outputs: this sample's xgrammar GrammarMatcher (each sample its own), advanced
+    # by every accepted token; dropped when the sequence finishes
+    matcher: Any = None
 
 
 @dataclass
@@ -57,6 +61,8 @@ class RequestState:
     beam_outputs: list[BeamCompletion] | None = None
     first_scheduled_time: float | None = None
     num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache
+    # structured outputs / allowed_token_ids / bad_words, compiled at add_request
+    constraint: RequestConstraint | None = None
 
     @property
     def finished(self) -> bool:

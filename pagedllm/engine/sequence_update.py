@@ -7,6 +7,7 @@ the engine's step stays a short list of calls.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,6 +15,8 @@ import torch
 from pagedllm.core.request import Sequence, SequenceStatus
 from pagedllm.layers.sampler import SamplerOutput, SamplingMetadata, SamplingRow
 from pagedllm.engine.core_messages import PromptLogprobEntry, TokenLogprob
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from pagedllm.core.scheduler import ScheduledSequence
@@ -29,8 +32,11 @@ class SequenceUpdater:
     # ---- sampling inputs ------------------------------------------------------------------
 
     def build_sampling_metadata(
-        self, rows: list[tuple["RequestState", Sequence]], device: torch.device
+        self, rows: list[tuple["RequestState", Sequence]], device: torch.device,
+        masks: dict[int, torch.Tensor] | None = None, mask_keys: list[int] | None = None,
     ) -> SamplingMetadata:
+        """`masks` (key -> packed bitmask row, from StructuredOutputManager) and `mask_keys`
+        (each row's key) give the constrained rows their token bitmask."""
         sampling_rows = []
         blocked_eos = min(self.eos_token_ids) if self.eos_token_ids else None
         for state, seq in rows:
@@ -44,7 +50,13 @@ class SequenceUpdater:
             )
             # min_tokens must block every EOS id of the model, not only the first.
             state.params.all_stop_token_ids.update(self.eos_token_ids)
-        return SamplingMetadata.build(sampling_rows, eos_token_id=blocked_eos, device=device)
+        md = SamplingMetadata.build(sampling_rows, eos_token_id=blocked_eos, device=device)
+        if masks:
+            keyed = [(r, masks[k]) for r, k in enumerate(mask_keys or ()) if k in masks]
+            if keyed:
+                md.bitmask_rows = [r for r, _ in keyed]
+                md.token_bitmask = torch.stack([m for _, m in keyed])
+        return md
 
     # ---- appending a token ----------------------------------------------------------------
 
@@ -69,10 +81,20 @@ class SequenceUpdater:
             elif token in params.stop_token_ids:
                 status = SequenceStatus.FINISHED_STOPPED
                 st.stop_reason = token
+        if st.matcher is not None:
+            # The grammar advances with every token; once it has accepted its stop token (or
+            # rejects one, which the mask should make impossible) the sequence is done.
+            if not st.matcher.accept_token(token):
+                logger.warning("request %s: token %d is not accepted by its grammar; stopping",
+                               state.request_id, token)
+                status = SequenceStatus.FINISHED_STOPPED
+            elif st.matcher.is_terminated():
+                status = SequenceStatus.FINISHED_STOPPED
         if status is None and (n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len):
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
             st.finish_reason = status.finish_reason
+            st.matcher = None  # its state is not needed any more
         return token, logprob, status
 
     # ---- prompt logprobs ------------------------------------------------------------------

@@ -1,6 +1,9 @@
 """The sampler: logits rows in, one token per row out (plus logprobs), vLLM v1 semantics.
 
 Per row, in this order:
+  0. the token bitmask (structured outputs, allowed_token_ids, bad_words: pagedllm/
+     structured_output) sets the logits of disallowed tokens to -inf, for all constrained rows in
+     one op;
   1. logit_bias is added;
   2. min_tokens: EOS and stop token ids get -inf while the row has fewer than min_tokens outputs;
   3. penalties: repetition (prompt + output tokens: positive logits divided, negative multiplied),
@@ -79,6 +82,10 @@ class SamplingMetadata:
     no_top_k: bool
     no_top_p: bool
     no_min_p: bool
+    # Packed allowed-token bits ([K, ceil(V/32)] int32, bit t of a row set = token t allowed)
+    # for the K rows `bitmask_rows` of the batch; None: no row is constrained.
+    token_bitmask: torch.Tensor | None = None
+    bitmask_rows: list[int] | None = None
 
     @property
     def no_top_k_top_p_min_p(self) -> bool:
@@ -181,13 +188,16 @@ class Sampler(torch.nn.Module):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
         needs_edit = (
-            any(b is not None for b in metadata.logit_bias)
+            metadata.token_bitmask is not None
+            or any(b is not None for b in metadata.logit_bias)
             or any(m is not None for m in metadata.min_tokens_mask)
             or not metadata.no_penalties
         )
         if needs_edit or not metadata.all_greedy:
             logits = logits.clone()  # processed in place from here on
         if needs_edit:
+            if metadata.token_bitmask is not None:
+                apply_token_bitmask(logits, metadata.token_bitmask, metadata.bitmask_rows)
             apply_logit_bias(logits, metadata.logit_bias)
             apply_min_tokens_mask(logits, metadata.min_tokens_mask)
             if not metadata.no_penalties:
@@ -217,6 +227,28 @@ class Sampler(torch.nn.Module):
             [md.generators[i] for i in idx.tolist()],
         )
         return sampled
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None
+) -> None:
+    """-inf where a packed int32 bitmask row has a 0 bit, on `rows` of `logits` (all rows when
+    None), in place: one unpack and one masked fill for the whole batch, any device. Tokens past
+    the bitmask's width (a vocabulary padded beyond the tokenizer's) are disallowed."""
+    vocab_size = logits.shape[1]
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = torch.bitwise_and(torch.bitwise_right_shift(bitmask.unsqueeze(-1), shifts), 1)
+    allowed = allowed.view(bitmask.shape[0], -1).bool()
+    if allowed.shape[1] < vocab_size:
+        pad = allowed.new_zeros(allowed.shape[0], vocab_size - allowed.shape[1])
+        allowed = torch.cat([allowed, pad], dim=1)
+    allowed = allowed[:, :vocab_size]
+    if rows is None:
+        logits.masked_fill_(~allowed, _NEG_INF)
+        return
+    idx = torch.as_tensor(list(rows), dtype=torch.int64, device=logits.device)
+    logits[idx] = logits.index_select(0, idx).masked_fill_(~allowed, _NEG_INF)
 
 
 def apply_logit_bias(logits: torch.Tensor, logit_bias: list[dict[int, float] | None]) -> None:

@@ -1,0 +1,263 @@
+"""Structured outputs and token masks: grammars compiled by xgrammar, one matcher per sequence,
+one packed bitmask per step for the batch's constrained rows.
+
+Three constraints share one mechanism, a packed int32 bitmask row per sampling row (bit t of a
+row set = token t allowed), applied to the logits by the sampler in one batched op
+(`layers/sampler.apply_token_bitmask`):
+
+* `structured_outputs` (json / regex / choice / grammar / json_object / structural_tag): the
+  request's grammar is compiled once (xgrammar's `GrammarCompiler`, whose cache makes equal
+  constraints compile once per engine); each sequence has its own `GrammarMatcher`, advanced by
+  every accepted token; the matcher fills the sequence's row each step.
+* `allowed_token_ids`: a fixed row per request, ANDed in.
+* `bad_words`: tokenized once per request (vLLM's rule: the word and its space-prefixed form);
+  each step the last token of every word whose other tokens were just generated is cleared.
+
+Only grammars need xgrammar (`pip install pagedllm[structured]`); it is imported lazily. The
+core builds the masks before it calls the model runner (they depend only on tokens already
+accepted), on a worker thread, so they are filled while the forward runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar
+
+logger = logging.getLogger(__name__)
+
+_XGR_LOCATION = re.compile(r"^\s*\[[\d:.]+\]\s+\S+:\d+:\s*")
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ValueError(
+            "structured_outputs needs xgrammar, which is not installed: "
+            "pip install 'pagedllm[structured]'"
+        ) from exc
+    return xgrammar
+
+
+def _clean(exc: BaseException) -> str:
+    """xgrammar's message without its C++ source location prefix."""
+    text = str(exc).strip()
+    return _XGR_LOCATION.sub("", text.splitlines()[0] if text else type(exc).__name__)
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """EBNF whose language is exactly `choices` (JSON string escapes are GBNF's too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _json_schema(so: StructuredOutputsParams) -> str:
+    if so.json_object:
+        return '{"type": "object"}'
+    schema = so.json
+    return schema if isinstance(schema, str) else json.dumps(schema)
+
+
+def _structural_tag(so: StructuredOutputsParams) -> str:
+    tag = so.structural_tag
+    return tag if isinstance(tag, str) else json.dumps(tag)
+
+
+def check_constraint(so: StructuredOutputsParams) -> None:
+    """Parse the constraint without a tokenizer (cheap; the front end's check): a ValueError
+    naming the constraint and xgrammar's reason when it is invalid."""
+    xgr = _xgrammar()
+    kind = so.kind
+    try:
+        if kind in ("json", "json_object"):
+            xgr.Grammar.from_json_schema(_json_schema(so), any_whitespace=not so.disable_any_whitespace)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(so.regex)
+        elif kind == "choice":
+            xgr.Grammar.from_ebnf(choice_grammar(so.choice))
+        elif kind == "grammar":
+            xgr.Grammar.from_ebnf(so.grammar)
+        else:
+            xgr.Grammar.from_structural_tag(_structural_tag(so))
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ValueError(f"Invalid structured_outputs.{kind}: {_clean(exc)}") from None
+
+
+@dataclass
+class RequestConstraint:
+    """What a request's sequences are masked by; shared by its n samples."""
+
+    grammar: Any = None  # xgrammar.CompiledGrammar
+    allowed_row: torch.Tensor | None = None  # [W] int32, the allowed_token_ids bits
+    bad_words_ids: list[list[int]] = field(default_factory=list)
+
+    def new_matcher(self) -> "xgrammar.GrammarMatcher | None":
+        if self.grammar is None:
+            return None
+        return _xgrammar().GrammarMatcher(self.grammar)
+
+
+class StructuredOutputManager:
+    """Per engine core: the tokenizer's xgrammar vocabulary and compiler (built on the first
+    constrained request) and the per-request constraints."""
+
+    def __init__(
+        self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: Sequence[int]
+    ) -> None:
+        self._load_tokenizer = load_tokenizer
+        self.vocab_size = vocab_size  # the model's (padded) vocabulary: the logits' width
+        self.bitmask_width = (vocab_size + 31) // 32
+        self.stop_token_ids = sorted(stop_token_ids)
+        self._tokenizer = None
+        self._compiler = None
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = self._load_tokenizer()
+        return self._tokenizer
+
+    @property
+    def compiler(self) -> "xgrammar.GrammarCompiler":
+        if self._compiler is None:
+            xgr = _xgrammar()
+            info = xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size,
+                stop_token_ids=self.stop_token_ids or None,
+            )
+            # The compiler's own cache: a constraint seen before is not compiled again.
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
+        return self._compiler
+
+    # ---- per request ----------------------------------------------------------------------
+
+    def constraint_for(self, params: SamplingParams) -> RequestConstraint | None:
+        """The request's compiled constraint, or None when it has none. Raises ValueError (the
+        client's 400) for a constraint that does not compile; nothing is kept then."""
+        so = params.structured_outputs
+        if so is None and not params.allowed_token_ids and not params.bad_words:
+            return None
+        out = RequestConstraint()
+        if so is not None:
+            out.grammar = self.compile(so)
+        if params.allowed_token_ids:
+            out.allowed_row = pack_token_ids(params.allowed_token_ids, self.vocab_size)
+        if params.bad_words:
+            out.bad_words_ids = self.bad_words_token_ids(params.bad_words)
+        return out
+
+    def compile(self, so: StructuredOutputsParams) -> "xgrammar.CompiledGrammar":
+        kind = so.kind
+        compiler = self.compiler
+        any_ws = not so.disable_any_whitespace
+        try:
+            with self._lock:
+                if kind in ("json", "json_object"):
+                    return compiler.compile_json_schema(_json_schema(so), any_whitespace=any_ws)
+                if kind == "regex":
+                    return compiler.compile_regex(so.regex)
+                if kind == "choice":
+                    return compiler.compile_grammar(choice_grammar(so.choice))
+                if kind == "grammar":
+                    return compiler.compile_grammar(so.grammar)
+                return compiler.compile_structural_tag(_structural_tag(so))
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise ValueError(f"Invalid structured_outputs.{kind}: {_clean(exc)}") from None
+
+    def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """Each word's token ids, and those of its space-prefixed form where that is a different
+        word token of the same length (vLLM's rule: a word is banned at the start of the text
+        and after a space)."""
+        tok = self.tokenizer
+        out: list[list[int]] = []
+        for word in words:
+            bare = tok.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tok.encode(" " + word.lstrip(), add_special_tokens=False)
+            for ids in (bare, spaced):
+                if ids and ids not in out and (ids is bare or (
+                        ids[0] != bare[0] and len(ids) == len(bare))):
+                    out.append(list(ids))
+        bad = sorted({t for ids in out for t in ids if not 0 <= t < self.vocab_size})
+        if bad:
+            raise ValueError(f"bad_words tokenize to out-of-vocabulary ids {bad}.")
+        return out
+
+    # ---- per step -------------------------------------------------------------------------
+
+    def submit_masks(self, entries: list[tuple[int, RequestConstraint, Any, Sequence[int]]]
+                     ) -> "Future[dict[int, torch.Tensor]] | None":
+        """Fill the bitmask rows of `entries` ((key, constraint, matcher, output token ids))
+        on the worker thread; the result maps key -> its [W] int32 row. None: no entries."""
+        if not entries:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-masks")
+        return self._pool.submit(self.build_masks, entries)
+
+    def build_masks(self, entries: list[tuple[int, RequestConstraint, Any, Sequence[int]]]
+                    ) -> dict[int, torch.Tensor]:
+        bitmask = torch.full((len(entries), self.bitmask_width), -1, dtype=torch.int32)
+        for i, (_, constraint, matcher, output_ids) in enumerate(entries):
+            if matcher is not None and not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(bitmask, i)
+            if constraint.allowed_row is not None:
+                bitmask[i] &= constraint.allowed_row
+            if constraint.bad_words_ids:
+                clear_token_bits(bitmask[i], banned_tokens(constraint.bad_words_ids, output_ids))
+        return {key: bitmask[i] for i, (key, *_rest) in enumerate(entries)}
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+
+def banned_tokens(bad_words_ids: list[list[int]], output_ids: Sequence[int]) -> list[int]:
+    """The tokens that would complete a bad word now: a one-token word always, a longer one
+    when its other tokens end the output."""
+    banned = []
+    n = len(output_ids)
+    for ids in bad_words_ids:
+        k = len(ids) - 1
+        if k == 0 or (n >= k and list(output_ids[n - k:]) == ids[:-1]):
+            banned.append(ids[-1])
+    return banned
+
+
+def pack_token_ids(token_ids: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """A [ceil(V/32)] int32 bitmask row with exactly `token_ids` set."""
+    width = (vocab_size + 31) // 32
+    bits = torch.zeros(width * 32, dtype=torch.bool)
+    bits[torch.as_tensor(list(token_ids), dtype=torch.int64)] = True
+    weights = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int64), torch.arange(32))
+    packed = (bits.view(width, 32).to(torch.int64) * weights).sum(dim=1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def clear_token_bits(row: torch.Tensor, token_ids: Sequence[int]) -> None:
+    """Clear the bits of `token_ids` in a packed int32 row (in place)."""
+    for t in set(token_ids):
+        bit = 1 << (t & 31)
+        mask = ~bit if bit < 2**31 else 2**31 - 1  # int32: ~(1 << 31) is 0x7fffffff
+        row[t >> 5] &= mask
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, W] packed int32 -> [R, vocab_size] bool (True: allowed)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = torch.bitwise_and(torch.bitwise_right_shift(bitmask.unsqueeze(-1), shifts), 1)
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
