@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # torch.Generator seeds are 64-bit; vLLM bounds them the same way.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
@@ -58,6 +58,35 @@ class ErrorResponse(OpenAIBaseModel):
 # ------------------------------------------------------------------------------ sampling
 
 
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's `response_format`: "text" (no constraint), "json_object" (any JSON object) or
+    "json_schema" with `json_schema: {"name", "schema", "strict", "description"}`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+    def to_structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        spec = self.json_schema or {}
+        schema = spec.get("schema")
+        if schema is None:
+            raise ValueError(
+                "response_format.json_schema.schema is required when response_format.type "
+                "is 'json_schema'."
+            )
+        # strict true or not, the schema is enforced (vLLM does the same); xgrammar's
+        # strict mode also forbids properties the schema does not name.
+        return StructuredOutputsParams(json=schema)
+
+
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+
+
+
 class _SamplingFields(OpenAIBaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's)."""
 
@@ -89,6 +118,17 @@ class _SamplingFields(OpenAIBaseModel):
     # vLLM's: salts the prefix cache so that only requests with the same salt share blocks
     # (tenants apart; a salt should be secret and unguessable, e.g. 256 random bits)
     cache_salt: str | None = None
+    # Structured outputs (docs/structured_outputs.md): OpenAI's response_format, vLLM's
+    # structured_outputs object and its older guided_* fields (one of them per request); and
+    # the token masks allowed_token_ids / bad_words.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     @field_validator("cache_salt", mode="before")
     @classmethod
@@ -107,8 +147,30 @@ class _SamplingFields(OpenAIBaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's one output constraint; two given at once is a ValueError (a 400)."""
+        given: dict[str, StructuredOutputsParams] = {}
+        if self.response_format is not None:
+            so = self.response_format.to_structured_outputs()
+            if so is not None:
+                given["response_format"] = so
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = StructuredOutputsParams.from_dict(self.structured_outputs)
+        for name, kind in _GUIDED_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None:
+                given[name] = StructuredOutputsParams(**{kind: value})
+        if len(given) > 1:
+            raise ValueError(
+                f"Only one kind of structured output may be given per request, got {sorted(given)}."
+            )
+        return next(iter(given.values()), None)
+
     def _sampling_kwargs(self) -> dict[str, Any]:
         return dict(
+            structured_outputs=self.structured_outputs_params(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             n=self.n,
             best_of=self.best_of,
             presence_penalty=self.presence_penalty or 0.0,
