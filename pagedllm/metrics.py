@@ -1,34 +1,23 @@
-"""Prometheus metrics of a serving engine (vLLM's set, named `pagedllm:*`).
+"""Prometheus metrics of a serving engine: vLLM's names (`vllm:*`) and pagedllm's own (`pagedllm:*`).
 
-Every metric carries the labels `model_name` and `engine` (the engine core's index: "0", or
-"0".."M-1" with --data-parallel-size M), kernel_info only the first. Served at `GET /metrics`
-in the Prometheus text format. The front end feeds them on its event loop: `record_step` for
-each core step's outputs (tokens, latencies, finished requests), `record_abort` when a request
-is aborted, `update_from_stats` with the `CoreStats` a core sends after its steps (gauges, and
-its cumulative KV cache counters).
+Served at `GET /metrics` in the Prometheus text format. The `vllm:*` series carry vLLM v1's
+names, types, label names (`model_name`, `engine`: the engine core's index, "0".."M-1" with
+--data-parallel-size M) and histogram buckets, so that dashboards and scripts written for vLLM
+(examples/prometheus_grafana/grafana.json, vLLM's own dashboard) read pagedllm unchanged. The
+`pagedllm:*` series are the ones pagedllm exported before (its tests and users read them) plus
+what vLLM has no name for (swapped requests, used blocks, the kernel path). docs/metrics.md
+lists every series and where its figures come from.
 
-Gauges:      pagedllm:num_requests_running, pagedllm:num_requests_waiting,
-             pagedllm:num_requests_swapped,
-             pagedllm:kv_cache_usage_perc (fraction of KV blocks held by a request, 0..1),
-             pagedllm:kv_cache_used_blocks
-Counters:    pagedllm:prompt_tokens_total, pagedllm:generation_tokens_total,
-             pagedllm:request_success_total{finished_reason="stop"|"length"|"abort"},
-             pagedllm:prefix_cache_queries_total, pagedllm:prefix_cache_hits_total (tokens),
-             pagedllm:num_preemptions_total
-Info:        pagedllm:kernel_info{path="c"|"torch"|"mixed", kernels="<active C kernels>",
-             inactive="<kernels on the torch path>", cpu_features="avx2,avx512f,..."} 1
-             (kernels/status.py: which compute path this server runs)
-Histograms:  pagedllm:time_to_first_token_seconds, pagedllm:inter_token_latency_seconds (one
-             sample per request per step that gave it tokens), pagedllm:e2e_request_latency_seconds,
-             pagedllm:request_queue_time_seconds (arrival to first scheduled)
-
-A request counts once in request_success_total, with the finish reason of its first sample.
+The front end feeds them on its event loop: `record_step` with each core step's outputs (tokens,
+latencies, finished requests), `record_abort` when a request is aborted, `update_from_stats`
+with the `CoreStats` a core sends after its steps (gauges, cumulative KV cache and preemption
+counters, the tokens of each step).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -39,13 +28,42 @@ if TYPE_CHECKING:
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0)
-_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# vLLM's bucket boundaries (vllm/v1/metrics/buckets.py): the same edges give the same quantiles.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISH_REASONS = ("stop", "length", "abort")
+
+
+def request_tokens_buckets(max_model_len: int) -> list[int]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to max_model_len."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
+def cache_config_labels(config: Any, num_blocks: int, block_size: int) -> dict[str, str]:
+    """The labels of vllm:cache_config_info, under vLLM's CacheConfig field names, for the
+    settings pagedllm has (num_gpu_blocks: the KV pool's blocks, on whichever device)."""
+    labels = {
+        "block_size": str(block_size),
+        "num_gpu_blocks": str(num_blocks),
+        "kv_cache_size_tokens": str(num_blocks * block_size),
+    }
+    for name, label in (("enable_prefix_caching", "enable_prefix_caching"),
+                        ("kv_cache_dtype", "cache_dtype"), ("swap_space", "swap_space")):
+        value = getattr(config, name, None)
+        if value is not None:
+            labels[label] = str(value)
+    return labels
 
 
 @dataclass
@@ -58,11 +76,13 @@ class _Seen:
 
 
 class EngineMetrics:
-    """The registry of one server; every metric but kernel_info per engine core (`engine`
+    """The registry of one server; every metric but the info ones per engine core (`engine`
     label, "0".."M-1" with data parallelism, as vLLM v1 labels them)."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
-                 num_engines: int = 1, kernel_info: dict[str, str] | None = None) -> None:
+                 num_engines: int = 1, kernel_info: dict[str, str] | None = None,
+                 max_model_len: int = 2048,
+                 cache_info: list[dict[str, str]] | None = None) -> None:
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
         reg, names = self.registry, ["model_name", "engine"]
@@ -80,6 +100,78 @@ class EngineMetrics:
         def histogram(metric: str, doc: str, buckets) -> list[Histogram]:
             return per_engine(Histogram(metric, doc, names, buckets=buckets, registry=reg))
 
+        def by_reason(metric: str, doc: str) -> list[dict[str, Counter]]:
+            c = Counter(metric, doc, ["model_name", "engine", "finished_reason"], registry=reg)
+            return [{r: c.labels(model_name, e, r) for r in FINISH_REASONS} for e in engines]
+
+        # ---- vLLM's names (vllm/v1/metrics/loggers.py PrometheusStatLogger) ---------------
+        self.v_running = gauge("vllm:num_requests_running",
+                               "Number of requests in model execution batches.")
+        self.v_waiting = gauge("vllm:num_requests_waiting",
+                               "Number of requests waiting to be processed.")
+        self.v_kv_usage = gauge("vllm:kv_cache_usage_perc",
+                                "KV-cache usage. 1 means 100 percent usage.")
+        self.v_prefix_queries = counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.")
+        self.v_prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.v_preemptions = counter("vllm:num_preemptions",
+                                     "Cumulative number of preemption from the engine.")
+        self.v_prompt_tokens = counter("vllm:prompt_tokens",
+                                       "Number of prefill tokens processed.")
+        self.v_generation_tokens = counter("vllm:generation_tokens",
+                                           "Number of generation tokens processed.")
+        self.v_success = by_reason("vllm:request_success",
+                                   "Count of successfully processed requests.")
+        tokens = request_tokens_buckets(max_model_len)
+        self.v_req_prompt = histogram("vllm:request_prompt_tokens",
+                                      "Number of prefill tokens processed.", tokens)
+        self.v_req_generation = histogram("vllm:request_generation_tokens",
+                                          "Number of generation tokens processed.", tokens)
+        self.v_iteration = histogram("vllm:iteration_tokens_total",
+                                     "Histogram of number of tokens per engine_step.",
+                                     ITERATION_TOKENS_BUCKETS)
+        self.v_max_generation = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.", tokens)
+        self.v_ttft = histogram("vllm:time_to_first_token_seconds",
+                                "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.v_itl = histogram("vllm:inter_token_latency_seconds",
+                               "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        # vLLM 0.8-0.10's name of the same samples, which vLLM's older dashboards chart.
+        self.v_tpot = histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds. "
+            "DEPRECATED: Use vllm:inter_token_latency_seconds instead.", ITL_BUCKETS)
+        self.v_req_tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+        self.v_e2e = histogram("vllm:e2e_request_latency_seconds",
+                               "Histogram of e2e request latency in seconds.",
+                               REQUEST_LATENCY_BUCKETS)
+        self.v_queue = histogram("vllm:request_queue_time_seconds",
+                                 "Histogram of time spent in WAITING phase for request.",
+                                 REQUEST_LATENCY_BUCKETS)
+        self.v_inference = histogram("vllm:request_inference_time_seconds",
+                                     "Histogram of time spent in RUNNING phase for request.",
+                                     REQUEST_LATENCY_BUCKETS)
+        self.v_prefill = histogram("vllm:request_prefill_time_seconds",
+                                   "Histogram of time spent in PREFILL phase for request.",
+                                   REQUEST_LATENCY_BUCKETS)
+        self.v_decode = histogram("vllm:request_decode_time_seconds",
+                                  "Histogram of time spent in DECODE phase for request.",
+                                  REQUEST_LATENCY_BUCKETS)
+        # vLLM emulates Info with a gauge at 1 (it works in multiprocess mode); so do we, with
+        # the same name and the `engine` label among the config labels.
+        info = cache_info or [{} for _ in engines]
+        keys = sorted({k for labels in info for k in labels})
+        cache_gauge = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                            ["model_name", "engine", *keys], registry=reg)
+        for e, labels in zip(engines, info):
+            cache_gauge.labels(model_name, e, *(labels.get(k, "") for k in keys)).set(1)
+
+        # ---- pagedllm's own --------------------------------------------------------------
         self.num_requests_running = gauge("pagedllm:num_requests_running",
                                           "Number of requests in the running batch.")
         self.num_requests_waiting = gauge("pagedllm:num_requests_waiting",
@@ -100,21 +192,20 @@ class EngineMetrics:
                                          "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("pagedllm:num_preemptions",
                                        "Number of preemptions of running requests.")
-        success = Counter("pagedllm:request_success", "Number of finished requests by reason.",
-                          ["model_name", "engine", "finished_reason"], registry=reg)
-        self.request_success = [{r: success.labels(model_name, e, r) for r in FINISH_REASONS}
-                                for e in engines]
+        self.request_success = by_reason("pagedllm:request_success",
+                                         "Number of finished requests by reason.")
         self.time_to_first_token = histogram("pagedllm:time_to_first_token_seconds",
                                              "Time from arrival to the first token.",
-                                             _TTFT_BUCKETS)
+                                             TTFT_BUCKETS)
         self.inter_token_latency = histogram("pagedllm:inter_token_latency_seconds",
                                              "Time between two steps that gave a request tokens.",
-                                             _ITL_BUCKETS)
+                                             ITL_BUCKETS)
         self.e2e_latency = histogram("pagedllm:e2e_request_latency_seconds",
-                                     "Time from arrival to the last token.", _LATENCY_BUCKETS)
+                                     "Time from arrival to the last token.",
+                                     REQUEST_LATENCY_BUCKETS)
         self.queue_time = histogram("pagedllm:request_queue_time_seconds",
                                     "Time from arrival to the first step that ran the request.",
-                                    _LATENCY_BUCKETS)
+                                    REQUEST_LATENCY_BUCKETS)
         if kernel_info is None:
             from pagedllm.kernels.status import kernel_status
 
@@ -136,51 +227,85 @@ class EngineMetrics:
             new_tokens = num_tokens - seen.num_tokens
             if new_tokens > 0:
                 self.generation_tokens[e].inc(new_tokens)
+                self.v_generation_tokens[e].inc(new_tokens)
                 if not seen.first_token_recorded:
                     seen.first_token_recorded = True
                     self.prompt_tokens[e].inc(len(out.prompt_token_ids))
+                    self.v_prompt_tokens[e].inc(len(out.prompt_token_ids))
                     first = m.first_token_time if m and m.first_token_time else now
                     if m is not None:
-                        self.time_to_first_token[e].observe(max(first - m.arrival_time, 0.0))
+                        ttft = max(first - m.arrival_time, 0.0)
+                        self.time_to_first_token[e].observe(ttft)
+                        self.v_ttft[e].observe(ttft)
                         if m.time_in_queue is not None:
                             self.queue_time[e].observe(max(m.time_in_queue, 0.0))
                 elif seen.last_token_time is not None:
-                    self.inter_token_latency[e].observe(max(now - seen.last_token_time, 0.0))
+                    itl = max(now - seen.last_token_time, 0.0)
+                    self.inter_token_latency[e].observe(itl)
+                    self.v_itl[e].observe(itl)
+                    self.v_tpot[e].observe(itl)
                 seen.num_tokens = num_tokens
                 seen.last_token_time = now
             if out.finished:
                 del self._seen[out.request_id]
                 reason = out.outputs[0].finish_reason if out.outputs else None
-                success = self.request_success[e]
-                success.get(reason or "stop", success["stop"]).inc()
+                reason = reason if reason in FINISH_REASONS else "stop"
+                self.request_success[e][reason].inc()
+                self.v_success[e][reason].inc()
                 if m is not None:
-                    end = m.finished_time or now
-                    self.e2e_latency[e].observe(max(end - m.arrival_time, 0.0))
+                    self._record_finished(out, m, now, e)
+
+    def _record_finished(self, out: "RequestOutput", m, now: float, e: int) -> None:
+        """vLLM's per-request histograms, observed once when the request finishes."""
+        end = m.finished_time or now
+        self.e2e_latency[e].observe(max(end - m.arrival_time, 0.0))
+        self.v_e2e[e].observe(max(end - m.arrival_time, 0.0))
+        self.v_req_prompt[e].observe(len(out.prompt_token_ids))
+        self.v_req_generation[e].observe(m.num_generation_tokens)
+        self.v_max_generation[e].observe(max((len(c.token_ids) for c in out.outputs),
+                                             default=0))
+        for hist, value in ((self.v_queue, m.time_in_queue), (self.v_prefill, m.prefill_time),
+                            (self.v_decode, m.decode_time), (self.v_inference, m.inference_time)):
+            if value is not None:
+                hist[e].observe(max(value, 0.0))
+        longest = max((len(c.token_ids) for c in out.outputs), default=0)
+        decode = m.decode_time
+        if decode is not None:
+            # vLLM: decode time over the tokens after the first; 0 for a one-token request.
+            self.v_req_tpot[e].observe(max(decode, 0.0) / (longest - 1) if longest > 1 else 0.0)
 
     def record_abort(self, request_id: str, engine: int = 0) -> None:
         self._seen.pop(request_id, None)
         self.request_success[engine]["abort"].inc()
+        self.v_success[engine]["abort"].inc()
 
     def update_from_stats(self, stats: "CoreStats", engine: int = 0) -> None:
-        """The gauges, and the core's cumulative counters (as increments)."""
+        """The gauges, the core's cumulative counters (as increments), the steps' tokens."""
         e = engine
-        self.num_requests_running[e].set(stats.num_running)
-        self.num_requests_waiting[e].set(stats.num_waiting)
+        usage = stats.kv_used_blocks / stats.kv_num_blocks if stats.kv_num_blocks else 0.0
+        for ours, theirs, value in (
+            (self.num_requests_running, self.v_running, stats.num_running),
+            (self.num_requests_waiting, self.v_waiting, stats.num_waiting),
+            (self.kv_cache_usage, self.v_kv_usage, usage),
+        ):
+            ours[e].set(value)
+            theirs[e].set(value)
         self.num_requests_swapped[e].set(stats.num_swapped)
         self.kv_cache_used_blocks[e].set(stats.kv_used_blocks)
-        self.kv_cache_usage[e].set(
-            stats.kv_used_blocks / stats.kv_num_blocks if stats.kv_num_blocks else 0.0)
         last = self._last[e]
-        for counter, name in (
-            (self.prefix_cache_queries[e], "prefix_cache_queries"),
-            (self.prefix_cache_hits[e], "prefix_cache_hits"),
-            (self.num_preemptions[e], "num_preemptions"),
+        for counters, name in (
+            ((self.prefix_cache_queries, self.v_prefix_queries), "prefix_cache_queries"),
+            ((self.prefix_cache_hits, self.v_prefix_hits), "prefix_cache_hits"),
+            ((self.num_preemptions, self.v_preemptions), "num_preemptions"),
         ):
             value = getattr(stats, name)
             delta = value - last.get(name, 0)
             if delta > 0:
-                counter.inc(delta)
+                for c in counters:
+                    c[e].inc(delta)
             last[name] = value
+        for n in getattr(stats, "iteration_tokens", ()):
+            self.v_iteration[e].observe(n)
 
     # ---- exposition -----------------------------------------------------------------------
 

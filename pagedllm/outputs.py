@@ -105,6 +105,26 @@ class RequestMetrics:
             return None
         return self.finished_time - self.arrival_time
 
+    # vLLM's request phases (vllm:request_{prefill,decode,inference}_time_seconds): prefill
+    # runs from the first scheduling to the first token, decode from there to the last token.
+    @property
+    def prefill_time(self) -> float | None:
+        if self.first_scheduled_time is None or self.first_token_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def decode_time(self) -> float | None:
+        if self.first_token_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.first_token_time
+
+    @property
+    def inference_time(self) -> float | None:
+        if self.first_scheduled_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.first_scheduled_time
+
 
 @dataclass
 class RequestOutput:

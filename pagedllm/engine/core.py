@@ -12,6 +12,7 @@ its own process behind the server (`engine/core_process.py`, over ZeroMQ). Singl
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import logging
@@ -119,6 +120,10 @@ class EngineCore:
         self._seq_counter = itertools.count()
         self._idle_steps = 0  # the watchdog's count (see `stall_steps`)
         self._kv_stats = KVCacheStatsTracker(self.num_blocks, self.block_size)
+        # Tokens fed per step until stats() hands them on; bounded: the offline engine never
+        # reads them.
+        self._step_tokens: collections.deque[int] = collections.deque(maxlen=4096)
+        self._num_steps = 0
         self.startup_seconds = time.perf_counter() - t0
         log_kernel_status(self.device)  # which path runs: the C kernels or plain torch
         logger.info("Engine core ready in %.1f s (%s, %s)", self.startup_seconds, self.device,
@@ -357,6 +362,8 @@ class EngineCore:
         # The token masks depend only on tokens already accepted: filled while the forward runs.
         pending_masks = self.structured.submit_masks(self._mask_entries(sched_out))
         runner_out = self.executor.execute_model(sched_out)
+        self._num_steps += 1
+        self._step_tokens.append(sched_out.num_batched_tokens)
         self.scheduler.update_after_step(sched_out)
         self._observe_kv_usage()
         masks = pending_masks.result() if pending_masks is not None else None
@@ -521,7 +528,15 @@ class EngineCore:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=sched.num_preemptions,
+            num_steps=self._num_steps,
+            iteration_tokens=self._drain_step_tokens(),
         )
+
+    def _drain_step_tokens(self) -> list[int]:
+        """The tokens of each step since the last call (each step counted once)."""
+        out = list(self._step_tokens)
+        self._step_tokens.clear()
+        return out
 
     def kv_cache_stats(self) -> KVCacheStats:
         kv = self.kv_cache_manager

@@ -92,6 +92,11 @@ class CoreStats(msgspec.Struct, array_like=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # Steps that ran a batch (cumulative), and the tokens each fed to the model since the last
+    # CoreStats (vllm:iteration_tokens_total): a new step always makes the stats differ, so
+    # core_loop's "send if changed" never drops a step's count.
+    num_steps: int = 0
+    iteration_tokens: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
