@@ -32,6 +32,8 @@ SUPPORTED_ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SUPPORTED_QUANT_COMPUTE = ("auto", "exact", "int8")
 # Where tensor-parallel ranks 1..N-1 run: worker processes on this machine, or Ray actors.
 SUPPORTED_EXECUTOR_BACKENDS = ("mp", "ray")
+# vLLM's --scheduling-policy (core/scheduler.py)
+SUPPORTED_SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -79,8 +81,19 @@ class EngineConfig:
     # eager step is as fast here (benchmarks/NOTES.md) and compiling costs ~40 s and ~0.7 GB per size.
     compile_batch_sizes: list[int] | None = None
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
-    served_model_name: str | None = None
+    # The name(s) the server answers to (vLLM's --served-model-name NAME [NAME ...]): the first
+    # is the one responses and /v1/models report; requests may use any of them.
+    served_model_name: str | list[str] | None = None
     chat_template: str | None = None
+    # vLLM's --scheduling-policy: "fcfs" (arrival order; a non-zero request priority is an
+    # error) or "priority" (lower `priority` first, and preempted last; core/scheduler.py).
+    scheduling_policy: str = "fcfs"
+    # vLLM's --generation-config: "auto" (the model's generation_config.json sampling
+    # defaults), "vllm" (none), or a folder holding a generation_config.json.
+    generation_config: str = "auto"
+    # vLLM's --max-logprobs: most logprobs (and prompt logprobs) a request may ask for per
+    # token; a request's -1 means the whole vocabulary, allowed only when this is -1 too.
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         self.validate()
@@ -154,6 +167,22 @@ class EngineConfig:
                 )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}.")
+        if isinstance(self.served_model_name, (list, tuple)):
+            names = list(self.served_model_name)
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise ValueError(f"served_model_name must be a non-empty name or list of names, "
+                                 f"got {self.served_model_name!r}.")
+            self.served_model_name = names[0] if len(names) == 1 else names
+        if self.scheduling_policy not in SUPPORTED_SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of "
+                             f"{list(SUPPORTED_SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}.")
+        from pagedllm.engine.generation_defaults import check_generation_config
+
+        check_generation_config(self.generation_config)
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) \
+                or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= -1 (-1: the whole vocabulary), "
+                             f"got {self.max_logprobs!r}.")
 
     def _validate_tensor_parallel(self) -> None:
         """What can be checked without the model (heads and GPUs are checked when it loads,
@@ -177,6 +206,15 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"Unknown engine argument(s) {unknown}. Known: {sorted(names)}.")
         return cls(**kwargs)
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """Every served name, the reported one first (empty: the model's own name)."""
+        if self.served_model_name is None:
+            return []
+        if isinstance(self.served_model_name, str):
+            return [self.served_model_name]
+        return list(self.served_model_name)
 
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
         if self.max_num_batched_tokens is not None:

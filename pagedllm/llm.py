@@ -52,21 +52,30 @@ class LLM:
         on timeout, or if a compilation failed (those batch sizes stay eager)."""
         return self.llm_engine.model_runner.wait_for_compilation(timeout=timeout)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The parameters used when none are given: vLLM's defaults, overridden by the model's
+        generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
+        max_new_tokens -> max_tokens) unless generation_config="vllm"."""
+        return SamplingParams(**self.llm_engine.generation_defaults)
+
     def generate(
         self,
         prompts: PromptType | SequenceT[PromptType],
         sampling_params: SamplingParams | SequenceT[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: SequenceT[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts.
 
         Prompts: a string, a list of strings, a `{"prompt_token_ids": [...]}` dict or a list of
         them; a dict may carry a `"cache_salt"` that isolates its prefix cache from requests
-        with another salt. `sampling_params`: one for all, or a list with one per prompt.
+        with another salt. `sampling_params`: one for all, or a list with one per prompt
+        (None: `get_default_sampling_params()`). `priority`: one per prompt, lower = earlier
+        (needs scheduling_policy="priority", as in vLLM).
         """
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
-        return self._run(prompt_list, params_list, use_tqdm)
+        return self._run(prompt_list, params_list, use_tqdm, priority)
 
     def beam_search(
         self,
@@ -124,10 +133,9 @@ class LLM:
             return list(prompts)
         raise ValueError(f"prompts must be a string, a dict or a list, got {type(prompts).__name__}.")
 
-    @staticmethod
-    def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
+    def _as_params_list(self, params: Any, n: int) -> list[SamplingParams]:
         if params is None:
-            return [SamplingParams() for _ in range(n)]
+            return [self.get_default_sampling_params() for _ in range(n)]
         if isinstance(params, SamplingParams):
             return [params] * n
         params = list(params)
@@ -142,13 +150,18 @@ class LLM:
         prompts: list[PromptType],
         params: list[SamplingParams] | list[BeamSearchParams],
         use_tqdm: bool,
+        priority: SequenceT[int] | None = None,
     ) -> list[RequestOutput]:
         engine = self.llm_engine
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"Got {len(priority)} priorities for {len(prompts)} prompts: "
+                             "pass one per prompt.")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
         ids = [f"offline-{next(self._request_counter)}" for _ in prompts]
         added: list[str] = []
         try:
-            for rid, prompt, p in zip(ids, prompts, params):
-                engine.add_request(rid, prompt, p)
+            for rid, prompt, p, prio in zip(ids, prompts, params, priorities):
+                engine.add_request(rid, prompt, p, priority=prio)
                 added.append(rid)
         except Exception:
             engine.abort_request(added)  # nothing half-submitted stays in the engine

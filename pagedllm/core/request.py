@@ -49,6 +49,8 @@ class Sequence:
     arrival_time: float
     index: int = 0  # which of the request's n samples
     cache_salt: str | None = None
+    # The request's priority (lower = earlier); used only by the "priority" scheduling policy.
+    priority: int = 0
     # Prompt logprobs need every prompt position computed, so such a sequence skips prefix hits.
     skip_prefix_cache: bool = False
     output_token_ids: list[int] = field(default_factory=list)

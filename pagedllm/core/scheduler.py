@@ -19,8 +19,14 @@ for good: beams waiting for a sibling that is never admitted, because the idle b
 blocks that a swapped group needs before anything is admitted (tests/unit/
 test_scheduler_liveness.py reproduces it).
 
-Liveness (why every accepted request finishes). Order unfinished requests by priority
-(arrival, then submission order); let R be the oldest. `check_request_fits` accepted R only
+Scheduling policy (vLLM's `--scheduling-policy`). "fcfs": every request has priority 0 and the
+order is arrival, then submission. "priority": a request's `priority` (lower = earlier) comes
+first: `running`, `swapped` and the whole waiting queue (preempted or not) are kept sorted by
+(priority, arrival, submission), so the admission order is by priority and the preemption
+victim (the tail of `running`) is the lowest-priority (largest value), latest request.
+
+Liveness (why every accepted request finishes). Order unfinished requests by (priority,
+arrival, then submission order); let R be the first (the oldest under fcfs). `check_request_fits` accepted R only
 if it fits alone in the whole pool, its lockstep sequences side by side unshared.
 - Device blocks are held only by running sequences (cached free blocks are evictable), and no
   running sequence is idle except a beam waiting for a running sibling that has tokens to run.
@@ -30,10 +36,14 @@ if it fits alone in the whole pool, its lockstep sequences side by side unshared
 - R swapped: it heads `swapped`; admission stops while a group is swapped, so `running` only
   shrinks (requests finish in bounded steps: max_tokens) until R fits; a group that could not
   fit even in an empty pool is recomputed instead.
-- R waiting: it heads the waiting queue (preempted requests go first, by priority, and FCFS
-  admission stops at the first that does not fit), so only older-admitted or swapped groups
+- R waiting: it heads the waiting queue (fcfs: preempted requests go first, by priority;
+  priority: the whole queue is sorted by the order above; admission stops at the first that
+  does not fit), so only older-admitted or swapped groups
   run before it, each finishing or being preempted in bounded steps; then R is admitted.
-R therefore finishes; then the next oldest is R, and so on. The engine's watchdog
+R therefore finishes; then the next first is R, and so on. (Under "priority" a request that
+arrives ahead of R in the order becomes the new R; with finitely many arrivals, everything
+still finishes, but an endless stream of more urgent requests can starve a lower-priority
+one, as in vLLM.) The engine's watchdog
 (`LLMEngine.step`) turns any breach of this argument into a `SchedulerStallError` instead of a
 silent spin.
 """
@@ -69,6 +79,21 @@ def check_request_fits_pool(
         )
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def check_priority(priority: int, policy: str) -> None:
+    """vLLM's rule: a request's priority must be an int, and non-zero only under "priority"
+    (under fcfs it would be silently meaningless)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer, got {priority!r}.")
+    if priority != 0 and policy != "priority":
+        raise ValueError(
+            f"priority={priority} needs the priority scheduling policy; this engine runs "
+            f"'{policy}' (start it with --scheduling-policy priority)."
+        )
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 256
@@ -77,8 +102,14 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # None: swap a preempted group with several running sequences, recompute a single one.
     preemption_mode: str | None = None  # "recompute" | "swap" force one
+    # "fcfs" (priorities ignored) or "priority" (lower Sequence.priority runs first).
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"policy must be one of {list(SCHEDULING_POLICIES)}, got {self.policy!r}"
+            )
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -128,7 +159,7 @@ class Scheduler:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.waiting: deque[Sequence] = deque()
-        # Ordered by (arrival_time, request order, index): the tail is the preemption victim.
+        # Ordered by (priority, arrival_time, request order, index): the tail is the victim.
         self.running: list[Sequence] = []
         # Groups preempted by swap, each a request's sequences, oldest request first.
         self.swapped: list[list[Sequence]] = []
@@ -144,8 +175,18 @@ class Scheduler:
 
     # ---- queues ---------------------------------------------------------------------------
 
-    def _priority(self, seq: Sequence) -> tuple[float, int, int, int]:
-        return (seq.arrival_time, self._request_order[seq.request_id], seq.index, seq.seq_id)
+    def _priority(self, seq: Sequence) -> tuple[int, float, int, int, int]:
+        """The scheduling order: smaller first, the largest is the preemption victim."""
+        prio = seq.priority if self.config.policy == "priority" else 0
+        return (prio, seq.arrival_time, self._request_order[seq.request_id], seq.index,
+                seq.seq_id)
+
+    def _insert_waiting(self, seq: Sequence) -> None:
+        """fcfs: behind every waiting sequence; priority: in (priority, arrival) order."""
+        if self.config.policy == "priority":
+            bisect.insort(self.waiting, seq, key=self._priority)
+        else:
+            self.waiting.append(seq)
 
     def _register(self, seq: Sequence) -> None:
         if seq.request_id not in self._requests:
@@ -177,7 +218,7 @@ class Scheduler:
         if lockstep:
             self._lockstep.add(seq.request_id)
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._insert_waiting(seq)
 
     def fork_sequence(self, parent: Sequence, child: Sequence) -> None:
         """Run `child` alongside its running `parent`, sharing the parent's blocks (CoW).
@@ -211,6 +252,9 @@ class Scheduler:
     def _requeue_for_recompute(self, seq: Sequence) -> None:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
+        if self.config.policy == "priority":
+            self._insert_waiting(seq)  # the whole queue is in priority order
+            return
         key = self._priority(seq)
         i = 0
         while (
@@ -232,7 +276,8 @@ class Scheduler:
         bisect.insort(self.swapped, group, key=lambda g: self._priority(g[0]))
 
     def _preempt_last(self) -> list[Sequence]:
-        """Preempt the most recently arrived running request's sequences; returns them.
+        """Preempt the last running request's sequences (the most recently arrived; under the
+        priority policy the lowest-priority, then most recent); returns them.
 
         A request's running sequences are contiguous in `running`, so its group is a tail.
         A lockstep group (beam search) goes whole: swapped whole, or recomputed whole when it

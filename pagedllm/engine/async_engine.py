@@ -40,12 +40,13 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.scheduler import check_request_fits_pool
 from pagedllm.engine.core_messages import CoreReady, EngineCoreOutputs
 from pagedllm.engine.errors import STALL_STEPS, SchedulerStallError
+from pagedllm.engine.generation_defaults import load_generation_defaults
 from pagedllm.engine.input_processing import InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.router import Router
@@ -79,6 +80,12 @@ class EngineInfo:
     chat_template: str | None
     startup_seconds: float
     kernel_info: dict[str, str]
+    scheduling_policy: str = "fcfs"
+    max_logprobs: int = 20
+    # generation_config.json's sampling defaults (engine/generation_defaults.py)
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    # every --served-model-name (model_name is the first); empty: model_name only
+    served_model_names: list[str] = field(default_factory=list)
 
 
 class RequestStream:
@@ -134,6 +141,7 @@ class AsyncLLMEngine:
             tokenizer, info.vocab_size, info.max_model_len,
             functools.partial(_check_fits, num_blocks=info.num_blocks,
                               block_size=info.block_size),
+            max_logprobs=info.max_logprobs, scheduling_policy=info.scheduling_policy,
         )
         self.output_processor = OutputProcessor(tokenizer)
         self.router = Router(len(clients), info.block_size)
@@ -216,6 +224,11 @@ class AsyncLLMEngine:
             chat_template=config.chat_template,
             startup_seconds=max(c.ready.startup_seconds for c in clients),
             kernel_info=ready.kernel_info,
+            scheduling_policy=config.scheduling_policy,
+            max_logprobs=config.max_logprobs,
+            generation_defaults=load_generation_defaults(config.generation_config, source.path,
+                                                         bool(source.gguf_file)),
+            served_model_names=config.served_model_names,
         )
         metrics = None
         if with_metrics:
@@ -283,12 +296,13 @@ class AsyncLLMEngine:
         prompt: "PromptType",
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Check a request and send it to a core. Raises ValueError when it is rejected."""
-        return self._add(request_id, prompt, params, arrival_time)
+        return self._add(request_id, prompt, params, arrival_time, priority)
 
     def _add(self, request_id: str, prompt: "PromptType", params: SamplingParams,
-             arrival_time: float | None = None) -> RequestStream:
+             arrival_time: float | None = None, priority: int = 0) -> RequestStream:
         from pagedllm.engine.engine import prepare_request
 
         if not self.is_running:
@@ -297,7 +311,7 @@ class AsyncLLMEngine:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         stream = RequestStream(request_id, next(self._serials))
         prompt_text, request = prepare_request(self.inputs, stream.core_id, prompt, params,
-                                               arrival_time)
+                                               arrival_time, priority=priority)
         live = [i for i, c in enumerate(self.clients) if c.alive]
         stream.engine_index = self.router.choose(request, live, request.cache_salt)
         self.output_processor.add_request(
@@ -311,14 +325,15 @@ class AsyncLLMEngine:
         return stream
 
     async def add_requests(
-        self, requests: list[tuple[str, "PromptType"]], params: SamplingParams
+        self, requests: list[tuple[str, "PromptType"]], params: SamplingParams,
+        priority: int = 0,
     ) -> list[RequestStream]:
         """Add several requests at once; if any is rejected, the others are aborted and its
         error is raised."""
         streams: list[RequestStream] = []
         try:
             for rid, prompt in requests:
-                streams.append(self._add(rid, prompt, params))
+                streams.append(self._add(rid, prompt, params, priority=priority))
         except BaseException:
             self.abort_unfinished(streams)
             raise

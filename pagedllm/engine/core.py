@@ -25,7 +25,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Sequence, SequenceStatus
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, check_priority
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchRequest, beam_completions
 from pagedllm.engine.core_messages import (
     CoreStats,
@@ -66,7 +66,8 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         self.source: ModelSource = resolve_model(config.model)
-        self.model_name = config.served_model_name or self.source.name
+        names = config.served_model_names
+        self.model_name = names[0] if names else self.source.name
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
@@ -97,6 +98,7 @@ class EngineCore:
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 preemption_mode=config.preemption_mode,
+                policy=config.scheduling_policy,
             ),
             self.kv_cache_manager,
         )
@@ -111,7 +113,9 @@ class EngineCore:
         # The core validates again what the front end validated (a request from another
         # process is not trusted); it needs no tokenizer for token ids.
         self.inputs = InputProcessor(None, self.vocab_size, self.max_model_len,
-                                     self.scheduler.check_request_fits)
+                                     self.scheduler.check_request_fits,
+                                     max_logprobs=config.max_logprobs,
+                                     scheduling_policy=config.scheduling_policy)
         self.updater = SequenceUpdater(self.eos_token_ids, self.max_model_len)
         # Grammars, allowed_token_ids, bad_words: the tokenizer is loaded on first use.
         self.structured = StructuredOutputManager(self._load_tokenizer, self.vocab_size,
@@ -240,6 +244,7 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         params = request.sampling_params
+        check_priority(request.priority, self.config.scheduling_policy)
         prompt_ids = self.inputs.check_token_ids(request.prompt_token_ids)
         self.inputs.validate(prompt_ids, params)
         beam_params = request.beam_params
@@ -254,6 +259,7 @@ class EngineCore:
             params=params,
             arrival_time=request.arrival_time,
             num_prompt_logprobs=0 if params.prompt_logprobs is not None else None,
+            priority=request.priority,
             constraint=constraint,
         )
         if beam_params is not None:
@@ -287,6 +293,7 @@ class EngineCore:
             arrival_time=state.arrival_time,
             index=index,
             cache_salt=cache_salt,
+            priority=state.priority,
             output_token_ids=list(output_token_ids),
         )
 

@@ -38,6 +38,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     beam_params: BeamSearchParams | None = None
     cache_salt: str | None = None
+    priority: int = 0  # lower = earlier, under the "priority" scheduling policy
 
 
 # (token id, logprob, rank, top-k [(token id, logprob), ...] in rank order)

@@ -16,6 +16,7 @@ from pagedllm.engine.beam_search import beam_params_from_sampling, sampling_para
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.core_messages import EngineCoreRequest
 from pagedllm.engine.input_processing import InputProcessor, PromptType
+from pagedllm.engine.generation_defaults import load_generation_defaults
 from pagedllm.engine.kv_stats import KVCacheStats
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.model_source import resolve_model
@@ -33,9 +34,13 @@ def prepare_request(
     params: SamplingParams | BeamSearchParams | None,
     arrival_time: float | None = None,
     cache_salt: str | None = None,
+    priority: int = 0,
 ) -> tuple[str | None, EngineCoreRequest]:
     """Tokenize and check a request (a ValueError names what is wrong): the prompt's text and
     the core's request. The one front-end rule, offline and in the server."""
+    from pagedllm.core.scheduler import check_priority
+
+    check_priority(priority, inputs.scheduling_policy)
     beam_params = params if isinstance(params, BeamSearchParams) else None
     if beam_params is not None:
         params = sampling_params_from_beam(beam_params)
@@ -52,6 +57,7 @@ def prepare_request(
         arrival_time=time.time() if arrival_time is None else arrival_time,
         beam_params=beam_params,
         cache_salt=cache_salt,
+        priority=priority,
     )
 
 
@@ -70,9 +76,14 @@ class LLMEngine:
         tok_source = resolve_model(config.tokenizer) if config.tokenizer else core.source
         self.tokenizer = load_tokenizer(tok_source.path, tok_source.gguf_file)
         self.inputs = InputProcessor(self.tokenizer, core.vocab_size, core.max_model_len,
-                                     core.scheduler.check_request_fits)
+                                     core.scheduler.check_request_fits,
+                                     max_logprobs=config.max_logprobs,
+                                     scheduling_policy=config.scheduling_policy)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_seconds = core.startup_seconds
+        # generation_config.json's sampling defaults (EngineConfig.generation_config)
+        self.generation_defaults = load_generation_defaults(
+            config.generation_config, core.source.path, core.source.is_gguf)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "LLMEngine":
@@ -144,16 +155,18 @@ class LLMEngine:
         params: SamplingParams | BeamSearchParams | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Validate, tokenize and queue a request; a request that can never run is rejected here.
 
         `BeamSearchParams` (or `SamplingParams(use_beam_search=True, n=width)`) make it a beam
         search. `cache_salt`, also accepted as a key of a prompt dict, isolates its prefix cache.
+        `priority` (lower = earlier) needs scheduling_policy="priority" unless it is 0.
         """
         if self.output_processor.has_request(request_id) or request_id in self.core.requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         prompt_text, request = prepare_request(self.inputs, request_id, prompt, params,
-                                               arrival_time, cache_salt)
+                                               arrival_time, cache_salt, priority)
         self.core.add_request(request)
         self.output_processor.add_request(
             request_id, prompt_text, request.prompt_token_ids, request.sampling_params,

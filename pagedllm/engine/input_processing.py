@@ -18,14 +18,38 @@ PromptType = str | list[int] | dict[str, Any]
 class InputProcessor:
     def __init__(
         self, tokenizer, vocab_size: int, max_model_len: int,
-        check_fits: Callable[[int, int], None],
+        check_fits: Callable[[int, int], None], max_logprobs: int = 20,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         """`check_fits(num_tokens, num_lockstep_seqs)` is the scheduler's pool-size rule
-        (`Scheduler.check_request_fits`): one rule for what the engine can always finish."""
+        (`Scheduler.check_request_fits`): one rule for what the engine can always finish.
+        `max_logprobs` is vLLM's --max-logprobs (-1: the vocabulary size); `scheduling_policy`
+        decides whether a non-zero priority is allowed."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.check_fits = check_fits
+        self.max_logprobs = max_logprobs
+        self.scheduling_policy = scheduling_policy
+
+    @property
+    def logprobs_limit(self) -> int:
+        """The most logprobs per position a request may ask for."""
+        return self.vocab_size if self.max_logprobs == -1 else self.max_logprobs
+
+    def resolve_num_logprobs(self, value: int | None, name: str) -> int | None:
+        """vLLM's request value -1 = the whole vocabulary; over the limit is a ValueError."""
+        if value is None:
+            return None
+        if value == -1:
+            value = self.vocab_size
+        if value > self.logprobs_limit:
+            raise ValueError(
+                f"Requested {name}={value} is more than the server's maximum "
+                f"(--max-logprobs {self.max_logprobs}"
+                + (f", i.e. {self.logprobs_limit}" if self.max_logprobs == -1 else "") + ")."
+            )
+        return value
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) of a string, a token id list or a prompt dict."""
@@ -66,6 +90,8 @@ class InputProcessor:
         n_prompt = len(prompt_ids)
         if n_prompt == 0:
             raise ValueError("The prompt is empty: at least one token is needed.")
+        self.resolve_num_logprobs(params.logprobs, "logprobs")
+        self.resolve_num_logprobs(params.prompt_logprobs, "prompt_logprobs")
         # Token ids inside the params (logit_bias, stop ids) must exist in this vocabulary,
         # or the sampler would fail for every request batched with this one.
         params.verify_token_ids(self.vocab_size)

@@ -52,6 +52,7 @@ class RequestState:
     params: SamplingParams
     arrival_time: float
     seqs: list[Sequence] = field(default_factory=list)
+    priority: int = 0  # the request's scheduling priority (lower = earlier)
     # Prompt logprobs: how many positions were reported (None: not asked for).
     num_prompt_logprobs: int | None = None
     prompt_logprobs_done: bool = False

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from typing import Any
 
 from pagedllm.config import (
@@ -14,6 +16,7 @@ from pagedllm.config import (
     SUPPORTED_KV_CACHE_DTYPES,
     SUPPORTED_PREEMPTION_MODES,
     SUPPORTED_QUANT_COMPUTE,
+    SUPPORTED_SCHEDULING_POLICIES,
     EngineConfig,
 )
 
@@ -71,7 +74,17 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                    help="opt-in: comma-separated padded batch sizes of torch.compile'd decode "
                         "steps, e.g. 1,2,4,8 (default: none, every step eager)")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
-    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) the server answers to; the first is the one it reports")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=list(SUPPORTED_SCHEDULING_POLICIES),
+                   help="fcfs: arrival order (a request's non-zero priority is a 400); priority: "
+                        "lower `priority` first, highest value preempted first")
+    g.add_argument("--generation-config", default="auto",
+                   help="auto: the model's generation_config.json sampling defaults; vllm: none; "
+                        "or a folder holding a generation_config.json")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="most logprobs / prompt_logprobs per token a request may ask for "
+                        "(-1: the whole vocabulary)")
     g.add_argument("--chat-template", default=None, help="a Jinja template, or a file holding one")
 
 
@@ -84,9 +97,36 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (also $PAGEDLLM_API_KEY); "
-                        "/health and /metrics stay open")
+    g.add_argument("--api-key", nargs="+", default=None,
+                   help="require 'Authorization: Bearer KEY' with one of these keys (also "
+                        "$PAGEDLLM_API_KEY); /health and /metrics stay open")
+    g.add_argument("--allowed-origins", type=json.loads, default=["*"],
+                   help='CORS: JSON list of allowed origins (default ["*"])')
+    g.add_argument("--allowed-methods", type=json.loads, default=["*"],
+                   help='CORS: JSON list of allowed methods (default ["*"])')
+    g.add_argument("--allowed-headers", type=json.loads, default=["*"],
+                   help='CORS: JSON list of allowed headers (default ["*"])')
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key")
+    g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate")
+    g.add_argument("--ssl-ca-certs", default=None, help="CA certificates file (client certs)")
+    g.add_argument("--ssl-cert-reqs", type=int, default=0,
+                   help="whether client certificates are required (ssl.CERT_*: 0, 1, 2)")
+    g.add_argument("--root-path", default=None,
+                   help="FastAPI root_path when the server sits behind a path-based proxy")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="do not log each request (the default; kept for vLLM command lines)")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request: its id, prompt (cut at --max-log-len) and parameters")
+    g.add_argument("--max-log-len", type=int, default=None,
+                   help="most prompt characters / token ids shown per logged request")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no uvicorn access log line per HTTP request")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens: prompt tokens served by "
+                        "the prefix cache")
+    g.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="no /docs, /redoc and /openapi.json")
     g.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds that in-flight requests may take to finish after SIGTERM "
@@ -100,6 +140,22 @@ def validate_server_args(args: argparse.Namespace) -> None:
         raise ValueError("host must not be empty.")
     if getattr(args, "drain_timeout", 0) < 0:
         raise ValueError(f"drain_timeout must be at least 0 seconds, got {args.drain_timeout}.")
+    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        value = getattr(args, name, ["*"])
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"--{name.replace('_', '-')} must be a JSON list of strings, "
+                             f"got {value!r}.")
+    keyfile, certfile = getattr(args, "ssl_keyfile", None), getattr(args, "ssl_certfile", None)
+    if bool(keyfile) != bool(certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both).")
+    for flag, path in (("--ssl-keyfile", keyfile), ("--ssl-certfile", certfile),
+                       ("--ssl-ca-certs", getattr(args, "ssl_ca_certs", None))):
+        if path and not os.path.isfile(path):
+            raise ValueError(f"{flag} {path!r}: no such file.")
+    if getattr(args, "disable_log_requests", False) and getattr(args, "enable_log_requests", False):
+        raise ValueError("--disable-log-requests and --enable-log-requests contradict each other.")
+    if getattr(args, "max_log_len", None) is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be at least 0, got {args.max_log_len}.")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -112,6 +168,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "preemption_mode", "tensor_parallel_size", "distributed_executor_backend", "data_parallel_size", "quantization", "quant_compute", "kv_cache_dtype",
         "attention_backend", "enforce_eager", "cuda_graph_sizes",
         "compile_batch_sizes", "num_threads", "served_model_name", "chat_template",
+        "scheduling_policy", "generation_config", "max_logprobs",
     ):
         kwargs[name] = getattr(args, name)
     model = getattr(args, "model_tag", None) or args.model

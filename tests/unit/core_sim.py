@@ -70,6 +70,7 @@ class SimRequest:
     width: int  # n, or the beam width
     max_tokens: int
     arrival_step: int
+    priority: int = 0  # the "priority" policy's key (lower = earlier)
     seqs: list[Sequence] = field(default_factory=list)  # every sequence ever made
     beams: list[Sequence] = field(default_factory=list)  # the running beams (beam search)
     pending: set[int] = field(default_factory=set)  # beams whose row is in (BeamSearchRequest)
@@ -101,12 +102,14 @@ class CoreSim:
         seed: int = 0,
         max_idle: int = 3,
         stop_prob: float = 0.03,
+        policy: str = "fcfs",
     ) -> None:
         self.kv = KVCacheManager(num_blocks, block_size, enable_caching, num_host_blocks)
         self.sched = Scheduler(
             SchedulerConfig(max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
-                            max_model_len=max_model_len, preemption_mode=preemption_mode),
+                            max_model_len=max_model_len, preemption_mode=preemption_mode,
+                            policy=policy),
             self.kv,
         )
         self.store = FakeStore(self.kv)
@@ -123,7 +126,7 @@ class CoreSim:
     # ---- requests --------------------------------------------------------------------------
 
     def add(self, kind: str, prompt: list[int], max_tokens: int, width: int = 1,
-            salt: str | None = None) -> SimRequest | None:
+            salt: str | None = None, priority: int = 0) -> SimRequest | None:
         """Queue a request as `LLMEngine.add_request` does; None if it was rejected there."""
         try:
             self.sched.check_request_fits(len(prompt) + max_tokens,
@@ -132,7 +135,7 @@ class CoreSim:
             self.num_rejected += 1
             return None
         rid = f"{kind}{next(self._ids)}"
-        req = SimRequest(rid, kind, width, max_tokens, self.t)
+        req = SimRequest(rid, kind, width, max_tokens, self.t, priority)
         seq = self._new_seq(req, prompt, [], index=0, salt=salt)
         self.sched.add_sequence(seq, lockstep=kind == "beam")
         if kind == "beam":
@@ -143,7 +146,8 @@ class CoreSim:
     def _new_seq(self, req: SimRequest, prompt, output, index: int, salt=None) -> Sequence:
         seq = Sequence(seq_id=next(self._ids), request_id=req.request_id,
                        prompt_token_ids=list(prompt), arrival_time=float(req.arrival_step),
-                       index=index, cache_salt=salt, output_token_ids=list(output))
+                       index=index, cache_salt=salt, output_token_ids=list(output),
+                       priority=req.priority)
         req.seqs.append(seq)
         return seq
 

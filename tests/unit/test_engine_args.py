@@ -39,6 +39,9 @@ NON_DEFAULT = {
     "num_threads": (["--num-threads", "2"], 2),
     "served_model_name": (["--served-model-name", "m"], "m"),
     "chat_template": (["--chat-template", "{{ x }}"], "{{ x }}"),
+    "scheduling_policy": (["--scheduling-policy", "priority"], "priority"),
+    "generation_config": (["--generation-config", "vllm"], "vllm"),
+    "max_logprobs": (["--max-logprobs", "-1"], -1),
 }
 
 

@@ -68,9 +68,10 @@ def test_three_request_mix_drains_over_many_configurations():
     assert preempted > 60 and swapped > 20
 
 
-def random_workload(seed: int) -> CoreSim:
+def random_workload(seed: int, policy: str = "fcfs") -> CoreSim:
     """Random requests (plain, n = 2..3, beams of width 2..4), staggered arrivals, aborts at
-    random points, tiny device pools and host pools of every size; run until drained."""
+    random points, tiny device pools and host pools of every size; run until drained.
+    `policy="priority"`: each request gets a random priority in [-2, 2]."""
     r = random.Random(seed)
     B = r.choice([1, 2, 4])
     nb = r.randint(8, 32)
@@ -78,7 +79,7 @@ def random_workload(seed: int) -> CoreSim:
     sim = CoreSim(nb, B, num_host_blocks=r.choice([0, 2, 4, 8, 16, 64]),
                   preemption_mode=mode, enable_caching=r.random() < 0.7,
                   max_num_seqs=r.randint(2, 16), max_num_batched_tokens=r.choice([4, 8, 16, 64]),
-                  max_model_len=nb * B, seed=seed)
+                  max_model_len=nb * B, seed=seed, policy=policy)
     shared = [r.randrange(4) for _ in range(3 * B)]  # a common prefix for cache hits
     num_requests = r.randint(4, 14)
     arrivals = sorted(r.randint(0, 40) for _ in range(num_requests))
@@ -93,7 +94,8 @@ def random_workload(seed: int) -> CoreSim:
             total = r.randint(2, max(2, fits + (B if r.random() < 0.1 else 0)))  # some too big
             plen = r.randint(1, total - 1)
             prompt = (shared + [r.randrange(4) for _ in range(total)])[:plen]
-            req = sim.add(kind, prompt, total - plen, width=width)
+            priority = r.randint(-2, 2) if policy == "priority" else 0
+            req = sim.add(kind, prompt, total - plen, width=width, priority=priority)
             if req is not None:
                 accepted.append(req)
         if abort_rate and r.random() < abort_rate and sim.unfinished():
@@ -151,3 +153,19 @@ def test_lockstep_group_is_recomputed_whole_when_the_host_pool_is_full():
             break
     assert preempted_together and old.done and beams.done
     sim.assert_drained()
+
+
+NUM_PRIORITY_CONFIGURATIONS = 500
+
+
+def test_randomized_liveness_under_the_priority_policy():
+    """The same workloads with random priorities: the liveness argument (module docstring of
+    core/scheduler.py) orders by (priority, arrival), and with finitely many arrivals every
+    accepted request still finishes, within the same step bound."""
+    preempted = swapped = beams = 0
+    for seed in range(NUM_PRIORITY_CONFIGURATIONS):
+        sim = random_workload(seed, policy="priority")
+        preempted += sim.counts["preempted"]
+        swapped += sim.counts["swap_out"]
+        beams += any(r.kind == "beam" for r in sim.requests.values())
+    assert preempted > 1000 and swapped > 500 and beams > 300
