@@ -72,8 +72,9 @@ class StructuredOutputsParams:
     Exactly one of `json` (a JSON schema, as a dict or a JSON string), `regex`, `choice` (the
     output is one of these strings), `grammar` (EBNF / GBNF, root rule `root`), `json_object`
     (any JSON object) or `structural_tag` (xgrammar's structural tag, a dict or JSON string) is
-    set; anything else is a ValueError here. `disable_any_whitespace` makes JSON modes emit no
-    whitespace between tokens (small models otherwise may pad with it). The engine compiles the
+    set; anything else is a ValueError here. `disable_any_whitespace`: JSON modes follow one
+    fixed layout (`{"a": 1, "b": 2}`) instead of allowing any whitespace between tokens, which
+    small models may fill with newlines. The engine compiles the
     constraint with xgrammar (`pagedllm.structured_output`; `pip install pagedllm[structured]`).
     """
 

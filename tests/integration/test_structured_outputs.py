@@ -84,6 +84,19 @@ def test_ebnf_grammar(smollm2_llm):
         assert re.fullmatch(r"[1-9]\d{0,2}([+*][1-9]\d{0,2})*=[1-9]\d{0,2}", o.text), o.text
 
 
+def test_structural_tag(smollm2_llm):
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "<answer>"},
+        {"type": "json_schema", "json_schema": {
+            "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}},
+        {"type": "const_string", "value": "</answer>"},
+    ]}}
+    (o,) = _gen(smollm2_llm, StructuredOutputsParams(structural_tag=tag), "Pick a number: ")
+    m = re.fullmatch(r"<answer>(.*)</answer>", o.text, re.S)
+    assert m, o.text
+    assert isinstance(json.loads(m.group(1))["n"], int)
+
+
 def test_mixed_batch_leaves_free_rows_alone(smollm2_llm):
     """A constrained request batched with free ones: the free ones equal their solo run."""
     free = SamplingParams(max_tokens=12, temperature=0.0)
