@@ -127,6 +127,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "the prefix cache")
     g.add_argument("--disable-fastapi-docs", action="store_true",
                    help="no /docs, /redoc and /openapi.json")
+    from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+    from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": parse tool calls out of the model\'s text with '
+                        "--tool-call-parser (docs/tool_calling.md)")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the model's tool-call format: hermes (Qwen2.5, Hermes), llama3_json "
+                        "(Llama 3.x)")
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split <think>...</think> into reasoning_content (deepseek_r1, qwen3)")
     g.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds that in-flight requests may take to finish after SIGTERM "

@@ -50,6 +50,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from pagedllm.entrypoints.openai.serving import ServingContext, with_cancellation
+from pagedllm.entrypoints.openai.tool_calling import ToolConfig
 from pagedllm.entrypoints.openai.tokenization import TokenizationServer
 
 logger = logging.getLogger("pagedllm.server")
@@ -266,6 +267,10 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         validate_server_args(args)
         config = engine_config_from_args(args)
+        tool_config = ToolConfig(
+            enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+            tool_call_parser=getattr(args, "tool_call_parser", None),
+            reasoning_parser=getattr(args, "reasoning_parser", None))
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -281,7 +286,7 @@ def run_server(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     lifecycle = Lifecycle()
-    ctx = ServingContext(async_engine)
+    ctx = ServingContext(async_engine, tool_config=tool_config)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     app = build_app(ctx, api_key, lifecycle)
     host, port = sock.getsockname()[:2]

@@ -5,6 +5,8 @@ The conversation is rendered with the model's template (or `--chat-template`, or
 `chat_template`) and tokenized without adding special tokens again (the template has them).
 `max_completion_tokens` (or the older `max_tokens`) defaults to what is left of the context.
 A stream starts with one chunk per choice carrying `{"role": "assistant", "content": ""}`.
+`tools` / `tool_choice` and the server's reasoning parser shape the message (tool_calling.py):
+`tool_calls`, `reasoning_content`, and `finish_reason: "tool_calls"`, in deltas too.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving import ServingContext
 from pagedllm.entrypoints.openai.streaming import DONE, SSE_HEADERS, ChoiceStream, sse
+from pagedllm.entrypoints.openai.tool_calling import ToolPlan, finish_reason, plan_tools
 from pagedllm.outputs import RequestOutput
 
 ROLE = "assistant"
@@ -51,6 +54,8 @@ class ChatServer:
         conversation = request.conversation()  # ValueError (non-text parts) -> 400
         params = request.to_sampling_params()
         params.verify_token_ids(ctx.vocab_size)
+        plan = plan_tools(request, ctx.tool_config)  # 400 for what the server cannot honour
+        params = plan.apply(params)  # "required" / named: the calls' schema as structured output
         prompt_text, prompt_ids = await ctx.run_tokenizer(self._render, request, conversation)
         request_id = f"chatcmpl-{random_uuid()}"
         created = now_seconds()
@@ -62,7 +67,7 @@ class ChatServer:
             params,
         )
         if request.stream:
-            body = self._stream(request, raw_request, request_id, created, stream)
+            body = self._stream(request, raw_request, request_id, created, stream, plan)
             return StreamingResponse(
                 body, media_type="text/event-stream", headers=SSE_HEADERS,
                 background=BackgroundTask(engine.abort_unfinished, [stream]),
@@ -73,17 +78,20 @@ class ChatServer:
                 final = out
         finally:
             engine.abort_unfinished([stream])
-        return JSONResponse(self._response(request, request_id, created, final).model_dump())
+        return JSONResponse(
+            self._response(request, request_id, created, final, plan).model_dump())
 
     def _render(self, request: ChatCompletionRequest, conversation) -> tuple[str, list[int]]:
         text = self.ctx.render_chat(
             conversation, request.chat_template, request.add_generation_prompt,
             request.continue_final_message, request.chat_template_kwargs,
+            tools=request.template_tools(),
         )
         return text, self.ctx.encode(text, add_special_tokens=False)
 
     def _response(
-        self, request: ChatCompletionRequest, request_id: str, created: int, out: RequestOutput
+        self, request: ChatCompletionRequest, request_id: str, created: int, out: RequestOutput,
+        plan: ToolPlan,
     ) -> ChatCompletionResponse:
         choices = []
         completion_tokens = 0
@@ -94,9 +102,14 @@ class ChatServer:
             if request.logprobs and c.logprobs is not None:
                 logprobs = chat_logprobs(c.token_ids, c.logprobs[:n_ids],
                                          request.top_logprobs or 0, _token_text)
+            parsed = plan.choice_parser().full(c.text)
+            message = ChatMessage(role=ROLE, content=parsed.content,
+                                  reasoning_content=parsed.reasoning_content,
+                                  tool_calls=parsed.tool_calls or None)
             choices.append(ChatCompletionResponseChoice(
-                index=c.index, message=ChatMessage(role=ROLE, content=c.text),
-                logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                index=c.index, message=message, logprobs=logprobs,
+                finish_reason=finish_reason(c.finish_reason, bool(parsed.tool_calls)),
+                stop_reason=c.stop_reason,
             ))
         prompt_tokens = len(out.prompt_token_ids)
         usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
@@ -111,6 +124,7 @@ class ChatServer:
         request_id: str,
         created: int,
         stream: RequestStream,
+        plan: ToolPlan,
     ) -> AsyncIterator[str]:
         engine = self.ctx.async_engine
         model = self.ctx.model_name
@@ -118,6 +132,9 @@ class ChatServer:
         stop = request.to_sampling_params().stop
         hold = bool(stop) and not request.include_stop_str_in_output
         choices = [ChoiceStream(stop, hold) for _ in range(request.n)]
+        # tool calls / reasoning: each choice's text so far, read by its parser
+        parsers = [plan.choice_parser() for _ in range(request.n)]
+        texts = [""] * request.n
 
         def chunk(choice: ChatCompletionStreamChoice) -> str:
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
@@ -141,11 +158,22 @@ class ChatServer:
                     logprobs = None
                     if request.logprobs and lps:
                         logprobs = chat_logprobs(ids, lps, request.top_logprobs or 0, _token_text)
-                    if not text and c.finish_reason is None and logprobs is None:
+                    delta = DeltaMessage(content=text)
+                    parser = parsers[c.index]
+                    if parser.active:
+                        texts[c.index] += text
+                        parsed = parser.delta(texts[c.index], c.finish_reason is not None)
+                        delta = DeltaMessage(content=parsed.content or None,
+                                             reasoning_content=parsed.reasoning_content or None,
+                                             tool_calls=parsed.tool_calls or None)
+                        if not parsed and c.finish_reason is None and logprobs is None:
+                            continue
+                    elif not text and c.finish_reason is None and logprobs is None:
                         continue
                     yield chunk(ChatCompletionStreamChoice(
-                        index=c.index, delta=DeltaMessage(content=text), logprobs=logprobs,
-                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                        index=c.index, delta=delta, logprobs=logprobs,
+                        finish_reason=finish_reason(c.finish_reason, parser.tools_called),
+                        stop_reason=c.stop_reason))
             if include_usage and final is not None:
                 prompt_tokens = len(final.prompt_token_ids)
                 completion_tokens = sum(len(c.token_ids) for c in final.outputs)

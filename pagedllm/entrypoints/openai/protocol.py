@@ -8,6 +8,7 @@ ended a choice).
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -273,10 +274,69 @@ class ChatContentPart(OpenAIBaseModel):
     text: str | None = None
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ChatCompletionNamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: ChatCompletionNamedFunction
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # a JSON string
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"call_{random_uuid()[:24]}")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageParam(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' convention): an assistant's
+        `tool_calls` with `function.arguments` parsed to a dict (Qwen2.5, Llama 3.1 and Hermes
+        templates render `arguments | tojson`), a tool result's `tool_call_id` kept."""
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": self.text()}
+        if self.name is not None:
+            msg["name"] = self.name
+        if self.tool_calls:
+            calls = []
+            for i, tc in enumerate(self.tool_calls):
+                try:
+                    args = json.loads(tc.function.arguments) if tc.function.arguments else {}
+                except ValueError:
+                    raise ValueError(
+                        f"tool_calls[{i}].function.arguments of an assistant message is not "
+                        "valid JSON."
+                    ) from None
+                calls.append({"id": tc.id, "type": "function",
+                              "function": {"name": tc.function.name, "arguments": args}})
+            msg["tool_calls"] = calls
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        return msg
 
     def text(self) -> str:
         """The message's text; content parts other than text are a 400."""
@@ -307,6 +367,27 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # tool calling (docs/tool_calling.md); tool_choice defaults to "auto" with tools, else "none"
+    tools: list[ChatCompletionToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = None
+    parallel_tool_calls: bool | None = True
+    # vLLM's: with --reasoning-parser, false drops reasoning_content from the response
+    include_reasoning: bool = True
+
+    @model_validator(mode="after")
+    def _check_tool_usage(self):
+        if self.tool_choice is None:
+            self.tool_choice = "auto" if self.tools else "none"
+        if self.tool_choice != "none" and not self.tools:
+            raise ValueError("When using `tool_choice`, `tools` must be set.")
+        if isinstance(self.tool_choice, ChatCompletionNamedToolChoiceParam):
+            name = self.tool_choice.function.name
+            if name not in {t.function.name for t in self.tools or ()}:
+                raise ValueError(
+                    f"Tool name '{name}' in `tool_choice` does not match any of the specified "
+                    "`tools`."
+                )
+        return self
 
     @model_validator(mode="after")
     def _check_logprobs(self):
@@ -314,12 +395,14 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
         return self
 
-    def conversation(self) -> list[dict[str, str]]:
-        conv = []
-        for m in self.messages:
-            role = "system" if m.role == "developer" else m.role
-            conv.append({"role": role, "content": m.text()})
-        return conv
+    def conversation(self) -> list[dict[str, Any]]:
+        return [m.template_message() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """`tools` as apply_chat_template takes them (OpenAI's dicts, as transformers expects)."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens
@@ -335,6 +418,8 @@ class ChatCompletionRequest(_SamplingFields):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -372,6 +457,10 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    # OpenAI's delta shape: [{"index", "id", "type", "function": {"name", "arguments"}}], the
+    # first per call with id, type and name, then {"index", "function": {"arguments": ...}}
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionStreamChoice(OpenAIBaseModel):
@@ -420,7 +509,11 @@ class TokenizeRequest(OpenAIBaseModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionToolParam] | None = None  # shown to the template, as in chat
     return_token_strs: bool = False
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     @model_validator(mode="after")
     def _one_input(self):

@@ -21,14 +21,18 @@ from fastapi import Request
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.tool_calling import ToolConfig
 from pagedllm.tokenizer import apply_chat_template
 
 T = TypeVar("T")
 
 
 class ServingContext:
-    def __init__(self, async_engine: AsyncLLMEngine, chat_template: str | None = None) -> None:
+    def __init__(self, async_engine: AsyncLLMEngine, chat_template: str | None = None,
+                 tool_config: ToolConfig | None = None) -> None:
         info = async_engine.info
+        # --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser
+        self.tool_config = tool_config or ToolConfig()
         self.async_engine = async_engine
         self.model_name: str = info.model_name
         self.model_root: str = info.model_root
@@ -77,6 +81,7 @@ class ServingContext:
         add_generation_prompt: bool,
         continue_final_message: bool,
         template_kwargs: dict[str, Any] | None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         try:
             return apply_chat_template(
@@ -84,6 +89,7 @@ class ServingContext:
                 chat_template=chat_template or self.chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                tools=tools,
                 **(template_kwargs or {}),
             )
         except ValueError:

@@ -24,10 +24,7 @@ class TokenizationServer:
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         self.ctx.check_model(request.model)
         if request.messages is not None:
-            conversation = [
-                {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in request.messages
-            ]
+            conversation = [m.template_message() for m in request.messages]
         else:
             conversation = None
         return await self.ctx.run_tokenizer(self._tokenize, request, conversation)
@@ -37,7 +34,8 @@ class TokenizationServer:
         if conversation is not None:
             text = ctx.render_chat(conversation, request.chat_template,
                                    request.add_generation_prompt,
-                                   request.continue_final_message, request.chat_template_kwargs)
+                                   request.continue_final_message, request.chat_template_kwargs,
+                                   tools=request.template_tools())
             add_special = bool(request.add_special_tokens)
         else:
             text = request.prompt or ""

@@ -1,0 +1,46 @@
+"""Tool-call parsers, chosen by `--tool-call-parser` for `tool_choice="auto"`: one module per
+format, registered here by vLLM's names. See abstract_tool_parser.py for the interface and
+docs/tool_calling.md for the formats."""
+
+from __future__ import annotations
+
+from pagedllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    ExtractedToolCalls,
+    FunctionCall,
+    StreamDelta,
+    ToolCallDelta,
+    ToolCallStreamer,
+    ToolParser,
+    make_tool_call_id,
+)
+from pagedllm.entrypoints.openai.tool_parsers.forced import (
+    NamedToolParser,
+    RequiredToolParser,
+    named_tool_schema,
+    required_tool_schema,
+)
+from pagedllm.entrypoints.openai.tool_parsers.hermes_tool_parser import HermesToolParser
+from pagedllm.entrypoints.openai.tool_parsers.llama_tool_parser import Llama3JsonToolParser
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    HermesToolParser.name: HermesToolParser,
+    Llama3JsonToolParser.name: Llama3JsonToolParser,
+}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    """The parser registered as `name`; an unknown name is a ValueError listing the known."""
+    try:
+        return TOOL_PARSERS[name]()
+    except KeyError:
+        raise ValueError(
+            f"Unknown tool call parser {name!r}; choose one of {sorted(TOOL_PARSERS)}."
+        ) from None
+
+
+__all__ = [
+    "ExtractedToolCalls", "FunctionCall", "HermesToolParser", "Llama3JsonToolParser",
+    "NamedToolParser", "RequiredToolParser", "StreamDelta", "TOOL_PARSERS", "ToolCallDelta",
+    "ToolCallStreamer", "ToolParser", "get_tool_parser", "make_tool_call_id",
+    "named_tool_schema", "required_tool_schema",
+]
