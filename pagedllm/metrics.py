@@ -122,6 +122,8 @@ class EngineMetrics:
                                        "Number of prefill tokens processed.")
         self.v_generation_tokens = counter("vllm:generation_tokens",
                                            "Number of generation tokens processed.")
+        self.v_prompt_cached = counter("vllm:prompt_tokens_cached",
+                                       "Number of cached prompt tokens (local + external).")
         self.v_success = by_reason("vllm:request_success",
                                    "Count of successfully processed requests.")
         tokens = request_tokens_buckets(max_model_len)
@@ -132,6 +134,10 @@ class EngineMetrics:
         self.v_iteration = histogram("vllm:iteration_tokens_total",
                                      "Histogram of number of tokens per engine_step.",
                                      ITERATION_TOKENS_BUCKETS)
+        self.v_prefill_computed = histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            tokens)
         self.v_max_generation = histogram(
             "vllm:request_max_num_generation_tokens",
             "Histogram of maximum number of requested generation tokens.", tokens)
@@ -232,6 +238,8 @@ class EngineMetrics:
                     seen.first_token_recorded = True
                     self.prompt_tokens[e].inc(len(out.prompt_token_ids))
                     self.v_prompt_tokens[e].inc(len(out.prompt_token_ids))
+                    if out.num_cached_tokens:
+                        self.v_prompt_cached[e].inc(out.num_cached_tokens)
                     first = m.first_token_time if m and m.first_token_time else now
                     if m is not None:
                         ttft = max(first - m.arrival_time, 0.0)
@@ -262,6 +270,9 @@ class EngineMetrics:
         self.v_e2e[e].observe(max(end - m.arrival_time, 0.0))
         self.v_req_prompt[e].observe(len(out.prompt_token_ids))
         self.v_req_generation[e].observe(m.num_generation_tokens)
+        if out.num_cached_tokens is not None:
+            self.v_prefill_computed[e].observe(
+                len(out.prompt_token_ids) - max(out.num_cached_tokens, 0))
         self.v_max_generation[e].observe(max((len(c.token_ids) for c in out.outputs),
                                              default=0))
         for hist, value in ((self.v_queue, m.time_in_queue), (self.v_prefill, m.prefill_time),

@@ -22,12 +22,14 @@ NOT_EXPORTED: dict[str, str] = {}
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
           "vllm:cache_config_info")
 COUNTERS = ("vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success",
-            "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
+            "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
+            "vllm:prompt_tokens_cached")
 PER_REQUEST = ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
                "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
                "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
                "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
                "vllm:request_max_num_generation_tokens",
+               "vllm:request_prefill_kv_computed_tokens",
                "vllm:request_time_per_output_token_seconds")
 PER_TOKEN = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
 HISTOGRAMS = PER_REQUEST + PER_TOKEN + ("vllm:iteration_tokens_total",)
@@ -111,6 +113,8 @@ def test_vllm_figures_count_the_requests(traffic):
     assert delta("vllm:request_success_total", finished_reason="stop") == 0
     assert delta("vllm:prefix_cache_queries_total") >= prompt
     assert delta("vllm:prefix_cache_hits_total") == 0  # fresh prompts
+    assert delta("vllm:prompt_tokens_cached_total") == 0
+    assert delta("vllm:request_prefill_kv_computed_tokens_sum") == prompt
     # The same figures under pagedllm's names.
     assert delta("pagedllm:generation_tokens_total") == generated
     for name in PER_REQUEST:
@@ -139,8 +143,8 @@ def test_vllm_figures_count_the_requests(traffic):
     assert metric(after, "vllm:kv_cache_usage_perc") == 0
 
 
-def _dashboard_series() -> dict[str, list[str]]:
-    """Every series name a PromQL expression of the dashboard reads: {name: [panel titles]}."""
+def _dashboard_exprs() -> list[tuple[str, str]]:
+    """Every PromQL expression of the dashboard's panels and variables: [(where, expr)]."""
     board = json.loads(DASHBOARD.read_text())
     exprs: list[tuple[str, str]] = []
 
@@ -157,8 +161,13 @@ def _dashboard_series() -> dict[str, list[str]]:
         query = query.get("query") if isinstance(query, dict) else query
         if var.get("type") == "query" and query:
             exprs.append((f"variable {var['name']}", query))
+    return exprs
+
+
+def _dashboard_series() -> dict[str, list[str]]:
+    """Every series name a PromQL expression of the dashboard reads: {name: [panel titles]}."""
     names: dict[str, list[str]] = {}
-    for title, expr in exprs:
+    for title, expr in _dashboard_exprs():
         for name in re.findall(r"vllm:[A-Za-z0-9_:]+", expr):
             names.setdefault(name, []).append(title)
     return names
@@ -175,3 +184,12 @@ def test_the_shipped_dashboard_queries_only_exported_series(http, traffic):
     labelled = {labels for (name, labels) in read_metrics(http) if name in series}
     assert all(("model_name", MODEL) in labels for labels in labelled)
     assert set(NOT_EXPORTED) <= set(series)  # no stale exceptions
+    # The labels its `sum by(...)` keep (le, finished_reason) are on the series it sums.
+    values = read_metrics(http)
+    for title, expr in _dashboard_exprs():
+        for label in re.findall(r"by\s*\((\w+)\)", expr):
+            for name in re.findall(r"vllm:[A-Za-z0-9_:]+", expr):
+                if name in NOT_EXPORTED:
+                    continue
+                assert any(n == name and label in dict(labels) for n, labels in values), (
+                    title, name, label)
