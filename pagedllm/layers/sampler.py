@@ -237,6 +237,21 @@ def apply_token_bitmask(
     the bitmask's width (a vocabulary padded beyond the tokenizer's) are disallowed."""
     vocab_size = logits.shape[1]
     bitmask = bitmask.to(logits.device, non_blocking=True)
+    covered = min(vocab_size, bitmask.shape[1] * 32)
+    xgr_apply = _xgrammar_apply()
+    if xgr_apply is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+        # xgrammar's kernel (CPU / CUDA): about 3x faster than the torch unpack below. Its
+        # `indices` pick rows of the logits and of the bitmask alike: scatter ours to full size.
+        if rows is not None:
+            full = bitmask.new_full((logits.shape[0], bitmask.shape[1]), -1)
+            full[torch.as_tensor(list(rows), device=bitmask.device)] = bitmask
+            bitmask = full
+        xgr_apply(logits, bitmask, vocab_size=covered,
+                  indices=None if rows is None else list(rows))
+        if covered < vocab_size:
+            idx = slice(None) if rows is None else torch.as_tensor(list(rows), device=logits.device)
+            logits[idx, covered:] = _NEG_INF
+        return
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = torch.bitwise_and(torch.bitwise_right_shift(bitmask.unsqueeze(-1), shifts), 1)
     allowed = allowed.view(bitmask.shape[0], -1).bool()
@@ -249,6 +264,20 @@ def apply_token_bitmask(
         return
     idx = torch.as_tensor(list(rows), dtype=torch.int64, device=logits.device)
     logits[idx] = logits.index_select(0, idx).masked_fill_(~allowed, _NEG_INF)
+
+
+_XGR_APPLY: list = []
+
+
+def _xgrammar_apply():
+    """xgrammar's apply_token_bitmask_inplace, or None without xgrammar (the torch op runs)."""
+    if not _XGR_APPLY:
+        try:
+            from xgrammar import apply_token_bitmask_inplace
+        except ImportError:
+            apply_token_bitmask_inplace = None
+        _XGR_APPLY.append(apply_token_bitmask_inplace)
+    return _XGR_APPLY[0]
 
 
 def apply_logit_bias(logits: torch.Tensor, logit_bias: list[dict[int, float] | None]) -> None:

@@ -170,7 +170,27 @@ def test_apply_token_bitmask_rows_only():
     assert logits[0, 5] == before[0, 5]
 
 
-def test_apply_token_bitmask_padded_vocab_is_masked():
+def test_apply_token_bitmask_torch_and_xgrammar_agree(monkeypatch):
+    import pagedllm.layers.sampler as sampler_mod
+
+    torch.manual_seed(1)
+    logits = torch.randn(5, 100)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32)
+    fast = logits.clone()
+    apply_token_bitmask(fast, bitmask, rows=[0, 2, 4])
+    monkeypatch.setattr(sampler_mod, "_XGR_APPLY", [None])  # the torch op
+    slow = logits.clone()
+    apply_token_bitmask(slow, bitmask, rows=[0, 2, 4])
+    assert torch.equal(fast, slow)
+    assert torch.equal(fast[1], logits[1]) and torch.equal(fast[3], logits[3])
+
+
+@pytest.mark.parametrize("torch_path", [False, True])
+def test_apply_token_bitmask_padded_vocab_is_masked(monkeypatch, torch_path):
+    import pagedllm.layers.sampler as sampler_mod
+
+    if torch_path:
+        monkeypatch.setattr(sampler_mod, "_XGR_APPLY", [None])
     logits = torch.zeros(1, 40)
     apply_token_bitmask(logits, torch.full((1, 1), -1, dtype=torch.int32))  # covers 32 ids
     assert torch.isfinite(logits[0, :32]).all() and torch.isinf(logits[0, 32:]).all()
