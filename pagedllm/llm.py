@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, Sequence as SequenceT
 
@@ -15,6 +16,15 @@ from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.tokenizer import apply_chat_template
 
 Conversation = list[dict[str, Any]]
+
+
+def _best_of(out: RequestOutput, n: int, strip_logprobs: bool) -> RequestOutput:
+    """The n samples of highest cumulative logprob, re-indexed 0..n-1."""
+    ranked = sorted(out.outputs, key=lambda c: (-(c.cumulative_logprob or 0.0), c.index))[:n]
+    kept = [dataclasses.replace(c, index=i, **({"logprobs": None, "cumulative_logprob": None}
+                                                if strip_logprobs else {}))
+            for i, c in enumerate(ranked)]
+    return dataclasses.replace(out, outputs=kept)
 
 
 class LLM:
@@ -75,7 +85,14 @@ class LLM:
         """
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
-        return self._run(prompt_list, params_list, use_tqdm, priority)
+        # best_of > n: sample best_of, keep the n of highest cumulative logprob (vLLM's rule)
+        wanted = [(p.n, p.logprobs is None) if p.best_of and p.best_of > p.n else None
+                  for p in params_list]
+        params_list = [dataclasses.replace(p, n=p.best_of,
+                                           logprobs=0 if p.logprobs is None else p.logprobs)
+                       if w else p for p, w in zip(params_list, wanted)]
+        outs = self._run(prompt_list, params_list, use_tqdm, priority)
+        return [_best_of(o, *w) if w else o for o, w in zip(outs, wanted)]
 
     def beam_search(
         self,

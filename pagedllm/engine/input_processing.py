@@ -45,9 +45,8 @@ class InputProcessor:
             value = self.vocab_size
         if value > self.logprobs_limit:
             raise ValueError(
-                f"Requested {name}={value} is more than the server's maximum "
-                f"(--max-logprobs {self.max_logprobs}"
-                + (f", i.e. {self.logprobs_limit}" if self.max_logprobs == -1 else "") + ")."
+                f"{name}={value}: must be less than or equal to {self.logprobs_limit} "
+                f"(the engine's --max-logprobs {self.max_logprobs})."
             )
         return value
 

@@ -97,7 +97,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", nargs="+", default=None,
+    g.add_argument("--api-key", nargs="+", action="extend", default=None,
                    help="require 'Authorization: Bearer KEY' with one of these keys (also "
                         "$PAGEDLLM_API_KEY); /health and /metrics stay open")
     g.add_argument("--allowed-origins", type=json.loads, default=["*"],

@@ -85,3 +85,14 @@ def test_fcfs_refuses_a_priority_and_max_logprobs_limits(tiny_folder):
     assert len(out[0].outputs[0].logprobs[0]) == vocab
     assert len(out[0].prompt_logprobs[1]) >= 3
     wide.shutdown()
+
+
+def test_best_of_keeps_the_most_likely_samples(tiny_folder):
+    llm = _llm(tiny_folder)
+    kw = dict(temperature=1.0, max_tokens=5, seed=7, ignore_eos=True)
+    all3 = llm.generate(["a b c"], SamplingParams(n=3, logprobs=0, **kw), use_tqdm=False)[0]
+    best = llm.generate(["a b c"], SamplingParams(n=1, best_of=3, **kw), use_tqdm=False)[0]
+    top = max(all3.outputs, key=lambda c: c.cumulative_logprob)
+    assert len(best.outputs) == 1 and best.outputs[0].token_ids == top.token_ids
+    assert best.outputs[0].logprobs is None and best.outputs[0].index == 0
+    llm.shutdown()

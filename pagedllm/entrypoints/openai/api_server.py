@@ -27,7 +27,10 @@ import sys
 import time
 from contextlib import asynccontextmanager
 
+from dataclasses import dataclass, field
+
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 
@@ -49,7 +52,8 @@ from pagedllm.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
-from pagedllm.entrypoints.openai.serving import ServingContext, with_cancellation
+from pagedllm.entrypoints.openai.request_fields import IGNORED_FIELDS_HEADER, REQUEST_ID_HEADER
+from pagedllm.entrypoints.openai.serving import ServerOptions, ServingContext, with_cancellation
 from pagedllm.entrypoints.openai.tool_calling import ToolConfig
 from pagedllm.entrypoints.openai.tokenization import TokenizationServer
 
@@ -60,12 +64,14 @@ UNPROTECTED_PATHS = ("/health", "/metrics")
 
 
 class APIKeyMiddleware:
-    """401 unless `Authorization: Bearer <api key>` (health and metrics are open). Plain ASGI
-    (not BaseHTTPMiddleware), so that streaming and disconnect detection pass through as is."""
+    """401 unless `Authorization: Bearer <api key>` with one of the keys (health and metrics
+    are open). Plain ASGI (not BaseHTTPMiddleware), so that streaming and disconnect detection
+    pass through as is."""
 
-    def __init__(self, app, api_key: str) -> None:
+    def __init__(self, app, api_key: str | list[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        keys = [api_key] if isinstance(api_key, str) else list(api_key)
+        self.expected = [f"Bearer {k}".encode() for k in keys]
 
     async def __call__(self, scope, receive, send) -> None:
         if (scope["type"] != "http" or scope.get("method") == "OPTIONS"
@@ -73,7 +79,9 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         given = Headers(scope=scope).get("authorization", "").encode()
-        if not secrets.compare_digest(given, self.expected):
+        # every key is compared (no early exit), so the time does not tell which one is close
+        matches = [secrets.compare_digest(given, e) for e in self.expected]
+        if not any(matches):
             response = error_response("Invalid or missing API key: send "
                                       "'Authorization: Bearer <api key>'.", 401)
             response.headers["WWW-Authenticate"] = "Bearer"
@@ -116,8 +124,21 @@ class InFlightMiddleware:
             life.in_flight -= 1
 
 
-def build_app(ctx: ServingContext, api_key: str | None = None,
-              lifecycle: Lifecycle | None = None) -> FastAPI:
+@dataclass
+class HTTPOptions:
+    """The HTTP layer's deployment flags (vLLM's names): CORS, root path, docs."""
+
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    root_path: str | None = None
+    disable_fastapi_docs: bool = False
+
+
+def build_app(ctx: ServingContext, api_key: str | list[str] | None = None,
+              lifecycle: Lifecycle | None = None,
+              http_options: HTTPOptions | None = None) -> FastAPI:
     engine = ctx.async_engine
     lifecycle = lifecycle if lifecycle is not None else Lifecycle()
     completions = CompletionServer(ctx)
@@ -133,8 +154,11 @@ def build_app(ctx: ServingContext, api_key: str | None = None,
             await engine.shutdown()
             ctx.close()
 
+    opts = http_options or HTTPOptions()
+    docs = {} if not opts.disable_fastapi_docs else dict(docs_url=None, redoc_url=None,
+                                                         openapi_url=None)
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__,
-                  lifespan=lifespan)
+                  lifespan=lifespan, root_path=opts.root_path or "", **docs)
     install_error_handlers(app)
 
     @app.exception_handler(ValueError)
@@ -148,6 +172,11 @@ def build_app(ctx: ServingContext, api_key: str | None = None,
 
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    # CORS outside the key check: a browser's preflight (OPTIONS) carries no key
+    app.add_middleware(CORSMiddleware, allow_origins=opts.allowed_origins,
+                       allow_methods=opts.allowed_methods, allow_headers=opts.allowed_headers,
+                       allow_credentials=opts.allow_credentials,
+                       expose_headers=[REQUEST_ID_HEADER, IGNORED_FIELDS_HEADER])
     app.add_middleware(InFlightMiddleware, lifecycle=lifecycle)  # outermost: sees every request
 
     @app.get("/health")
@@ -165,8 +194,9 @@ def build_app(ctx: ServingContext, api_key: str | None = None,
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = ModelCard(id=ctx.model_name, root=ctx.model_root, max_model_len=ctx.max_model_len)
-        return ModelList(data=[card]).model_dump()
+        cards = [ModelCard(id=name, root=ctx.model_root, max_model_len=ctx.max_model_len)
+                 for name in ctx.model_names]
+        return ModelList(data=cards).model_dump()
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -287,16 +317,37 @@ def run_server(args: argparse.Namespace) -> int:
         return 2
     lifecycle = Lifecycle()
     ctx = ServingContext(async_engine, tool_config=tool_config)
+    ctx.options = ServerOptions(
+        log_requests=bool(getattr(args, "enable_log_requests", False)),
+        max_log_len=getattr(args, "max_log_len", None),
+        enable_prompt_tokens_details=bool(getattr(args, "enable_prompt_tokens_details", False)),
+    )
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    app = build_app(ctx, api_key, lifecycle)
+    app = build_app(ctx, api_key, lifecycle, HTTPOptions(
+        allowed_origins=getattr(args, "allowed_origins", ["*"]),
+        allowed_methods=getattr(args, "allowed_methods", ["*"]),
+        allowed_headers=getattr(args, "allowed_headers", ["*"]),
+        allow_credentials=bool(getattr(args, "allow_credentials", False)),
+        root_path=getattr(args, "root_path", None),
+        disable_fastapi_docs=bool(getattr(args, "disable_fastapi_docs", False)),
+    ))
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    logger.info("Serving %s on http://%s:%d (OpenAI API under /v1)%s", ctx.model_name, shown,
-                port, "; API key required" if api_key else "")
+    ssl_keyfile = getattr(args, "ssl_keyfile", None)
+    scheme = "https" if ssl_keyfile else "http"
+    logger.info("Serving %s on %s://%s:%d (OpenAI API under /v1)%s", ctx.model_name, scheme,
+                shown, port, "; API key required" if api_key else "")
     drain_timeout = float(getattr(args, "drain_timeout", 30.0))
+    ssl_kwargs = {}
+    if ssl_keyfile:
+        ssl_kwargs = dict(ssl_keyfile=ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                          ssl_ca_certs=getattr(args, "ssl_ca_certs", None),
+                          ssl_cert_reqs=getattr(args, "ssl_cert_reqs", 0))
     server = _Server(uvicorn.Config(
         app, log_level=args.uvicorn_log_level, timeout_keep_alive=5,
         timeout_graceful_shutdown=5,
+        access_log=not getattr(args, "disable_uvicorn_access_log", False),
+        **ssl_kwargs,
     ), lifecycle, drain_timeout)
 
     def on_fatal(message: str) -> None:

@@ -32,6 +32,16 @@ from pagedllm.entrypoints.openai.protocol import (
     now_seconds,
     random_uuid,
 )
+from pagedllm.entrypoints.openai.request_fields import (
+    fit_default_max_tokens,
+    log_request,
+    make_usage,
+    plan_fields,
+    prompt_logprobs_json,
+    resolve_logprob_fields,
+    select_best,
+    truncate_prompt,
+)
 from pagedllm.entrypoints.openai.serving import ServingContext
 from pagedllm.entrypoints.openai.streaming import DONE, SSE_HEADERS, ChoiceStream, sse
 from pagedllm.entrypoints.openai.tool_calling import ToolPlan, finish_reason, plan_tools
@@ -52,24 +62,31 @@ class ChatServer:
         ctx = self.ctx
         ctx.check_model(request.model)
         conversation = request.conversation()  # ValueError (non-text parts) -> 400
-        params = request.to_sampling_params()
+        resolve_logprob_fields(ctx, request)  # -1 and --max-logprobs, before SamplingParams
+        params = request.to_sampling_params(ctx.generation_defaults)
         params.verify_token_ids(ctx.vocab_size)
         plan = plan_tools(request, ctx.tool_config)  # 400 for what the server cannot honour
         params = plan.apply(params)  # "required" / named: the calls' schema as structured output
+        # vLLM's request fields (request_fields.py): id, priority, best_of, logprob limits
+        fields = plan_fields(ctx, request, raw_request, params)
+        params = fields.params
         prompt_text, prompt_ids = await ctx.run_tokenizer(self._render, request, conversation)
-        request_id = f"chatcmpl-{random_uuid()}"
+        fit_default_max_tokens(ctx, params, len(prompt_ids))
+        request_id = f"chatcmpl-{fields.request_id}"
         created = now_seconds()
         engine = ctx.async_engine
+        log_request(ctx, request_id, prompt_text, params)
         stream = await engine.add_request(
             request_id,
             {"prompt": prompt_text, "prompt_token_ids": prompt_ids,
              "cache_salt": request.cache_salt},
-            params,
+            params, priority=request.priority,
         )
         if request.stream:
-            body = self._stream(request, raw_request, request_id, created, stream, plan)
+            body = self._stream(request, raw_request, request_id, created, stream, plan,
+                                prompt_len=len(prompt_ids))
             return StreamingResponse(
-                body, media_type="text/event-stream", headers=SSE_HEADERS,
+                body, media_type="text/event-stream", headers={**SSE_HEADERS, **fields.headers},
                 background=BackgroundTask(engine.abort_unfinished, [stream]),
             )
         final: RequestOutput | None = None
@@ -78,8 +95,10 @@ class ChatServer:
                 final = out
         finally:
             engine.abort_unfinished([stream])
+        final = select_best(fields, final)  # best_of: the n most likely samples
         return JSONResponse(
-            self._response(request, request_id, created, final, plan).model_dump())
+            self._response(request, request_id, created, final, plan).model_dump(),
+            headers=fields.headers)
 
     def _render(self, request: ChatCompletionRequest, conversation) -> tuple[str, list[int]]:
         text = self.ctx.render_chat(
@@ -87,7 +106,20 @@ class ChatServer:
             request.continue_final_message, request.chat_template_kwargs,
             tools=request.template_tools(),
         )
-        return text, self.ctx.encode(text, add_special_tokens=False)
+        # add_special_tokens (vLLM's, default false: the template has them); truncation keeps
+        # the last truncate_prompt_tokens tokens
+        ids = self.ctx.encode(text, add_special_tokens=request.add_special_tokens)
+        kept = truncate_prompt(ids, request.truncate_prompt_tokens)
+        if len(kept) < len(ids):
+            text = self.ctx.decode(kept)
+        return text, kept
+
+    @staticmethod
+    def _echo_text(request: ChatCompletionRequest) -> str:
+        """vLLM's chat echo: the last message's content when it is the assistant's own."""
+        if not request.echo or not request.messages or request.messages[-1].role != ROLE:
+            return ""
+        return request.messages[-1].text()
 
     def _response(
         self, request: ChatCompletionRequest, request_id: str, created: int, out: RequestOutput,
@@ -103,6 +135,9 @@ class ChatServer:
                 logprobs = chat_logprobs(c.token_ids, c.logprobs[:n_ids],
                                          request.top_logprobs or 0, _token_text)
             parsed = plan.choice_parser().full(c.text)
+            echo = self._echo_text(request)
+            if echo and (parsed.content is not None or not parsed.tool_calls):
+                parsed.content = echo + (parsed.content or "")
             message = ChatMessage(role=ROLE, content=parsed.content,
                                   reasoning_content=parsed.reasoning_content,
                                   tool_calls=parsed.tool_calls or None)
@@ -110,12 +145,16 @@ class ChatServer:
                 index=c.index, message=message, logprobs=logprobs,
                 finish_reason=finish_reason(c.finish_reason, bool(parsed.tool_calls)),
                 stop_reason=c.stop_reason,
+                token_ids=list(c.token_ids) if request.return_token_ids else None,
             ))
         prompt_tokens = len(out.prompt_token_ids)
-        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                          total_tokens=prompt_tokens + completion_tokens)
-        return ChatCompletionResponse(id=request_id, created=created, model=self.ctx.model_name,
-                                      choices=choices, usage=usage)
+        usage = make_usage(self.ctx, prompt_tokens, completion_tokens, out.num_cached_tokens)
+        return ChatCompletionResponse(
+            id=request_id, created=created, model=self.ctx.model_name, choices=choices,
+            usage=usage,
+            prompt_logprobs=prompt_logprobs_json(out) if request.prompt_logprobs is not None
+            else None,
+            prompt_token_ids=list(out.prompt_token_ids) if request.return_token_ids else None)
 
     async def _stream(
         self,
@@ -125,6 +164,7 @@ class ChatServer:
         created: int,
         stream: RequestStream,
         plan: ToolPlan,
+        prompt_len: int = 0,
     ) -> AsyncIterator[str]:
         engine = self.ctx.async_engine
         model = self.ctx.model_name
@@ -136,20 +176,35 @@ class ChatServer:
         parsers = [plan.choice_parser() for _ in range(request.n)]
         texts = [""] * request.n
 
-        def chunk(choice: ChatCompletionStreamChoice) -> str:
-            return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
-                                                    choices=[choice]), include_usage)
+        latest: list[RequestOutput | None] = [None]  # for continuous_usage_stats
 
+        def chunk(choice: ChatCompletionStreamChoice, **extra) -> str:
+            body = ChatCompletionStreamResponse(id=request_id, created=created, model=model,
+                                                choices=[choice], **extra)
+            if request.continuous_usage:  # before any output: the prompt alone
+                o = latest[0]
+                body.usage = make_usage(
+                    self.ctx, prompt_len if o is None else len(o.prompt_token_ids),
+                    0 if o is None else sum(len(c.token_ids) for c in o.outputs),
+                    None if o is None else o.num_cached_tokens)
+            return sse(body, include_usage)
+
+        echo = self._echo_text(request)
         try:
             for i in range(request.n):
                 yield chunk(ChatCompletionStreamChoice(
                     index=i, delta=DeltaMessage(role=ROLE, content=""), logprobs=None,
                     finish_reason=None))
+                if echo:  # vLLM's chat echo: the assistant's last content comes first
+                    yield chunk(ChatCompletionStreamChoice(
+                        index=i, delta=DeltaMessage(content=echo), logprobs=None))
             final: RequestOutput | None = None
+            sent_prompt_ids = False
             async for out in engine.stream_outputs(stream):
                 if await raw_request.is_disconnected():
                     return
                 final = out
+                latest[0] = out
                 for c in out.outputs:
                     cs = choices[c.index]
                     if cs.finished:
@@ -170,15 +225,20 @@ class ChatServer:
                             continue
                     elif not text and c.finish_reason is None and logprobs is None:
                         continue
+                    extra = {}
+                    if request.return_token_ids and not sent_prompt_ids:
+                        extra["prompt_token_ids"] = list(out.prompt_token_ids)
+                        sent_prompt_ids = True
                     yield chunk(ChatCompletionStreamChoice(
                         index=c.index, delta=delta, logprobs=logprobs,
                         finish_reason=finish_reason(c.finish_reason, parser.tools_called),
-                        stop_reason=c.stop_reason))
+                        stop_reason=c.stop_reason,
+                        token_ids=list(ids) if request.return_token_ids else None), **extra)
             if include_usage and final is not None:
                 prompt_tokens = len(final.prompt_token_ids)
                 completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-                usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                  total_tokens=prompt_tokens + completion_tokens)
+                usage = make_usage(self.ctx, prompt_tokens, completion_tokens,
+                                   final.num_cached_tokens)
                 yield sse(ChatCompletionStreamResponse(id=request_id, created=created,
                                                        model=model, choices=[], usage=usage),
                           include_usage=True)

@@ -4,6 +4,8 @@ Each prompt is one engine request (`{id}-{i}`) with `n` samples; choice `i * n +
 `k` of prompt `i`, as in vLLM. `echo` prepends the prompt (its text and, with `logprobs`, its
 token logprobs); `echo` with `max_tokens=0` returns the prompt alone (one token is generated
 and dropped). Usage counts each prompt once and every returned completion token.
+vLLM's request fields (request_id, priority, best_of, return_token_ids, prompt_logprobs,
+truncate_prompt_tokens, ...) are resolved in request_fields.py (docs/server_fields.md).
 """
 
 from __future__ import annotations
@@ -26,7 +28,16 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     UsageInfo,
     now_seconds,
-    random_uuid,
+)
+from pagedllm.entrypoints.openai.request_fields import (
+    FieldPlan,
+    log_request,
+    make_usage,
+    plan_fields,
+    prompt_logprobs_json,
+    resolve_logprob_fields,
+    select_best,
+    truncate_prompt,
 )
 from pagedllm.entrypoints.openai.serving import ServingContext
 from pagedllm.entrypoints.openai.streaming import (
@@ -55,22 +66,28 @@ class CompletionServer:
         ctx.check_model(request.model)
         if request.suffix:
             raise OpenAIError("suffix is not supported by this server.", 400, param="suffix")
-        params = request.to_sampling_params()  # ValueError -> 400
+        resolve_logprob_fields(ctx, request)  # -1 and --max-logprobs, before SamplingParams
+        params = request.to_sampling_params(ctx.generation_defaults)  # ValueError -> 400
         params.verify_token_ids(ctx.vocab_size)
+        plan = plan_fields(ctx, request, raw_request, params)
+        params = plan.params
         prompts = await ctx.run_tokenizer(self._prepare_prompts, request)
-        request_id = f"cmpl-{random_uuid()}"
+        request_id = f"cmpl-{plan.request_id}"
         created = now_seconds()
         engine = ctx.async_engine
+        for i, p in enumerate(prompts):
+            log_request(ctx, f"{request_id}-{i}", p.text if p.text is not None else p.token_ids,
+                        params)
         streams = await engine.add_requests(
             [(f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids,
                                     "cache_salt": request.cache_salt})
              for i, p in enumerate(prompts)],
-            params,
+            params, priority=request.priority,
         )
         if request.stream:
             body = self._stream(request, raw_request, request_id, created, prompts, streams)
             return StreamingResponse(
-                body, media_type="text/event-stream", headers=SSE_HEADERS,
+                body, media_type="text/event-stream", headers={**SSE_HEADERS, **plan.headers},
                 background=BackgroundTask(engine.abort_unfinished, streams),
             )
         try:
@@ -80,8 +97,9 @@ class CompletionServer:
                 finals[i] = out
         finally:
             engine.abort_unfinished(streams)
-        response = self._response(request, request_id, created, prompts, finals)
-        return JSONResponse(response.model_dump())
+        finals = [select_best(plan, out) for out in finals]
+        response = self._response(request, request_id, created, prompts, finals, plan)
+        return JSONResponse(response.model_dump(), headers=plan.headers)
 
     # ---- prompts (tokenizer thread) -------------------------------------------------------
 
@@ -101,8 +119,11 @@ class CompletionServer:
             if isinstance(item, str):
                 ids = ctx.encode(item, add_special_tokens=request.add_special_tokens)
                 text = item
+                kept = truncate_prompt(ids, request.truncate_prompt_tokens)
+                if len(kept) < len(ids):  # the model sees (and echo returns) the kept part
+                    ids, text = kept, ctx.decode(kept)
             else:
-                ids = list(item)
+                ids = truncate_prompt(list(item), request.truncate_prompt_tokens)
                 ctx.check_token_ids(ids)
                 text = ctx.decode(ids) if request.echo else None
             first = ctx.decode(ids[:1]) if request.echo and ids else ""
@@ -141,13 +162,18 @@ class CompletionServer:
         created: int,
         prompts: list[_Prompt],
         finals: list[RequestOutput | None],
+        plan: FieldPlan,
     ) -> CompletionResponse:
         choices = []
         usage = UsageInfo()
         n = request.n
+        cached = 0
         for i, (prompt, out) in enumerate(zip(prompts, finals)):
             assert out is not None and out.finished
             usage.prompt_tokens += len(out.prompt_token_ids)
+            cached += out.num_cached_tokens or 0
+            prompt_lps = (prompt_logprobs_json(out) if request.prompt_logprobs is not None
+                          else None)
             for c in out.outputs:
                 text, ids, lps = self._choice_parts(request, prompt, out, c)
                 logprobs = None
@@ -160,10 +186,13 @@ class CompletionServer:
                     usage.completion_tokens += len(c.token_ids)
                 choices.append(CompletionResponseChoice(
                     index=i * n + c.index, text=text, logprobs=logprobs,
-                    finish_reason=finish, stop_reason=stop_reason,
+                    finish_reason=finish, stop_reason=stop_reason, prompt_logprobs=prompt_lps,
+                    prompt_token_ids=list(out.prompt_token_ids) if request.return_token_ids
+                    else None,
+                    token_ids=list(c.token_ids) if request.return_token_ids else None,
                 ))
         choices.sort(key=lambda ch: ch.index)
-        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        usage = make_usage(self.ctx, usage.prompt_tokens, usage.completion_tokens, cached)
         return CompletionResponse(id=request_id, created=created, model=self.ctx.model_name,
                                   choices=choices, usage=usage)
 
@@ -186,6 +215,10 @@ class CompletionServer:
         choice_state = [[ChoiceStream(params_stop, hold) for _ in range(n)] for _ in prompts]
         echoed = [[False] * n for _ in prompts]
         usage = UsageInfo()
+        cached = 0
+        # continuous_usage_stats: the usage so far on every chunk
+        prompt_tokens_seen: dict[int, int] = {}
+        generated: dict[tuple[int, int], int] = {}
         try:
             iterators = [engine.stream_outputs(s) for s in streams]
             async for i, out in merge_async_iterators(*iterators):
@@ -198,6 +231,8 @@ class CompletionServer:
                         continue
                     chars_before = cs.sent_chars
                     text, ids, lps = cs.delta(c)
+                    new_ids = list(ids)
+                    first_chunk = not echoed[i][c.index]
                     finish, stop_reason = c.finish_reason, c.stop_reason
                     if request.echo_without_generation:
                         text, ids, lps = "", [], []
@@ -206,8 +241,7 @@ class CompletionServer:
                     offset = chars_before
                     if request.echo:
                         offset += len(prompt.text or "")
-                        if not echoed[i][c.index]:
-                            echoed[i][c.index] = True
+                        if first_chunk:
                             offset = 0
                             text = (prompt.text or "") + text
                             ids = list(prompt.token_ids) + ids
@@ -219,21 +253,35 @@ class CompletionServer:
                                                        initial_text_offset=offset)
                     if not text and finish is None and not (logprobs and logprobs.tokens):
                         continue
+                    echoed[i][c.index] = True
+                    rti = request.return_token_ids
                     chunk = CompletionStreamResponse(
                         id=request_id, created=created, model=model,
                         choices=[CompletionStreamChoice(
                             index=i * n + c.index, text=text, logprobs=logprobs,
                             finish_reason=finish, stop_reason=stop_reason,
+                            prompt_token_ids=list(prompt.token_ids) if rti and first_chunk
+                            else None,
+                            token_ids=new_ids if rti else None,
                         )],
                     )
+                    if request.continuous_usage:
+                        prompt_tokens_seen[i] = len(out.prompt_token_ids)
+                        if not request.echo_without_generation:
+                            generated[(i, c.index)] = len(c.token_ids)
+                        chunk.usage = make_usage(self.ctx, sum(prompt_tokens_seen.values()),
+                                                 sum(generated.values()),
+                                                 out.num_cached_tokens)
                     yield sse(chunk, request.include_usage)
                 if out.finished:
                     usage.prompt_tokens += len(out.prompt_token_ids)
+                    cached += out.num_cached_tokens or 0
                     if not request.echo_without_generation:
                         usage.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
             else:
                 if request.include_usage:
-                    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                    usage = make_usage(self.ctx, usage.prompt_tokens, usage.completion_tokens,
+                                       cached)
                     yield sse(CompletionStreamResponse(id=request_id, created=created,
                                                        model=model, choices=[], usage=usage),
                               include_usage=True)

@@ -1,7 +1,10 @@
 """The OpenAI API's request and response bodies (pydantic), with vLLM's extra fields.
 
-Requests accept unknown fields (they are ignored, as vLLM and many OpenAI-compatible servers
-do), so that clients that send newer OpenAI fields keep working. Responses follow OpenAI's
+Requests accept unknown fields, so that clients that send newer OpenAI fields keep working, but
+not silently: the server logs them ("The following fields were present in the request but
+ignored: ...", as vLLM) and names them in the `X-Pagedllm-Ignored-Fields` response header. A
+field of vLLM's request models that pagedllm does not implement is refused by name (400,
+`REFUSED_FIELDS`), never accepted and ignored (docs/server_fields.md). Responses follow OpenAI's
 shapes field for field; `stop_reason` is vLLM's addition (the stop string or token id that
 ended a choice).
 """
@@ -13,14 +16,40 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, field_validator, model_serializer,
+                      model_validator)
 
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # torch.Generator seeds are 64-bit; vLLM bounds them the same way.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
-# Most top log-probabilities a request may ask for, per token (vLLM's default max_logprobs).
+# Most top log-probabilities a request may ask for, per token (vLLM's default max_logprobs;
+# the server's --max-logprobs is what is enforced, in the serving layer).
 MAX_LOGPROBS = 20
+
+# vLLM request fields pagedllm does not implement: a request that sets one (to anything but
+# null / its no-op value) is a 400 naming it. field -> why / what to do instead.
+REFUSED_FIELDS: dict[str, str] = {
+    "prompt_embeds": "prompt embeddings are not supported; send text or token ids",
+    "logits_processors": "custom logits processors are not supported",
+    "kv_transfer_params": "disaggregated prefill (KV transfer) is not supported",
+    "vllm_xargs": "custom extension arguments are not supported",
+    "mm_processor_kwargs": "this server serves text-only models",
+    "media_io_kwargs": "this server serves text-only models",
+    "documents": "RAG documents are not passed to the chat template; put them in a message",
+    "return_tokens_as_token_ids": "logprob tokens are always text; use return_token_ids",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "functions": "the deprecated `functions` field is not supported; use `tools`",
+    "function_call": "the deprecated `function_call` field is not supported; use `tool_choice`",
+    "guided_whitespace_pattern": "a custom whitespace pattern is not supported; use "
+    "structured_outputs.disable_any_whitespace",
+    "guided_decoding_backend": "the only structured-output backend is xgrammar",
+}
+# Their no-op values (accepted: they ask for nothing pagedllm lacks).
+_NOOP_VALUES: dict[str, tuple] = {"modalities": (["text"],), "return_tokens_as_token_ids": (False,),
+                                  "guided_decoding_backend": ("xgrammar", "auto")}
 
 
 def random_uuid() -> str:
@@ -35,14 +64,38 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+# vLLM's optional response extras: left out of the body unless the request asked for them
+# (return_token_ids, prompt_logprobs, --enable-prompt-tokens-details), so that OpenAI's shapes
+# stay exactly OpenAI's by default.
+_OPTIONAL_EXTRAS = ("prompt_logprobs", "prompt_token_ids", "token_ids", "prompt_tokens_details")
+
+
+class _ResponseModel(OpenAIBaseModel):
+    @model_serializer(mode="wrap")
+    def _drop_unasked_extras(self, handler):
+        data = handler(self)
+        for key in _OPTIONAL_EXTRAS:
+            if key in data and data[key] is None:
+                del data[key]
+        return data
+
+
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = True
+    # vLLM's: every chunk carries the usage so far (needs include_usage)
+    continuous_usage_stats: bool | None = False
 
 
-class UsageInfo(OpenAIBaseModel):
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: int | None = None
+
+
+class UsageInfo(_ResponseModel):
     prompt_tokens: int = 0
     total_tokens: int = 0
     completion_tokens: int | None = 0
+    # --enable-prompt-tokens-details: prompt tokens served by the prefix cache
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
 class ErrorInfo(OpenAIBaseModel):
@@ -85,7 +138,6 @@ class ResponseFormat(OpenAIBaseModel):
 
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
-
 
 
 class _SamplingFields(OpenAIBaseModel):
@@ -131,6 +183,34 @@ class _SamplingFields(OpenAIBaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
 
+    # vLLM's: lower = earlier under --scheduling-policy priority (non-zero under fcfs: 400)
+    priority: int = 0
+    # vLLM's: the request's id (also the X-Request-Id header); the response id derives from it
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    # vLLM's: the response carries prompt_token_ids and each choice's token_ids
+    return_token_ids: bool = False
+    # vLLM's: keep only the last k prompt tokens (left truncation)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    # vLLM's: logprobs of every prompt token (top-k per position; -1: the whole vocabulary)
+    prompt_logprobs: int | None = Field(default=None, ge=-1)
+
+    def refused_field(self) -> tuple[str, str] | None:
+        """(field, why) of the first field set that pagedllm does not implement."""
+        for name, value in (self.model_extra or {}).items():
+            if name in REFUSED_FIELDS and value is not None \
+                    and value not in _NOOP_VALUES.get(name, ()):
+                return name, REFUSED_FIELDS[name]
+        return None
+
+    def ignored_fields(self) -> list[str]:
+        """Fields of the body that no part of pagedllm reads (logged, and sent back in the
+        X-Pagedllm-Ignored-Fields header)."""
+        return sorted(k for k in (self.model_extra or {}) if k not in REFUSED_FIELDS)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.include_usage and self.stream_options.continuous_usage_stats)
+
     @field_validator("cache_salt", mode="before")
     @classmethod
     def _check_cache_salt(cls, value: Any) -> Any:
@@ -167,7 +247,14 @@ class _SamplingFields(OpenAIBaseModel):
             )
         return next(iter(given.values()), None)
 
-    def _sampling_kwargs(self) -> dict[str, Any]:
+    def _sampling_kwargs(self, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+        """`defaults`: the model's generation_config.json values (--generation-config), used
+        for the fields the request leaves unset, then vLLM's built-in defaults."""
+        d = defaults or {}
+
+        def pick(value: Any, name: str, builtin: Any) -> Any:
+            return value if value is not None else d.get(name, builtin)
+
         return dict(
             structured_outputs=self.structured_outputs_params(),
             allowed_token_ids=self.allowed_token_ids,
@@ -176,11 +263,11 @@ class _SamplingFields(OpenAIBaseModel):
             best_of=self.best_of,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            repetition_penalty=pick(self.repetition_penalty, "repetition_penalty", 1.0),
+            temperature=pick(self.temperature, "temperature", 1.0),
+            top_p=pick(self.top_p, "top_p", 1.0),
+            top_k=pick(self.top_k, "top_k", 0),
+            min_p=pick(self.min_p, "min_p", 0.0),
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
@@ -202,7 +289,7 @@ class CompletionRequest(_SamplingFields):
     # https://platform.openai.com/docs/api-reference/completions/create
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=-1)  # -1: the whole vocabulary (vLLM)
     max_tokens: int | None = 16
     suffix: str | None = None
     # vLLM extra
@@ -213,12 +300,18 @@ class CompletionRequest(_SamplingFields):
         """echo with max_tokens=0: return the prompt (and its logprobs) only."""
         return self.echo and self.max_tokens == 0
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         # echo + logprobs: the prompt's tokens get logprobs too.
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo and self.logprobs is not None:
+            prompt_logprobs = self.logprobs
+        max_tokens = self.max_tokens
+        cap = (defaults or {}).get("max_tokens")
+        if cap is not None:  # generation_config's max_new_tokens (vLLM takes the smallest)
+            max_tokens = cap if max_tokens is None else min(max_tokens, cap)
         return SamplingParams(
-            **self._sampling_kwargs(),
-            max_tokens=1 if self.echo_without_generation else self.max_tokens,
+            **self._sampling_kwargs(defaults),
+            max_tokens=1 if self.echo_without_generation else max_tokens,
             logprobs=self.logprobs,
             prompt_logprobs=prompt_logprobs,
         )
@@ -231,12 +324,16 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionResponseChoice(OpenAIBaseModel):
+class CompletionResponseChoice(_ResponseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's extras: prompt_logprobs (asked for), prompt_token_ids / token_ids (return_token_ids)
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -249,12 +346,14 @@ class CompletionResponse(OpenAIBaseModel):
     system_fingerprint: str | None = None
 
 
-class CompletionStreamChoice(OpenAIBaseModel):
+class CompletionStreamChoice(_ResponseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the choice's first chunk
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's new token ids
 
 
 class CompletionStreamResponse(OpenAIBaseModel):
@@ -359,7 +458,7 @@ class ChatCompletionRequest(_SamplingFields):
     # https://platform.openai.com/docs/api-reference/chat/create
     messages: list[ChatMessageParam] = Field(min_length=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=0, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=0, ge=-1)  # -1: the whole vocabulary (vLLM)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     # vLLM extras
@@ -373,6 +472,16 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = True
     # vLLM's: with --reasoning-parser, false drops reasoning_content from the response
     include_reasoning: bool = True
+    # vLLM's: prepend the last message's content to the reply when it is the assistant's
+    echo: bool = False
+    # vLLM's: add the tokenizer's special tokens (BOS) on top of what the template has
+    add_special_tokens: bool = False
+
+    @model_validator(mode="after")
+    def _check_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
+        return self
 
     @model_validator(mode="after")
     def _check_tool_usage(self):
@@ -389,12 +498,6 @@ class ChatCompletionRequest(_SamplingFields):
                 )
         return self
 
-    @model_validator(mode="after")
-    def _check_logprobs(self):
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
-        return self
-
     def conversation(self) -> list[dict[str, Any]]:
         return [m.template_message() for m in self.messages]
 
@@ -404,14 +507,21 @@ class ChatCompletionRequest(_SamplingFields):
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens  # None: up to the context length
+        cap = (defaults or {}).get("max_tokens")
+        if cap is not None and max_tokens is not None:  # vLLM takes the smallest
+            max_tokens = min(max_tokens, cap)  # (unset: the server fits the cap to the context)
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo and self.logprobs:
+            prompt_logprobs = self.top_logprobs or 0
         return SamplingParams(
-            **self._sampling_kwargs(),
+            **self._sampling_kwargs(defaults),
             max_tokens=max_tokens,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -436,15 +546,16 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
-class ChatCompletionResponseChoice(OpenAIBaseModel):
+class ChatCompletionResponseChoice(_ResponseModel):
     index: int
     message: ChatMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatCompletionResponse(OpenAIBaseModel):
+class ChatCompletionResponse(_ResponseModel):
     id: str = Field(default_factory=lambda: f"chatcmpl-{random_uuid()}")
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=now_seconds)
@@ -452,6 +563,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # asked for
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -463,21 +576,23 @@ class DeltaMessage(OpenAIBaseModel):
     tool_calls: list[dict[str, Any]] | None = None
 
 
-class ChatCompletionStreamChoice(OpenAIBaseModel):
+class ChatCompletionStreamChoice(_ResponseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's new token ids
 
 
-class ChatCompletionStreamResponse(OpenAIBaseModel):
+class ChatCompletionStreamResponse(_ResponseModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk
 
 
 # ------------------------------------------------------------------------- models, tokens

@@ -15,6 +15,7 @@ import copy
 import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 from fastapi import Request
@@ -27,6 +28,15 @@ from pagedllm.tokenizer import apply_chat_template
 T = TypeVar("T")
 
 
+@dataclass
+class ServerOptions:
+    """The server flags the endpoints read (arg_utils.add_server_args)."""
+
+    log_requests: bool = False  # --enable-log-requests
+    max_log_len: int | None = None  # --max-log-len
+    enable_prompt_tokens_details: bool = False  # --enable-prompt-tokens-details
+
+
 class ServingContext:
     def __init__(self, async_engine: AsyncLLMEngine, chat_template: str | None = None,
                  tool_config: ToolConfig | None = None) -> None:
@@ -34,7 +44,14 @@ class ServingContext:
         # --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser
         self.tool_config = tool_config or ToolConfig()
         self.async_engine = async_engine
-        self.model_name: str = info.model_name
+        self.model_name: str = info.model_name  # the reported name (the first served one)
+        # every name requests may use (--served-model-name A B ...)
+        self.model_names: list[str] = list(getattr(info, "served_model_names", None) or
+                                           [info.model_name])
+        # generation_config.json's sampling defaults (--generation-config)
+        self.generation_defaults: dict[str, Any] = dict(
+            getattr(info, "generation_defaults", None) or {})
+        self.options = ServerOptions()
         self.model_root: str = info.model_root
         self.max_model_len: int = info.max_model_len
         self.vocab_size: int = info.vocab_size
@@ -53,7 +70,7 @@ class ServingContext:
         return await loop.run_in_executor(self._tok_executor, call)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, param="model")
 
     # ---- tokenizer work (runs in the tokenizer thread) ------------------------------------
