@@ -28,9 +28,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse,
     ChatMessage,
     DeltaMessage,
-    UsageInfo,
     now_seconds,
-    random_uuid,
 )
 from pagedllm.entrypoints.openai.request_fields import (
     fit_default_max_tokens,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
