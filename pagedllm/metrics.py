@@ -3,7 +3,7 @@
 Served at `GET /metrics` in the Prometheus text format. The `vllm:*` series carry vLLM v1's
 names, types, label names (`model_name`, `engine`: the engine core's index, "0".."M-1" with
 --data-parallel-size M) and histogram buckets, so that dashboards and scripts written for vLLM
-(examples/prometheus_grafana/grafana.json, vLLM's own dashboard) read pagedllm unchanged. The
+(vLLM's own dashboard included: examples/prometheus_grafana/README.md) read pagedllm unchanged. The
 `pagedllm:*` series are the ones pagedllm exported before (its tests and users read them) plus
 what vLLM has no name for (swapped requests, used blocks, the kernel path). docs/metrics.md
 lists every series and where its figures come from.

@@ -1,6 +1,8 @@
 """/metrics exports vLLM's series (`vllm:*`: names, types, labels, buckets) with figures that
-match the requests made, and vLLM's published Grafana dashboard (examples/prometheus_grafana/
-grafana.json, shipped unchanged) queries only series that /metrics exports."""
+match the requests made; pagedllm's Grafana dashboard (examples/prometheus_grafana/grafana/
+dashboards/pagedllm.json) reads only series and labels that /metrics exports, and so do the
+series vLLM's own dashboard queries (not shipped: its names below, its file when the user
+downloaded it into that folder as vllm.json)."""
 
 from __future__ import annotations
 
@@ -13,11 +15,35 @@ import pytest
 
 from tests.server.helpers import MAX_MODEL_LEN, MODEL, metric, read_metrics, wait_idle
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "examples" / "prometheus_grafana" / "grafana.json"
+DASHBOARDS = (Path(__file__).resolve().parents[2] / "examples" / "prometheus_grafana" / "grafana"
+              / "dashboards")
+OUR_DASHBOARD = DASHBOARDS / "pagedllm.json"
+VLLM_DASHBOARD = DASHBOARDS / "vllm.json"  # downloaded by the user (README.md), git-ignored
 
-# Names the dashboard queries that pagedllm cannot measure, with the reason (also in the
-# folder's README.md and docs/metrics.md). vLLM's current dashboard queries none such.
+# The series names vLLM's Grafana dashboard queries (vLLM's metric API, names only), as read
+# from examples/observability/prometheus_grafana/grafana.json of vllm-project/vllm at commit
+# 4b5c627c23e6690b8987100d1cbf78e34ac14bf9.
+VLLM_DASHBOARD_SERIES = (
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
+    "vllm:e2e_request_latency_seconds_sum", "vllm:generation_tokens_total",
+    "vllm:inter_token_latency_seconds_bucket", "vllm:inter_token_latency_seconds_count",
+    "vllm:inter_token_latency_seconds_sum", "vllm:kv_cache_usage_perc",
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prompt_tokens_total",
+    "vllm:request_decode_time_seconds_sum", "vllm:request_generation_tokens_bucket",
+    "vllm:request_max_num_generation_tokens_sum", "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_prompt_tokens_bucket", "vllm:request_queue_time_seconds_sum",
+    "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket",
+    "vllm:time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_sum",
+)
+
+# Names a dashboard queries that pagedllm cannot measure, with the reason (also in the
+# folder's README.md and docs/metrics.md). vLLM's dashboard at that commit queries none such.
 NOT_EXPORTED: dict[str, str] = {}
+
+# What pagedllm's dashboard must chart: a word of each panel's title.
+OUR_PANELS = ("Requests", "KV cache", "Preemptions", "Token throughput", "reason",
+              "engine step", "first token", "Inter-token", "End-to-end", "phases",
+              "Prefix cache")
 
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
           "vllm:cache_config_info")
@@ -143,9 +169,8 @@ def test_vllm_figures_count_the_requests(traffic):
     assert metric(after, "vllm:kv_cache_usage_perc") == 0
 
 
-def _dashboard_exprs() -> list[tuple[str, str]]:
-    """Every PromQL expression of the dashboard's panels and variables: [(where, expr)]."""
-    board = json.loads(DASHBOARD.read_text())
+def _dashboard_exprs(board: dict) -> list[tuple[str, str]]:
+    """Every PromQL expression of a dashboard's panels and query variables: [(where, expr)]."""
     exprs: list[tuple[str, str]] = []
 
     def walk(panels: list) -> None:
@@ -164,32 +189,109 @@ def _dashboard_exprs() -> list[tuple[str, str]]:
     return exprs
 
 
-def _dashboard_series() -> dict[str, list[str]]:
-    """Every series name a PromQL expression of the dashboard reads: {name: [panel titles]}."""
-    names: dict[str, list[str]] = {}
-    for title, expr in _dashboard_exprs():
-        for name in re.findall(r"vllm:[A-Za-z0-9_:]+", expr):
-            names.setdefault(name, []).append(title)
-    return names
+_SERIES = re.compile(r"vllm:[A-Za-z0-9_:]+")
+_MATCHERS = re.compile(r"(vllm:[A-Za-z0-9_:]+)\s*\{([^}]*)\}")
+_MATCHER_LABEL = re.compile(r"([A-Za-z_]\w*)\s*(?:=~|!~|!=|=)")
+_GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
+_LABEL_VALUES = re.compile(r"label_values\(\s*(vllm:[A-Za-z0-9_:]+)[^,]*,\s*(\w+)\s*\)")
 
 
-def test_the_shipped_dashboard_queries_only_exported_series(http, traffic):
-    series = _dashboard_series()
-    assert len(series) >= 15  # the dashboard parsed: it charts vLLM's main series
-    exported = {name for name, _ in read_metrics(http)}
-    missing = {n: titles for n, titles in series.items()
-               if n not in exported and n not in NOT_EXPORTED}
+def _reads(expr: str) -> tuple[set[str], set[tuple[str, str]]]:
+    """The series an expression reads, and the (series, label) pairs it needs: the labels its
+    selectors match on, its by(...)/without(...) keep, and label_values(series, label) lists.
+    A grouping label is needed on every series of the expression."""
+    series = set(_SERIES.findall(expr))
+    labels: set[tuple[str, str]] = set()
+    for name, body in _MATCHERS.findall(expr):
+        labels |= {(name, label) for label in _MATCHER_LABEL.findall(body)}
+    for group in _GROUPING.findall(expr):
+        for label in filter(None, (x.strip() for x in group.split(","))):
+            labels |= {(name, label) for name in series}
+    labels |= set(_LABEL_VALUES.findall(expr))
+    return series, labels
+
+
+def _dashboard_reads(board: dict) -> tuple[dict[str, list[str]], dict[tuple[str, str], list[str]]]:
+    """{series: [where]} and {(series, label): [where]} over all of a dashboard's expressions."""
+    series: dict[str, list[str]] = {}
+    labels: dict[tuple[str, str], list[str]] = {}
+    for where, expr in _dashboard_exprs(board):
+        names, pairs = _reads(expr)
+        for name in names:
+            series.setdefault(name, []).append(where)
+        for pair in pairs:
+            labels.setdefault(pair, []).append(where)
+    return series, labels
+
+
+def _check_against_metrics(board: dict, values: dict) -> dict[str, list[str]]:
+    """Assert every series and label the dashboard reads is in /metrics; returns its series."""
+    series, labels = _dashboard_reads(board)
+    exported = {name for name, _ in values}
+    missing = {n: w for n, w in series.items() if n not in exported and n not in NOT_EXPORTED}
     assert not missing, f"the dashboard queries series /metrics lacks: {missing}"
-    # Its $model_name variable reads the model_name label off those series.
-    labelled = {labels for (name, labels) in read_metrics(http) if name in series}
-    assert all(("model_name", MODEL) in labels for labels in labelled)
-    assert set(NOT_EXPORTED) <= set(series)  # no stale exceptions
-    # The labels its `sum by(...)` keep (le, finished_reason) are on the series it sums.
+    on = {(name, label) for name, labels_ in values for label, _ in labels_}
+    lacking = {p: w for p, w in labels.items() if p not in on and p[0] not in NOT_EXPORTED}
+    assert not lacking, f"the dashboard reads labels the series lack: {lacking}"
+    return series
+
+
+def test_our_dashboard_is_a_grafana_model_with_the_panels():
+    """No server needed: the file parses, its data source is a variable, it charts it all."""
+    board = json.loads(OUR_DASHBOARD.read_text())
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    assert variables["model_name"]["type"] == "query"
+    panels = [p for p in board["panels"] if p["type"] != "row"]
+    for panel in panels:
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "${datasource}", panel["title"]
+            assert '$model_name' in target["expr"], (panel["title"], target["expr"])
+    titles = " | ".join(p["title"] for p in panels)
+    for word in OUR_PANELS:
+        assert word in titles, word
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids))
+    series, labels = _dashboard_reads(board)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_bucket",
+                 "vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum",
+                 "vllm:request_decode_time_seconds_sum", "vllm:request_success_total",
+                 "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total",
+                 "vllm:prefix_cache_queries_total", "vllm:iteration_tokens_total_bucket"):
+        assert name in series, name
+    assert ("vllm:request_success_total", "finished_reason") in labels
+    quantiles = {(w, q) for w, e in _dashboard_exprs(board)
+                 for q in re.findall(r"histogram_quantile\(\s*([0-9.]+)", e)}
+    for title in ("Time to first token", "Inter-token latency", "End-to-end request latency"):
+        assert {q for w, q in quantiles if w == title} == {"0.5", "0.95", "0.99"}, title
+
+
+def test_our_dashboard_reads_only_exported_series_and_labels(http, traffic):
     values = read_metrics(http)
-    for title, expr in _dashboard_exprs():
-        for label in re.findall(r"by\s*\((\w+)\)", expr):
-            for name in re.findall(r"vllm:[A-Za-z0-9_:]+", expr):
-                if name in NOT_EXPORTED:
-                    continue
-                assert any(n == name and label in dict(labels) for n, labels in values), (
-                    title, name, label)
+    series = _check_against_metrics(json.loads(OUR_DASHBOARD.read_text()), values)
+    assert len(series) >= 15
+    # Its $model_name variable reads the model_name label off those series.
+    assert all(("model_name", MODEL) in labels for name, labels in values if name in series)
+
+
+def test_the_series_vllms_dashboard_queries_are_exported(http, traffic):
+    exported = {name for name, _ in read_metrics(http)}
+    assert len(VLLM_DASHBOARD_SERIES) == len(set(VLLM_DASHBOARD_SERIES)) == 21
+    missing = [n for n in VLLM_DASHBOARD_SERIES if n not in exported and n not in NOT_EXPORTED]
+    assert not missing, f"/metrics lacks series vLLM's dashboard queries: {missing}"
+    assert set(NOT_EXPORTED) <= set(VLLM_DASHBOARD_SERIES)  # no stale exceptions
+
+
+def test_a_downloaded_vllm_dashboard_reads_only_exported_series(http, traffic):
+    if not VLLM_DASHBOARD.exists():
+        pytest.skip(f"{VLLM_DASHBOARD} not downloaded (examples/prometheus_grafana/README.md)")
+    values = read_metrics(http)
+    series = _check_against_metrics(json.loads(VLLM_DASHBOARD.read_text()), values)
+    assert len(series) >= 15  # the dashboard parsed: it charts vLLM's main series
