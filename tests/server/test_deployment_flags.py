@@ -159,7 +159,9 @@ def test_priority_orders_requests_sent_together(base):
     blocker = threading.Thread(target=run, args=(-1, 400))  # holds the only seat for seconds
     blocker.start()
     time.sleep(1.0)
-    threads = [threading.Thread(target=run, args=(p, 3)) for p in (5, 2, 9, 0)]
+    # 24 tokens each: one request's run (~24 steps) is much longer than the client threads'
+    # jitter in seeing their responses (3 tokens each once let two appends cross).
+    threads = [threading.Thread(target=run, args=(p, 24)) for p in (5, 2, 9, 0)]
     for t in threads:
         t.start()
         time.sleep(0.05)
