@@ -1,17 +1,29 @@
-"""Hugging Face architecture name -> pagedllm model class."""
+"""Hugging Face architecture name -> pagedllm model class.
+
+The table names each class by module and attribute and imports it only when a config asks for
+it (as vLLM's registry does): one architecture's module (and what it imports) costs nothing to
+a process that serves another.
+"""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from torch import nn
 
-from pagedllm.model.llama import LlamaForCausalLM
-
-_MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
+# HF `architectures` entry -> (module under pagedllm.model, class name)
+_MODEL_REGISTRY: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 # Configs read from a GGUF file carry no `architectures`; fall back on `model_type`.
@@ -19,6 +31,13 @@ _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -26,15 +45,22 @@ def supported_architectures() -> list[str]:
     return list(_MODEL_REGISTRY)
 
 
-def get_model_class(hf_config: Any) -> type[nn.Module]:
-    """The model class for a transformers config; ValueError for an unsupported architecture."""
+def architecture_of(hf_config: Any) -> str:
+    """The registered architecture name a config asks for; ValueError naming what is supported."""
     archs = list(getattr(hf_config, "architectures", None) or [])
     if not archs:
         model_type = getattr(hf_config, "model_type", None)
         archs = [_MODEL_TYPE_TO_ARCH.get(model_type, str(model_type))]
     for arch in archs:
         if arch in _MODEL_REGISTRY:
-            return _MODEL_REGISTRY[arch]
+            return arch
     raise ValueError(
         f"Model architecture(s) {archs} are not supported. Supported architectures: {supported_architectures()}"
     )
+
+
+def get_model_class(hf_config: Any) -> type[nn.Module]:
+    """The model class for a transformers config; ValueError for an unsupported architecture."""
+    module_name, class_name = _MODEL_REGISTRY[architecture_of(hf_config)]
+    module = importlib.import_module(f"pagedllm.model.{module_name}")
+    return getattr(module, class_name)

@@ -1,0 +1,149 @@
+"""The checks every architecture passes (issue 15), shared by the per-architecture test files.
+
+`build_tiny(config, path)` saves a tiny random checkpoint with transformers' own class
+(`from_config` + `save_pretrained`) and a word-level tokenizer of the config's vocabulary;
+`check_engine_greedy` runs 4 prompts x 32 greedy tokens through the whole engine (`LLM`) in a
+given mode (one-shot prefill, chunked prefill, preemption by recompute / swap) and compares
+with transformers' `generate`, token for token; `prefill_logits_max_abs` reports our logits'
+largest difference from transformers' on prompt + continuation. With `PAGEDLLM_PARITY_REPORT`
+set to a path, every check appends one JSON line there (the closing note's parity table).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.integration.model_fixtures import FakeScheduledSequence, FakeSchedulerOutput, FakeSeq, ToyBlocks
+
+MAX_TOKENS = 32
+# Longer than the tests' sliding windows (8-16) and than one 16-token chunk.
+PROMPT_LENGTHS = (5, 19, 37, 53)
+BLOCK_SIZE = 8
+# Engine modes: LLM keyword arguments. "preempt-*": each request fits alone (53 + 32 tokens =
+# 11 blocks of 8), the four together (32 blocks) do not fit in 14.
+MODES: dict[str, dict[str, Any]] = {
+    "whole-prefill": dict(num_kv_blocks=256, enable_chunked_prefill=False),
+    "chunked-prefill": dict(num_kv_blocks=256, enable_chunked_prefill=True, max_num_batched_tokens=16),
+    "preempt-recompute": dict(num_kv_blocks=14, preemption_mode="recompute"),
+    "preempt-swap": dict(num_kv_blocks=14, preemption_mode="swap", swap_space=0.01),
+}
+
+
+def tiny_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def save_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level fast tokenizer `t0 .. t{V-1}` (ids 0-2 are <pad>, <bos>, <eos>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2} | {f"t{i}": i for i in range(3, vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+    fast.save_pretrained(path)
+
+
+@torch.no_grad()
+def build_tiny(config, path: Path, seed: int = 0, std: float = 0.2):
+    """Save a random checkpoint of `config` made by transformers (float32, eager attention) and
+    a tokenizer; returns the transformers model. Matrices are drawn with `std` so that greedy
+    choices are not near-ties; 1-d weights (norms, biases) are perturbed so loading them is
+    tested."""
+    from transformers import AutoModelForCausalLM
+
+    config.pad_token_id, config.bos_token_id, config.eos_token_id = 0, 1, 2
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
+    for name, p in model.named_parameters():
+        if p.dim() > 1:
+            p.normal_(0.0, std)
+        else:
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    save_tokenizer(path, config.vocab_size)
+    return model
+
+
+@torch.no_grad()
+def hf_greedy(hf_model, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    from transformers import GenerationConfig
+
+    ids = torch.tensor([prompt])
+    gen = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+    return out[0, len(prompt):].tolist()
+
+
+def record(arch: str, check: str, ok: bool, **extra: Any) -> None:
+    """Append one row of the parity table to `$PAGEDLLM_PARITY_REPORT` (when set)."""
+    target = os.environ.get("PAGEDLLM_PARITY_REPORT")
+    if target:
+        with open(target, "a") as f:
+            f.write(json.dumps({"arch": arch, "check": check, "ok": ok} | extra) + "\n")
+
+
+def check_engine_greedy(arch: str, path: Path, hf_model, mode: str, references: dict[int, list[int]] | None = None,
+                        **llm_kwargs: Any) -> list[list[int]]:
+    """Greedy output of the whole engine in `mode` equals transformers' `generate` on every
+    prompt (`references`, prompt index -> tokens, memoises transformers' side across modes)."""
+    from pagedllm import LLM, SamplingParams
+
+    prompts = tiny_prompts(hf_model.config.vocab_size)
+    kwargs = dict(block_size=BLOCK_SIZE, enable_prefix_caching=False) | MODES[mode] | llm_kwargs
+    llm = LLM(str(path), **kwargs)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+        stats = llm.kv_cache_stats()
+    finally:
+        llm.shutdown()
+    ours = [o.outputs[0].token_ids for o in outs]
+    references = {} if references is None else references
+    for i, p in enumerate(prompts):
+        if i not in references:
+            references[i] = hf_greedy(hf_model, p)
+    theirs = [references[i] for i in range(len(prompts))]
+    ok = ours == theirs
+    record(arch, mode, ok, preemptions=stats.num_preemptions)
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert a == b, f"{arch} [{mode}] prompt {i} ({len(prompts[i])} tokens): ours {a} != transformers {b}"
+    assert len({t for seq in ours for t in seq}) > 3, f"{arch}: degenerate output {ours}"
+    if mode.startswith("preempt"):
+        assert stats.num_preemptions > 0, f"{arch} [{mode}]: no preemption happened"
+        if mode == "preempt-swap":
+            assert stats.num_swapped_out > 0
+    assert stats.used_blocks == 0
+    return ours
+
+
+@torch.no_grad()
+def prefill_logits_max_abs(arch: str, path: Path, hf_model, sequences: list[list[int]], atol: float = 1e-4) -> float:
+    """Our float32 logits for `sequences` (one batched prefill over shuffled blocks, through the
+    real loader and ModelRunner) vs transformers'; asserts `atol`, records and returns the max."""
+    from pagedllm.model import load_model
+    from pagedllm.worker import ModelRunner
+
+    config = hf_model.config
+    model = load_model(str(path), None, config, torch.float32, torch.device("cpu"))
+    blocks = ToyBlocks(256, BLOCK_SIZE, seed=1)
+    scheduled = [FakeScheduledSequence(FakeSeq(i), s, 0, blocks.ensure(i, len(s)), all_logits=True)
+                 for i, s in enumerate(sequences)]
+    out = ModelRunner(model, config, 256, BLOCK_SIZE, torch.float32, "cpu").execute_model(FakeSchedulerOutput(scheduled))
+    worst = 0.0
+    for i, s in enumerate(sequences):
+        ref = hf_model(torch.tensor([s])).logits[0].float()
+        worst = max(worst, float((out.all_logits[i] - ref).abs().max()))
+    record(arch, "logits", worst <= atol, max_abs=worst)
+    assert worst <= atol, f"{arch}: logits differ from transformers by {worst:.3g} (> {atol})"
+    return worst
