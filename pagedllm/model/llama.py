@@ -191,15 +191,25 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm decoder layer. Other architectures subclass it and change `attention_cls` or
+    `make_mlp` (e.g. Qwen3's q/k-normed attention, a mixture-of-experts block)."""
+
+    attention_cls: type[nn.Module] = LlamaAttention
+
     def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype, device: torch.device | str,
                  quant_config: QuantizationConfig | None = None, tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         prefix = f"model.layers.{layer_idx}"
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.self_attn = LlamaAttention(config, layer_idx, dtype, device, quant_config, f"{prefix}.self_attn", tp)
+        self.self_attn = self.attention_cls(config, layer_idx, dtype, device, quant_config, f"{prefix}.self_attn", tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.mlp = LlamaMLP(config, dtype, device, quant_config, f"{prefix}.mlp", tp)
+        self.mlp = self.make_mlp(config, layer_idx, dtype, device, quant_config, f"{prefix}.mlp", tp)
+
+    def make_mlp(self, config: Any, layer_idx: int, dtype: torch.dtype, device: torch.device | str,
+                 quant_config: QuantizationConfig | None, prefix: str, tp: TensorParallelGroup) -> nn.Module:
+        """The feed-forward block of layer `layer_idx` (a dense gated MLP here)."""
+        return LlamaMLP(config, dtype, device, quant_config, prefix, tp)
 
     def forward(
         self,
@@ -223,6 +233,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+
     def __init__(self, config: Any, dtype: torch.dtype, device: torch.device | str,
                  quant_config: QuantizationConfig | None = None, tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__()
@@ -231,14 +243,17 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device,
                                            vocab_range=vocab_range, parallel=parallel)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, device, quant_config, tp) for i in range(config.num_hidden_layers)
+            self.layer_cls(config, i, dtype, device, quant_config, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         self.rotary_emb = RotaryEmbedding.from_config(config, device=device)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Causal LM over flattened tokens and a paged KV cache (Llama, Mistral, Qwen2)."""
+    """Causal LM over flattened tokens and a paged KV cache (Llama, Mistral, Qwen2; other
+    architectures subclass it and set `model_cls`)."""
+
+    model_cls: type[nn.Module] = LlamaModel
 
     def __init__(
         self,
@@ -253,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.tp = tp
         self.quant_config = quant_config  # the decoder's projections; embeddings and LM head stay float
-        self.model = LlamaModel(config, dtype, device, quant_config, tp)
+        self.model = self.model_cls(config, dtype, device, quant_config, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
