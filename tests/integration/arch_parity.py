@@ -128,22 +128,28 @@ def check_engine_greedy(arch: str, path: Path, hf_model, mode: str, references: 
 
 
 @torch.no_grad()
-def prefill_logits_max_abs(arch: str, path: Path, hf_model, sequences: list[list[int]], atol: float = 1e-4) -> float:
-    """Our float32 logits for `sequences` (one batched prefill over shuffled blocks, through the
-    real loader and ModelRunner) vs transformers'; asserts `atol`, records and returns the max."""
+def our_prefill_logits(path: Path, config, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """Our float32 logits `[len, vocab]` of each sequence: one batched prefill over shuffled
+    blocks, through the real loader and ModelRunner."""
     from pagedllm.model import load_model
     from pagedllm.worker import ModelRunner
 
-    config = hf_model.config
     model = load_model(str(path), None, config, torch.float32, torch.device("cpu"))
     blocks = ToyBlocks(256, BLOCK_SIZE, seed=1)
     scheduled = [FakeScheduledSequence(FakeSeq(i), s, 0, blocks.ensure(i, len(s)), all_logits=True)
                  for i, s in enumerate(sequences)]
     out = ModelRunner(model, config, 256, BLOCK_SIZE, torch.float32, "cpu").execute_model(FakeSchedulerOutput(scheduled))
+    return [out.all_logits[i] for i in range(len(sequences))]
+
+
+@torch.no_grad()
+def prefill_logits_max_abs(arch: str, path: Path, hf_model, sequences: list[list[int]], atol: float = 1e-4) -> float:
+    """`our_prefill_logits` vs transformers' logits; asserts `atol`, records and returns the max."""
+    ours = our_prefill_logits(path, hf_model.config, sequences)
     worst = 0.0
-    for i, s in enumerate(sequences):
+    for logits, s in zip(ours, sequences):
         ref = hf_model(torch.tensor([s])).logits[0].float()
-        worst = max(worst, float((out.all_logits[i] - ref).abs().max()))
+        worst = max(worst, float((logits - ref).abs().max()))
     record(arch, "logits", worst <= atol, max_abs=worst)
     assert worst <= atol, f"{arch}: logits differ from transformers by {worst:.3g} (> {atol})"
     return worst

@@ -1,0 +1,62 @@
+"""Qwen3 (dense): tiny random checkpoints by transformers' own class, greedy through the whole
+engine equal to transformers' `generate` in every engine mode, logits parity, and the q/k norms
+shown to matter (skipping them changes the logits)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from pagedllm.model import get_model_class, load_model
+from pagedllm.model.llama import LlamaAttention
+from pagedllm.model.qwen3 import Qwen3Attention, Qwen3ForCausalLM
+from tests.integration.arch_parity import MODES, build_tiny, check_engine_greedy, our_prefill_logits, prefill_logits_max_abs,
+                                             tiny_prompts
+
+CONFIGS = {
+    # head_dim 32 != hidden / heads (16), as in every released Qwen3; GQA 4/2; untied head.
+    "qwen3": dict(head_dim=32, tie_word_embeddings=False),
+    # Tied head, sliding-window layers from layer 1 on (window 8 < every prompt but the first).
+    "qwen3-tied-sliding": dict(head_dim=16, tie_word_embeddings=True, use_sliding_window=True, sliding_window=8,
+                               max_window_layers=1),
+}
+
+
+def _config(**overrides) -> Qwen3Config:
+    base = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, rope_theta=1_000_000.0)
+    return Qwen3Config(**(base | overrides))
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = build_tiny(_config(**CONFIGS[request.param]), path, seed=len(request.param))
+    return request.param, path, hf, {}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_matches_transformers(tiny, mode):
+    name, path, hf, refs = tiny
+    check_engine_greedy(name, path, hf, mode, refs)
+
+
+def test_logits_match_and_qk_norms_matter(tiny, monkeypatch):
+    name, path, hf, _ = tiny
+    sequences = tiny_prompts(1000)
+    prefill_logits_max_abs(name, path, hf, sequences)
+    model = load_model(str(path), None, hf.config, torch.float32, "cpu")
+    assert type(model) is Qwen3ForCausalLM is get_model_class(hf.config)
+    layers = model.model.layers
+    assert all(isinstance(layer.self_attn, Qwen3Attention) for layer in layers)
+    for ours, theirs in zip(layers, hf.model.layers):
+        torch.testing.assert_close(ours.self_attn.q_norm.weight, theirs.self_attn.q_norm.weight, rtol=0, atol=0)
+        assert ours.self_attn.attn.sliding_window == theirs.self_attn.sliding_window
+    # The same checkpoint without the q/k norms (Llama's forward) gives other logits.
+    with torch.no_grad():
+        ref = hf(torch.tensor([sequences[2]])).logits[0]
+    monkeypatch.setattr(Qwen3Attention, "forward", LlamaAttention.forward)
+    without = our_prefill_logits(path, hf.config, [sequences[2]])[0]
+    assert float((without - ref).abs().max()) > 1e-2
+
