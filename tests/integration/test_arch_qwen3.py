@@ -11,8 +11,14 @@ from transformers import Qwen3Config
 from pagedllm.model import get_model_class, load_model
 from pagedllm.model.llama import LlamaAttention
 from pagedllm.model.qwen3 import Qwen3Attention, Qwen3ForCausalLM
-from tests.integration.arch_parity import MODES, build_tiny, check_engine_greedy, our_prefill_logits, prefill_logits_max_abs,
-                                             tiny_prompts
+from tests.integration.arch_parity import (
+    MODES,
+    build_tiny,
+    check_engine_greedy,
+    our_prefill_logits,
+    prefill_logits_max_abs,
+    tiny_prompts,
+)
 
 CONFIGS = {
     # head_dim 32 != hidden / heads (16), as in every released Qwen3; GQA 4/2; untied head.
