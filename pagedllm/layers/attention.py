@@ -44,6 +44,9 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor | None = None
     prefill_context_lens_tensor: torch.Tensor | None = None
     max_prefill_query_len: int = 0
+    # Each prefill sequence's whole length when scheduled (prompt + output so far; >= its
+    # context length): a length-dependent positional encoding (Phi-3 LongRoPE) reads it.
+    prefill_seq_lens: list[int] = field(default_factory=list)
     # Masks shared by all layers of one forward, keyed by (kind, sequence, sliding window).
     _mask_cache: dict[Any, torch.Tensor | None] = field(default_factory=dict, repr=False, compare=False)
 

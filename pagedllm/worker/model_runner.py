@@ -197,6 +197,8 @@ class ModelRunner:
             prefill_query_start_loc=dev_t.get("prefill_query_start_loc"),
             prefill_context_lens_tensor=dev_t.get("prefill_context_lens"),
             max_prefill_query_len=max(lens[num_decodes:], default=0),
+            prefill_seq_lens=[max(getattr(scheduled[i], "seq_len", 0), ctx_lens[num_decodes + j])
+                              for j, i in enumerate(order[num_decodes:])],
         )
 
         # Logits rows: every row of an all_logits sequence (its last row doubles as its sample
