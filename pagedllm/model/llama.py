@@ -129,19 +129,18 @@ class LlamaAttention(nn.Module):
             self.num_heads, self.num_kv_heads = total_heads, total_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        is_qwen2 = config.model_type == "qwen2"
-        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias, o_bias = self.projection_biases(config)
         self.qkv_proj = MergedLinear(
             hidden,
             [self.q_size, self.kv_size, self.kv_size],
-            bias=attention_bias or is_qwen2,
+            bias=qkv_bias,
             dtype=dtype,
             device=device,
             quant_method=quant_method_for(quant_config, f"{prefix}.qkv_proj"),
             tp_shard=qkv_shard,
         )
         o_cls = RowParallelLinear if o_shard is not None else Linear
-        self.o_proj = o_cls(self.q_size, hidden, bias=attention_bias and not is_qwen2, dtype=dtype, device=device,
+        self.o_proj = o_cls(self.q_size, hidden, bias=o_bias, dtype=dtype, device=device,
                             quant_method=quant_method_for(quant_config, f"{prefix}.o_proj"), tp_shard=o_shard)
         self.attn = Attention(
             self.num_heads,
@@ -151,6 +150,14 @@ class LlamaAttention(nn.Module):
             sliding_window=layer_sliding_window(config, layer_idx),
             device=device,
         )
+
+    @staticmethod
+    def projection_biases(config: Any) -> tuple[bool, bool]:
+        """(q/k/v bias, o bias): Qwen2 biases q/k/v only, the others follow `attention_bias`
+        (a subclass hook: Qwen2-MoE's `qkv_bias`)."""
+        is_qwen2 = config.model_type == "qwen2"
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return attention_bias or is_qwen2, attention_bias and not is_qwen2
 
     def forward(
         self,
@@ -323,9 +330,16 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"tensor_parallel_size={world} does not divide the model's {heads} attention heads "
                              f"({kv_heads} KV heads); it must be one of {divisors}")
         head_shard(heads, kv_heads, 0, world)
-        shard_range(config.intermediate_size, 0, world, f"tensor_parallel_size={world}: the intermediate size")
+        for what, size in cls.tp_split_sizes(config).items():
+            shard_range(size, 0, world, f"tensor_parallel_size={world}: {what}")
         if config.vocab_size < world:
             raise ValueError(f"tensor_parallel_size={world} is larger than the vocabulary ({config.vocab_size})")
+
+    @classmethod
+    def tp_split_sizes(cls, config: Any) -> dict[str, int]:
+        """The sizes every rank takes an equal part of, besides heads and vocabulary, by name (a
+        subclass hook: a mixture of experts splits each expert's intermediate size)."""
+        return {"the intermediate size": config.intermediate_size}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits `[rows, vocab]`; with tensor parallelism on rank 0 only (None elsewhere)."""
@@ -475,8 +489,13 @@ class LlamaForCausalLM(nn.Module):
             loaded.add((name, None))
         missing = self._expected_weights() - loaded
         if missing:
-            names = sorted(f"{n}[shard {s}] ({_checkpoint_name(n, s)})" if s is not None else n for n, s in missing)
+            names = sorted(self.checkpoint_name(n, s) for n, s in missing)
             raise ValueError(f"Checkpoint is missing {len(missing)} weight(s): {names[:10]}")
+
+    def checkpoint_name(self, name: str, shard: int | None) -> str:
+        """A missing parameter as the error names it: ours, and the checkpoint's name of a fused
+        shard (a subclass hook for checkpoints that spell their tensors otherwise)."""
+        return name if shard is None else f"{name}[shard {shard}] ({_checkpoint_name(name, shard)})"
 
 
 def _checkpoint_name(fused_name: str, shard: int) -> str:
