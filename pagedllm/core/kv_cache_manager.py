@@ -84,8 +84,11 @@ class KVCacheManager:
     ) -> BlockHash:
         start = index * self.block_size
         tokens = seq.token_ids_slice(start, start + self.block_size)
-        # The salt keys the first block only: every later hash chains from it.
-        extra = (seq.cache_salt,) if index == 0 and seq.cache_salt is not None else None
+        # The salt and the long-context regime key the first block only: every later hash
+        # chains from it.
+        extra = None
+        if index == 0 and (seq.cache_salt is not None or seq.long_context):
+            extra = (seq.cache_salt,) + (("long-context",) if seq.long_context else ())
         return hash_block_tokens(parent_hash, tokens, extra)
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVBlock], int]:

@@ -53,6 +53,10 @@ class Sequence:
     priority: int = 0
     # Prompt logprobs need every prompt position computed, so such a sequence skips prefix hits.
     skip_prefix_cache: bool = False
+    # Its K/V are computed in the model's long-context regime (Phi-3 LongRoPE's long factors:
+    # `SchedulerConfig.long_context_after`). Keys the prefix-cache hash: blocks computed in the
+    # two regimes hold different K/V for the same tokens and must never match.
+    long_context: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING

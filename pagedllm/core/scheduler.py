@@ -104,6 +104,12 @@ class SchedulerConfig:
     preemption_mode: str | None = None  # "recompute" | "swap" force one
     # "fcfs" (priorities ignored) or "priority" (lower Sequence.priority runs first).
     policy: str = "fcfs"
+    # Models whose positional encoding depends on the sequence's length (Phi-3 LongRoPE: short
+    # factors up to `original_max_position_embeddings` tokens, long ones beyond, for every
+    # position): a sequence longer than this many tokens runs in the long-context regime
+    # (`Sequence.long_context`), and one that grows past it is recomputed once from its first
+    # token, as transformers' Phi-3 drops its cache at that point. None: no such regime.
+    long_context_after: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -113,6 +119,8 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.long_context_after is not None and self.long_context_after < 1:
+            raise ValueError(f"long_context_after must be at least 1, got {self.long_context_after}")
         if self.preemption_mode not in (None, "recompute", "swap"):
             raise ValueError(
                 f"preemption_mode must be None, 'recompute' or 'swap', got {self.preemption_mode!r}"
@@ -133,6 +141,9 @@ class ScheduledSequence:
     block_table: list[int]  # the seq's block ids after allocation (covers start_pos+len tokens)
     sample: bool  # the step reaches the last known token: sample one from the last row
     all_logits: bool = False  # set by the engine for prompt logprobs
+    # The sequence's length (prompt + output so far) when scheduled: a length-dependent
+    # positional encoding (Phi-3 LongRoPE) picks its regime from it. 0: start_pos + len(token_ids).
+    seq_len: int = 0
 
 
 @dataclass
@@ -164,6 +175,7 @@ class Scheduler:
         # Groups preempted by swap, each a request's sequences, oldest request first.
         self.swapped: list[list[Sequence]] = []
         self.num_preemptions = 0
+        self.num_long_context_recomputes = 0  # sequences recomputed on growing past long_context_after
         # Unfinished sequences of each request, and the order requests were first seen in
         # (keeps a request's sequences together in `running` when arrival times tie).
         self._requests: dict[str, list[Sequence]] = {}
@@ -296,6 +308,30 @@ class Scheduler:
             self._preempt_by_recompute(seq)
         return gone
 
+    def _crossed_into_long_context(self, seq: Sequence) -> bool:
+        limit = self.config.long_context_after
+        return limit is not None and not seq.long_context and seq.num_tokens > limit
+
+    def _recompute_in_long_context(self, seq: Sequence) -> list[Sequence]:
+        """`seq` (computed in the short regime) has grown past `long_context_after`: free its
+        blocks and requeue it (its lockstep group with it) to be computed again, all of it, in
+        the long regime. Not a preemption for memory: counted in `num_long_context_recomputes`."""
+        group = [seq]
+        if seq.request_id in self._lockstep:
+            group = [s for s in self.running if s.request_id == seq.request_id]
+        for s in reversed(group):
+            self.running.remove(s)
+            self.kv_cache_manager.free(s)
+            self.num_long_context_recomputes += 1
+            self._requeue_for_recompute(s)
+        return group
+
+    def _set_context_regime(self, seq: Sequence) -> None:
+        """Before a sequence's first block is looked up or computed: its regime from its length."""
+        if seq.num_computed_tokens == 0:
+            limit = self.config.long_context_after
+            seq.long_context = limit is not None and seq.num_tokens > limit
+
     # ---- one step -------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -309,6 +345,12 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if self._crossed_into_long_context(seq):
+                gone = self._recompute_in_long_context(seq)
+                index -= sum(1 for s in gone if s is not seq and any(t is s for t, _ in steps))
+                budget += sum(n for t, n in steps if t in gone)
+                steps = [(t, n) for t, n in steps if t not in gone]
+                continue  # `running` lost the sequence (and its group): `index` is the next one
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new <= 0:  # nothing to run until the engine appends a token
                 index += 1
@@ -345,6 +387,7 @@ class Scheduler:
                 start_pos=seq.num_computed_tokens,
                 block_table=kv.get_block_ids(seq.seq_id),
                 sample=seq.num_computed_tokens + n == seq.num_tokens,
+                seq_len=seq.num_tokens,
             )
             for seq, n in steps
         ]
@@ -410,6 +453,7 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[i]
+            self._set_context_regime(seq)
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(seq)
             missed = kv.first_missed_block_hash(seq, hit_blocks)
             if missed is not None:
@@ -462,6 +506,7 @@ class Scheduler:
         plans = []
         left = budget
         for seq in group:
+            self._set_context_regime(seq)
             hits, num_hit_tokens = kv.get_computed_blocks(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens - num_hit_tokens, left)
             plans.append((seq, hits, num_hit_tokens, n))

@@ -44,7 +44,8 @@ from pagedllm.layers.kv_cache_format import resolve_kv_cache_dtype
 from pagedllm.layers.sampler import Sampler
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.executor import create_executor
-from pagedllm.model_source import ModelSource, load_hf_config, resolve_model
+from pagedllm.layers.rotary import long_context_threshold
+from pagedllm.model_source import ModelSource, load_hf_config, resolve_model_source, resolve_tokenizer_source
 from pagedllm.tokenizer import load_tokenizer
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.device import resolve_device, resolve_dtype
@@ -65,7 +66,7 @@ class EngineCore:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        self.source: ModelSource = resolve_model(config.model)
+        self.source: ModelSource = resolve_model_source(config)
         names = config.served_model_names
         self.model_name = names[0] if names else self.source.name
         self.device = resolve_device(config.device)
@@ -99,6 +100,7 @@ class EngineCore:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 preemption_mode=config.preemption_mode,
                 policy=config.scheduling_policy,
+                long_context_after=long_context_threshold(self.hf_config, self.max_model_len),
             ),
             self.kv_cache_manager,
         )
@@ -220,14 +222,14 @@ class EngineCore:
             ids.update([value] if isinstance(value, int) else (value or []))
         if not ids:
             # The tokenizer's EOS, the last resort (a GGUF file names it in its metadata).
-            tok_source = resolve_model(self.config.tokenizer) if self.config.tokenizer else self.source
+            tok_source = resolve_tokenizer_source(self.config, self.source)
             eos = load_tokenizer(tok_source.path, tok_source.gguf_file).eos_token_id
             if eos is not None:
                 ids.add(eos)
         return ids
 
     def _load_tokenizer(self):
-        tok_source = resolve_model(self.config.tokenizer) if self.config.tokenizer else self.source
+        tok_source = resolve_tokenizer_source(self.config, self.source)
         return load_tokenizer(tok_source.path, tok_source.gguf_file)
 
     def _generation_config(self) -> dict | None:

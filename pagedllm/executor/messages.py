@@ -19,7 +19,7 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-# scheduled entry: (seq_id, token_ids, start_pos, kept, new_ids, flags)
+# scheduled entry: (seq_id, token_ids, start_pos, kept, new_ids, flags, seq_len)
 _SAMPLE, _ALL_LOGITS = 1, 2
 
 
@@ -73,6 +73,7 @@ class StepSequence(NamedTuple):
     block_table: list[int]
     sample: bool
     all_logits: bool
+    seq_len: int = 0
 
 
 @dataclass
@@ -94,7 +95,7 @@ def encode_step(scheduler_output: Any, mirror: BlockTableMirror) -> bytes:
         ids.add(seq_id)
         kept, new = mirror.encode(seq_id, s.block_table)
         flags = (_SAMPLE if s.sample else 0) | (_ALL_LOGITS if s.all_logits else 0)
-        entries.append((seq_id, s.token_ids, s.start_pos, kept, new, flags))
+        entries.append((seq_id, s.token_ids, s.start_pos, kept, new, flags, getattr(s, "seq_len", 0)))
     mirror.prune(ids)
     msg = ("step", entries, list(getattr(scheduler_output, "block_copies", None) or ()),
            list(getattr(scheduler_output, "blocks_to_swap_out", None) or ()),
@@ -106,9 +107,9 @@ def decode_step(msg: tuple, mirror: BlockTableMirror) -> StepInput:
     """A worker's StepInput from a decoded ("step", ...) message (updates `mirror`)."""
     _, entries, copies, swap_out, swap_in = msg
     scheduled = []
-    for seq_id, token_ids, start_pos, kept, new, flags in entries:
+    for seq_id, token_ids, start_pos, kept, new, flags, seq_len in entries:
         table = mirror.decode(seq_id, kept, new)
         scheduled.append(StepSequence(SeqRef(seq_id), token_ids, start_pos, table,
-                                      bool(flags & _SAMPLE), bool(flags & _ALL_LOGITS)))
+                                      bool(flags & _SAMPLE), bool(flags & _ALL_LOGITS), seq_len))
     mirror.prune({e[0] for e in entries})
     return StepInput(scheduled, copies, swap_out, swap_in)

@@ -313,7 +313,7 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb(positions)
+        cos, sin = self.model.rotary_emb(positions, attn_metadata)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn_metadata)

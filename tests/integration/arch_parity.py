@@ -153,3 +153,17 @@ def prefill_logits_max_abs(arch: str, path: Path, hf_model, sequences: list[list
     record(arch, "logits", worst <= atol, max_abs=worst)
     assert worst <= atol, f"{arch}: logits differ from transformers by {worst:.3g} (> {atol})"
     return worst
+
+
+def tiny_checkpoint_fixture(configs: dict[str, dict[str, Any]], make_config):
+    """A module-scoped pytest fixture over `configs` (name -> `make_config` keyword arguments):
+    `(name, path, transformers model, references memo)` of each tiny checkpoint."""
+    import pytest
+
+    @pytest.fixture(scope="module", params=list(configs))
+    def tiny(request, tmp_path_factory):
+        path = tmp_path_factory.mktemp(request.param)
+        hf = build_tiny(make_config(**configs[request.param]), path, seed=len(request.param))
+        return request.param, path, hf, {}
+
+    return tiny

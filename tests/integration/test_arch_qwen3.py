@@ -17,6 +17,7 @@ from tests.integration.arch_parity import (
     check_engine_greedy,
     our_prefill_logits,
     prefill_logits_max_abs,
+    tiny_checkpoint_fixture,
     tiny_prompts,
 )
 
@@ -35,11 +36,7 @@ def _config(**overrides) -> Qwen3Config:
     return Qwen3Config(**(base | overrides))
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def tiny(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    hf = build_tiny(_config(**CONFIGS[request.param]), path, seed=len(request.param))
-    return request.param, path, hf, {}
+tiny = tiny_checkpoint_fixture(CONFIGS, _config)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
