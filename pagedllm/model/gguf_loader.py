@@ -25,6 +25,8 @@ _BLOCK_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",

@@ -65,7 +65,7 @@ class ToyBlocks:
 
 def tiny_config(arch: str, **overrides: Any):
     """A small transformers config of the given family (2 layers, hidden 64, GQA 4/2)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=TINY_VOCAB,
@@ -80,7 +80,7 @@ def tiny_config(arch: str, **overrides: Any):
         tie_word_embeddings=False,
     )
     common.update(overrides)
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[arch]
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
     return cls(**common)
 
 

@@ -97,6 +97,8 @@ _GGUF_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 _TYPES = {
     "attn_q": "Q8_0",
@@ -174,6 +176,7 @@ def _write_tiny_gguf(hf_model, config, gguf_arch: str, path) -> None:
         ("llama", "llama", dict(attention_bias=True)),  # permuted Q/K weights and biases, GQA
         ("mistral", "llama", dict(sliding_window=None, tie_word_embeddings=True)),  # llama.cpp stores Mistral as llama
         ("qwen2", "qwen2", dict()),  # not permuted by llama.cpp; q/k/v biases
+        ("qwen3", "qwen3", dict(head_dim=32)),  # per-head q/k norms, head_dim != hidden / heads
     ],
 )
 def test_tiny_gguf_with_mixed_quant_types_matches_transformers(tmp_path, arch, gguf_arch, overrides) -> None:
