@@ -116,3 +116,10 @@ def test_growing_past_the_original_length_recomputes_once(tmp_path, monkeypatch)
     monkeypatch.setattr(core, "long_context_threshold", lambda *a: None)
     outs, recomputes = _run(path, enable_prefix_caching=False)
     assert recomputes == 0 and outs[0][2:] == theirs[2:] and outs[0][:2] != theirs[:2]
+
+
+def test_tensor_parallel_matches_transformers(tiny):
+    """Two ranks (gloo): each its query / KV heads and intermediate slice (cut from the
+    checkpoint's tensors by `checkpoint_slices`), greedy still transformers'."""
+    name, path, hf, refs = tiny
+    check_engine_greedy(f"{name} tp=2", path, hf, "preempt-recompute", refs, tensor_parallel_size=2)

@@ -63,3 +63,10 @@ def test_logits_match_and_qk_norms_matter(tiny, monkeypatch):
     without = our_prefill_logits(path, hf.config, [sequences[2]])[0]
     assert float((without - ref).abs().max()) > 1e-2
 
+
+
+def test_tensor_parallel_matches_transformers(tiny):
+    """Two ranks (gloo): each its query / KV heads and intermediate slice (cut from the
+    checkpoint's tensors by `checkpoint_slices`), greedy still transformers'."""
+    name, path, hf, refs = tiny
+    check_engine_greedy(f"{name} tp=2", path, hf, "preempt-recompute", refs, tensor_parallel_size=2)
