@@ -167,3 +167,31 @@ def tiny_checkpoint_fixture(configs: dict[str, dict[str, Any]], make_config):
         return request.param, path, hf, {}
 
     return tiny
+
+
+def parity_table(report_path: str) -> str:
+    """The markdown table (architecture x check) of a `$PAGEDLLM_PARITY_REPORT` file."""
+    rows: dict[str, dict[str, str]] = {}
+    checks: list[str] = []
+    with open(report_path) as f:
+        for line in f:
+            r = json.loads(line)
+            if r["check"] not in checks:
+                checks.append(r["check"])
+            cell = "equal" if r["ok"] else "DIFFERS"
+            if r["check"] == "logits":
+                cell = f"{r['max_abs']:.2g}" + ("" if r["ok"] else " (over)")
+            elif r.get("preemptions"):
+                cell += f" ({r['preemptions']} preemptions)"
+            rows.setdefault(r["arch"], {})[r["check"]] = cell
+    head = "| architecture | " + " | ".join(c if c != "logits" else "logits max-abs" for c in checks) + " |"
+    lines = [head, "|" + "---|" * (len(checks) + 1)]
+    for arch, cells in rows.items():
+        lines.append(f"| {arch} | " + " | ".join(cells.get(c, "-") for c in checks) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m tests.integration.arch_parity REPORT.jsonl
+    import sys
+
+    print(parity_table(sys.argv[1]))
