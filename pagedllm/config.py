@@ -40,8 +40,16 @@ SUPPORTED_SCHEDULING_POLICIES = ("fcfs", "priority")
 class EngineConfig:
     """Engine construction arguments (see README "Every knob")."""
 
-    model: str | None = None  # HF folder, .gguf file, or None for the default SmolLM2
-    tokenizer: str | None = None  # defaults to the model
+    model: str | None = None  # HF folder, .gguf file, Hub id (org/name[:QUANT]), or None: SmolLM2
+    tokenizer: str | None = None  # a folder, .gguf file or Hub id; defaults to the model
+    # Hugging Face Hub ids (docs/model_ids.md): the branch, tag or commit of the model repo;
+    # of the tokenizer repo (default: the model's revision when the tokenizer is the model's
+    # repo, else its main branch); the cache folder instead of huggingface_hub's (HF_HUB_CACHE,
+    # $HF_HOME/hub); the GGUF file inside the repo or folder (as `org/name:QUANT` picks one).
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
+    gguf_file: str | None = None
     dtype: str = "auto"  # float32 on CPU, bfloat16 on GPU
     device: str = "auto"
     seed: int = 0
@@ -99,6 +107,7 @@ class EngineConfig:
         self.validate()
 
     def validate(self) -> None:
+        self._validate_model_source()
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {list(SUPPORTED_DTYPES)}, got {self.dtype!r}.")
         if self.device not in SUPPORTED_DEVICES:
@@ -183,6 +192,38 @@ class EngineConfig:
                 or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1 (-1: the whole vocabulary), "
                              f"got {self.max_logprobs!r}.")
+
+    def _validate_model_source(self) -> None:
+        """What can be checked before looking at disk or the Hub (model_source.py does the rest)."""
+        import os
+
+        for name in ("model", "tokenizer", "revision", "tokenizer_revision", "download_dir", "gguf_file"):
+            value = getattr(self, name)
+            if isinstance(value, os.PathLike):
+                value = os.fspath(value)
+                setattr(self, name, value)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a non-empty string or None, got {value!r}.")
+        if self.model is None:
+            for name in ("revision", "gguf_file"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}={getattr(self, name)!r} needs a model (a Hub id or a local "
+                                     "folder); the default model takes none.")
+            if self.tokenizer is None and self.tokenizer_revision is not None:
+                raise ValueError("tokenizer_revision needs a Hub model id or tokenizer id; the default "
+                                 "model takes none.")
+        if self.gguf_file is not None:
+            if not self.gguf_file.lower().endswith(".gguf"):
+                raise ValueError(f"gguf_file must name a .gguf file, got {self.gguf_file!r}.")
+            if self.model is not None and self.model.lower().endswith(".gguf"):
+                raise ValueError(f"gguf_file={self.gguf_file!r} names a file inside a folder or Hub repo; "
+                                 f"the model {self.model!r} is already a .gguf file.")
+        for name in ("revision", "tokenizer_revision"):
+            value = getattr(self, name)
+            if value is not None and any(c.isspace() for c in value):
+                raise ValueError(f"{name} must be a branch, tag or commit hash without spaces, got {value!r}.")
+        if self.download_dir is not None and os.path.isfile(os.path.expanduser(self.download_dir)):
+            raise ValueError(f"download_dir {self.download_dir!r} is a file, not a folder.")
 
     def _validate_tensor_parallel(self) -> None:
         """What can be checked without the model (heads and GPUs are checked when it loads,

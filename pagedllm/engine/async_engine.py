@@ -161,8 +161,13 @@ class AsyncLLMEngine:
                            in_process: bool | None = None) -> "AsyncLLMEngine":
         """Start the core(s) and wait until they are ready (a ValueError: bad configuration)."""
         from pagedllm.engine.core_client import InprocCoreClient, MPCoreClient
-        from pagedllm.model_source import resolve_model
+        from pagedllm.model_source import pin_revisions, resolve_model_source, resolve_tokenizer_source
         from pagedllm.tokenizer import load_tokenizer
+
+        # Hub ids are downloaded here, once, and the cores get the commits they resolved to.
+        source = resolve_model_source(config)
+        tok_source = resolve_tokenizer_source(config, source)
+        config = pin_revisions(config, source, tok_source)
 
         if in_process is None:
             in_process = os.environ.get(IN_PROCESS_ENV, "0") not in ("", "0")
@@ -206,8 +211,6 @@ class AsyncLLMEngine:
             raise
         from pagedllm.model_source import load_hf_config
 
-        source = resolve_model(config.model)
-        tok_source = resolve_model(config.tokenizer) if config.tokenizer else source
         tokenizer = load_tokenizer(tok_source.path, tok_source.gguf_file)
         for c in clients:
             logger.info("Engine core %d ready in %.1f s (pid %d)", c.engine_index,

@@ -19,7 +19,7 @@ from pagedllm.engine.input_processing import InputProcessor, PromptType
 from pagedllm.engine.generation_defaults import load_generation_defaults
 from pagedllm.engine.kv_stats import KVCacheStats
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.model_source import resolve_model
+from pagedllm.model_source import resolve_tokenizer_source
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.tokenizer import load_tokenizer
@@ -73,7 +73,7 @@ class LLMEngine:
         self.config = config
         self.core = EngineCore(config)
         core = self.core
-        tok_source = resolve_model(config.tokenizer) if config.tokenizer else core.source
+        tok_source = resolve_tokenizer_source(config, core.source)
         self.tokenizer = load_tokenizer(tok_source.path, tok_source.gguf_file)
         self.inputs = InputProcessor(self.tokenizer, core.vocab_size, core.max_model_len,
                                      core.scheduler.check_request_fits,

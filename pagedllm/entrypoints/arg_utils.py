@@ -25,10 +25,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     """Add the engine's flags; `model_positional` also accepts the model as a positional."""
     g = parser.add_argument_group("engine")
     if model_positional:
-        parser.add_argument("model_tag", nargs="?", default=None, help="model (folder or .gguf)")
+        parser.add_argument("model_tag", nargs="?", default=None,
+                            help="model: folder, .gguf file or Hub id org/name[:QUANT]")
     g.add_argument("--model", default=None,
-                   help="Hugging Face model folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer folder/.gguf (default: the model)")
+                   help="Hugging Face model folder, .gguf file, or Hub id org/name (org/name:Q4_K_M: "
+                        "that GGUF of the repo) (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder, .gguf file or Hub id (default: the model)")
+    add_model_source_args(parser)
     g.add_argument("--dtype", default="auto", choices=SUPPORTED_DTYPES)
     g.add_argument("--device", default="auto", choices=SUPPORTED_DEVICES)
     g.add_argument("--seed", type=int, default=0)
@@ -86,6 +90,25 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                    help="most logprobs / prompt_logprobs per token a request may ask for "
                         "(-1: the whole vocabulary)")
     g.add_argument("--chat-template", default=None, help="a Jinja template, or a file holding one")
+
+
+MODEL_SOURCE_GROUP = "model source (Hugging Face Hub)"
+
+
+def add_model_source_args(parser: argparse.ArgumentParser) -> None:
+    """Where a Hub id's files come from (docs/model_ids.md); HF_HOME, HF_HUB_CACHE,
+    HF_HUB_OFFLINE, HF_TOKEN and HF_ENDPOINT apply as huggingface_hub reads them."""
+    g = parser.add_argument_group(MODEL_SOURCE_GROUP)
+    g.add_argument("--revision", default=None,
+                   help="branch, tag or commit hash of the model's Hub repo (default: main)")
+    g.add_argument("--tokenizer-revision", default=None,
+                   help="branch, tag or commit of the tokenizer's Hub repo (default: the model's "
+                        "revision for the model's own repo, else main)")
+    g.add_argument("--download-dir", default=None,
+                   help="Hugging Face cache folder to download into and read from (default: "
+                        "$HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)")
+    g.add_argument("--gguf-file", default=None,
+                   help="the .gguf file to load from the model's repo or folder (or write org/name:QUANT)")
 
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -180,9 +203,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "attention_backend", "enforce_eager", "cuda_graph_sizes",
         "compile_batch_sizes", "num_threads", "served_model_name", "chat_template",
         "scheduling_policy", "generation_config", "max_logprobs",
+        "revision", "tokenizer_revision", "download_dir", "gguf_file",
     ):
         kwargs[name] = getattr(args, name)
-    model = getattr(args, "model_tag", None) or args.model
+    positional, model = getattr(args, "model_tag", None), args.model
+    if positional and model and positional != model:
+        raise ValueError(f"Two models given: {positional!r} (positional) and --model {model!r}.")
+    model = positional or model
     if kwargs["chat_template"]:
         from pathlib import Path
 

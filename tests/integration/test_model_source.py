@@ -13,7 +13,7 @@ def test_resolve_errors(tmp_path):
         resolve_model(str(tmp_path / "weights.bin"))
     with pytest.raises(ValueError, match="has no config.json"):
         resolve_model(str(tmp_path))
-    with pytest.raises(ValueError, match="neither a Hugging Face model folder nor a .gguf"):
+    with pytest.raises(ValueError, match="neither a Hugging Face model folder, a .gguf file, nor a Hub model id"):
         resolve_model(str(tmp_path / "missing"))
 
 
