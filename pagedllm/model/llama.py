@@ -191,7 +191,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = down_cls(local, hidden, bias=bias, dtype=dtype, device=device,
                                   quant_method=quant_method_for(quant_config, f"{prefix}.down_proj"),
                                   tp_shard=down_shard)
-        self.act_fn = get_act_and_mul(config.hidden_act)
+        self.act_fn = get_act_and_mul(self.activation(config))
+
+    @staticmethod
+    def activation(config: Any) -> str:
+        """The gated activation's name (a subclass hook: Gemma's `hidden_activation`)."""
+        return config.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
