@@ -203,19 +203,21 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm decoder layer. Other architectures subclass it and change `attention_cls` or
-    `make_mlp` (e.g. Qwen3's q/k-normed attention, a mixture-of-experts block)."""
+    """Pre-norm decoder layer. Other architectures subclass it and change `attention_cls`,
+    `norm_cls` or `make_mlp` (e.g. Qwen3's q/k-normed attention, a mixture-of-experts block,
+    Gemma's `(1 + weight)` norms)."""
 
     attention_cls: type[nn.Module] = LlamaAttention
+    norm_cls: type[nn.Module] = RMSNorm
 
     def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype, device: torch.device | str,
                  quant_config: QuantizationConfig | None = None, tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         prefix = f"model.layers.{layer_idx}"
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.input_layernorm = self.norm_cls(config.hidden_size, eps, dtype=dtype, device=device)
         self.self_attn = self.attention_cls(config, layer_idx, dtype, device, quant_config, f"{prefix}.self_attn", tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = self.norm_cls(config.hidden_size, eps, dtype=dtype, device=device)
         self.mlp = self.make_mlp(config, layer_idx, dtype, device, quant_config, f"{prefix}.mlp", tp)
 
     def make_mlp(self, config: Any, layer_idx: int, dtype: torch.dtype, device: torch.device | str,
@@ -246,6 +248,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     layer_cls: type[nn.Module] = LlamaDecoderLayer
+    norm_cls: type[nn.Module] = RMSNorm  # the final norm's class
 
     def __init__(self, config: Any, dtype: torch.dtype, device: torch.device | str,
                  quant_config: QuantizationConfig | None = None, tp: TensorParallelGroup = SINGLE) -> None:
@@ -257,7 +260,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             self.layer_cls(config, i, dtype, device, quant_config, tp) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         self.rotary_emb = RotaryEmbedding.from_config(config, device=device)
 
 
