@@ -28,6 +28,11 @@
  * maximum starts at -FLT_MAX, not -inf, and every sequence has at least one visible key, so the
  * softmax sum is at least 1.
  *
+ * Logit soft-capping (Gemma 2's `attn_logit_softcapping`; `paged_decode_attention_softcap`):
+ * `softcap * tanh(score / softcap)` on every scaled score before the softmax, transformers'
+ * order. 0 leaves the scores alone: one compare per (query head, chunk), so the uncapped
+ * kernel keeps its speed.
+ *
  * Returns 0, or a bit set (nothing is read or written out of bounds then): 1 a context length
  * is 0 or runs past its block table, 2 a slot outside the cache, 4 a block id outside
  * [0, num_blocks) in a table entry the context uses (entries past it are padding, never read),
@@ -68,6 +73,13 @@ static inline __attribute__((always_inline)) float dot(const float *restrict a, 
 #pragma omp simd reduction(+ : s)
     for (int i = 0; i < n; ++i) s += a[i] * kv_load1(b, i, kind);
     return s;
+}
+
+/* s[0..n) = cap * tanh(s / cap): Gemma's attention logit soft-capping. */
+static inline void soft_cap(float *restrict s, int n, float cap) {
+    const float inv = 1.0f / cap;
+#pragma omp simd
+    for (int t = 0; t < n; ++t) s[t] = cap * tanhf(s[t] * inv);
 }
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -204,7 +216,7 @@ static inline __attribute__((always_inline)) int attend(const float *query, cons
                                                         int64_t ctx, float *out, int num_heads,
                                                         int num_kv_heads, int head_dim, int block_size,
                                                         int table_width, int64_t num_blocks, float scale,
-                                                        int window, int h0, int h1, int kind) {
+                                                        int window, float softcap, int h0, int h1, int kind) {
     const int group = num_heads / num_kv_heads;
     const int64_t row = (int64_t)num_kv_heads * head_dim;
     const int64_t esz = kv_elem_bytes(kind), rowb = row * esz;
@@ -274,6 +286,7 @@ static inline __attribute__((always_inline)) int attend(const float *query, cons
         }
         for (int h = 0; h < nh; ++h) {
             float *ph = p + h * MAX_BLOCK, m = mx[h];
+            if (softcap > 0.0f) soft_cap(ph, n, softcap);
             for (int t = 0; t < n; ++t) m = ph[t] > m ? ph[t] : m;
             const float corr = expf(mx[h] - m);
             float s = 0.0f;
@@ -317,11 +330,11 @@ static inline __attribute__((always_inline)) int attend(const float *query, cons
 }
 
 #define ATTEND_ARGS query, key_cache, value_cache, table, ctx, out, num_heads, num_kv_heads, head_dim, \
-                    block_size, table_width, num_blocks, scale, window, h0, h1
+                    block_size, table_width, num_blocks, scale, window, softcap, h0, h1
 static int attend_kind(int kind, const float *query, const char *key_cache, const char *value_cache,
                        const int64_t *table, int64_t ctx, float *out, int num_heads, int num_kv_heads,
                        int head_dim, int block_size, int table_width, int64_t num_blocks, float scale,
-                       int window, int h0, int h1) {
+                       int window, float softcap, int h0, int h1) {
     switch (kind) {
     case KV_BF16: return attend(ATTEND_ARGS, KV_BF16);
     case KV_I8: return attend(ATTEND_ARGS, KV_I8);
@@ -333,14 +346,14 @@ static int attend_kind(int kind, const float *query, const char *key_cache, cons
  * `q_stride` / `kv_stride` floats apart (views into the fused qkv projection need no copy).
  * When `key` is not NULL, each sequence's new K/V row is first stored at its flat cache slot
  * `slots[s]` (converted or quantized): one call instead of two scatter operators a layer.
- * Returns 16 for an unknown kind. */
-int paged_decode_attention(int kind, const float *query, int64_t q_stride, const float *key,
-                           const float *value, int64_t kv_stride, const int64_t *slots,
-                           void *key_cache, void *value_cache, const int64_t *block_tables,
-                           const int64_t *context_lens, float *out, int num_seqs,
-                           int num_heads, int num_kv_heads, int head_dim, int block_size,
-                           int table_width, int64_t num_blocks, float scale, int window,
-                           int num_threads) {
+ * `softcap` > 0: the scores are soft-capped (0: not). Returns 16 for an unknown kind. */
+int paged_decode_attention_softcap(int kind, const float *query, int64_t q_stride, const float *key,
+                                   const float *value, int64_t kv_stride, const int64_t *slots,
+                                   void *key_cache, void *value_cache, const int64_t *block_tables,
+                                   const int64_t *context_lens, float *out, int num_seqs,
+                                   int num_heads, int num_kv_heads, int head_dim, int block_size,
+                                   int table_width, int64_t num_blocks, float scale, int window,
+                                   int num_threads, float softcap) {
     if (kind != KV_F32 && kind != KV_BF16 && kind != KV_I8) return 16;
     const int split = num_seqs >= 2 * num_threads ? 1 : num_kv_heads;
     const int per = num_kv_heads / split;
@@ -367,8 +380,22 @@ int paged_decode_attention(int kind, const float *query, int64_t q_stride, const
         failed |= attend_kind(kind, query + s * q_stride, (const char *)key_cache, (const char *)value_cache,
                               block_tables + (int64_t)s * table_width, context_lens[s],
                               out + (int64_t)s * num_heads * head_dim, num_heads, num_kv_heads, head_dim,
-                              block_size, table_width, num_blocks, scale, window, h0, h1);
+                              block_size, table_width, num_blocks, scale, window, softcap, h0, h1);
         ftz_leave(csr);
     }
     return failed;
+}
+
+/* The same without soft-capping (the signature kernels/build.py binds). */
+int paged_decode_attention(int kind, const float *query, int64_t q_stride, const float *key,
+                           const float *value, int64_t kv_stride, const int64_t *slots,
+                           void *key_cache, void *value_cache, const int64_t *block_tables,
+                           const int64_t *context_lens, float *out, int num_seqs,
+                           int num_heads, int num_kv_heads, int head_dim, int block_size,
+                           int table_width, int64_t num_blocks, float scale, int window,
+                           int num_threads) {
+    return paged_decode_attention_softcap(kind, query, q_stride, key, value, kv_stride, slots, key_cache,
+                                          value_cache, block_tables, context_lens, out, num_seqs, num_heads,
+                                          num_kv_heads, head_dim, block_size, table_width, num_blocks, scale,
+                                          window, num_threads, 0.0f);
 }

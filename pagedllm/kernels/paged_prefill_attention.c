@@ -31,6 +31,10 @@
  * Compiled with -ffast-math (vectorised expf): masked lanes get weight 0 explicitly (no -inf is
  * ever computed), the running maximum starts at -FLT_MAX, and every query sees its own key.
  *
+ * Logit soft-capping (Gemma 2's `attn_logit_softcapping`; `paged_prefill_attention_softcap`):
+ * each scaled score becomes `softcap * tanh(score / softcap)` before the mask and the softmax,
+ * transformers' order; 0 leaves the scores alone (one compare per row and chunk).
+ *
  * Returns 0, or: 1 a sequence's lengths are inconsistent (query_len < 1, query_len >
  * context_len, context past its table, query rows past T), 2 a slot outside the cache, 3 a
  * block id outside [0, num_blocks) in a used table entry, 4 an unknown element kind. Nothing
@@ -53,7 +57,8 @@
 static inline __attribute__((always_inline)) int attend_tile(
     const float *query, int64_t q_stride, const char *key_cache, const char *value_cache,
     const int64_t *table, int64_t q_len, int64_t ctx, int64_t r0, int64_t r1, int kvh, float *out,
-    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window, int kind) {
+    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window, float softcap,
+    int kind) {
     const int group = num_heads / num_kv_heads;
     const int nr = (int)(r1 - r0), nc = nr * group; /* (row, head) combinations */
     const int64_t row = (int64_t)num_kv_heads * head_dim;
@@ -117,7 +122,11 @@ static inline __attribute__((always_inline)) int attend_tile(
                     s3 += qc[d + 3] * load16(kt + (int64_t)(d + 3) * KC);
                 }
                 for (; d < head_dim; ++d) s0 += qc[d] * load16(kt + (int64_t)d * KC);
-                const v16 s = (s0 + s1) + (s2 + s3);
+                v16 s = (s0 + s1) + (s2 + s3);
+                if (softcap > 0.0f) {
+                    const float inv = 1.0f / softcap;
+                    for (int t = 0; t < KC; ++t) s[t] = softcap * tanhf(s[t] * inv);
+                }
                 float m = mx[c];
                 for (int t = (int)lo; t < (int)hi; ++t) m = s[t] > m ? s[t] : m;
                 const float corr = expf(mx[c] - m);
@@ -176,11 +185,11 @@ static inline __attribute__((always_inline)) int attend_tile(
 }
 
 #define TILE_ARGS query, q_stride, key_cache, value_cache, table, q_len, ctx, r0, r1, kvh, out, num_heads, \
-                  num_kv_heads, head_dim, block_size, scale, window
+                  num_kv_heads, head_dim, block_size, scale, window, softcap
 static int attend_tile_kind(int kind, const float *query, int64_t q_stride, const char *key_cache,
                             const char *value_cache, const int64_t *table, int64_t q_len, int64_t ctx,
                             int64_t r0, int64_t r1, int kvh, float *out, int num_heads, int num_kv_heads,
-                            int head_dim, int block_size, float scale, int window) {
+                            int head_dim, int block_size, float scale, int window, float softcap) {
     switch (kind) {
     case KV_BF16: return attend_tile(TILE_ARGS, KV_BF16);
     case KV_I8: return attend_tile(TILE_ARGS, KV_I8);
@@ -188,14 +197,16 @@ static int attend_tile_kind(int kind, const float *query, int64_t q_stride, cons
     }
 }
 
-int paged_prefill_attention(int kind, const float *query, int64_t q_stride, const float *key,
-                            const float *value, int64_t kv_stride, const int64_t *slots,
-                            int64_t num_tokens, void *key_cache, void *value_cache,
-                            const int64_t *block_tables, int table_width,
-                            const int64_t *query_starts, const int64_t *query_lens,
-                            const int64_t *context_lens, int num_seqs, float *out,
-                            int num_heads, int num_kv_heads, int head_dim, int block_size,
-                            int64_t num_blocks, float scale, int window, int num_threads) {
+/* `softcap` > 0: the scores are soft-capped (0: not). */
+int paged_prefill_attention_softcap(int kind, const float *query, int64_t q_stride, const float *key,
+                                    const float *value, int64_t kv_stride, const int64_t *slots,
+                                    int64_t num_tokens, void *key_cache, void *value_cache,
+                                    const int64_t *block_tables, int table_width,
+                                    const int64_t *query_starts, const int64_t *query_lens,
+                                    const int64_t *context_lens, int num_seqs, float *out,
+                                    int num_heads, int num_kv_heads, int head_dim, int block_size,
+                                    int64_t num_blocks, float scale, int window, int num_threads,
+                                    float softcap) {
     if (kind != KV_F32 && kind != KV_BF16 && kind != KV_I8) return 4;
     if (num_heads < 1 || num_kv_heads < 1 || num_heads % num_kv_heads || head_dim < 1 || block_size < 1)
         return 1;
@@ -240,9 +251,24 @@ int paged_prefill_attention(int kind, const float *query, int64_t q_stride, cons
                               (const char *)value_cache,
                               block_tables + (int64_t)s * table_width, query_lens[s], context_lens[s],
                               r0, r1, kvh, out + start * (int64_t)num_heads * head_dim, num_heads,
-                              num_kv_heads, head_dim, block_size, scale, window);
+                              num_kv_heads, head_dim, block_size, scale, window, softcap);
         ftz_leave(csr);
     }
     free(tile_start);
     return failed;
+}
+
+/* The same without soft-capping (the signature kernels/build.py binds). */
+int paged_prefill_attention(int kind, const float *query, int64_t q_stride, const float *key,
+                            const float *value, int64_t kv_stride, const int64_t *slots,
+                            int64_t num_tokens, void *key_cache, void *value_cache,
+                            const int64_t *block_tables, int table_width,
+                            const int64_t *query_starts, const int64_t *query_lens,
+                            const int64_t *context_lens, int num_seqs, float *out,
+                            int num_heads, int num_kv_heads, int head_dim, int block_size,
+                            int64_t num_blocks, float scale, int window, int num_threads) {
+    return paged_prefill_attention_softcap(kind, query, q_stride, key, value, kv_stride, slots, num_tokens,
+                                           key_cache, value_cache, block_tables, table_width, query_starts,
+                                           query_lens, context_lens, num_seqs, out, num_heads, num_kv_heads,
+                                           head_dim, block_size, num_blocks, scale, window, num_threads, 0.0f);
 }

@@ -1,4 +1,4 @@
-"""Gated activations for fused gate/up projections."""
+"""Gated activations for fused gate/up projections: SiLU (Llama family), GELU-tanh (Gemma)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,28 @@ class SiluAndMul(nn.Module):
         return F.silu(x[..., :d]) * x[..., d:]
 
 
+class GeluTanhAndMul(nn.Module):
+    """`gelu_tanh(gate) * up` of the fused `[..., gate | up]`: transformers' `gelu_pytorch_tanh`
+    (`F.gelu(x, approximate="tanh")`, Gemma's `hidden_activation`), in the input's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] % 2:
+            raise ValueError(f"GeluTanhAndMul: the fused [gate | up] width must be even, got {x.shape[-1]}")
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """`cap * tanh(x / cap)`, in transformers' order: Gemma's soft-capping of attention scores
+    and of the final logits (a smooth clamp to (-cap, cap))."""
+    return torch.tanh(x / cap) * cap
+
+
+_GATED = {"silu": SiluAndMul, "swish": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
+
+
 def get_act_and_mul(hidden_act: str) -> nn.Module:
-    """The gated activation module for a HF `hidden_act` name (only SiLU for the Llama family)."""
-    if hidden_act in ("silu", "swish"):
-        return SiluAndMul()
-    raise ValueError(f"Unsupported activation {hidden_act!r}; supported: ['silu']")
+    """The gated activation module for a HF `hidden_act` / `hidden_activation` name."""
+    if hidden_act in _GATED:
+        return _GATED[hidden_act]()
+    raise ValueError(f"Unsupported activation {hidden_act!r}; supported: {sorted(_GATED)}")

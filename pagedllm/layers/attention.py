@@ -11,6 +11,7 @@ that the layers share them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,15 @@ class AttentionMetadata:
         return self._mask_cache[key]
 
 
+def check_soft_cap(cap: float | None) -> float | None:
+    """A logit soft cap as the backends take it (None: no capping); ValueError unless positive and finite."""
+    if cap is None:
+        return None
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
+        raise ValueError(f"logits_soft_cap must be a positive finite number or None, got {cap!r}")
+    return float(cap)
+
+
 class Attention(nn.Module):
     """Multi-head / grouped-query attention over a paged KV cache.
 
@@ -74,6 +84,9 @@ class Attention(nn.Module):
     cache's per-KV-head scales (stored = x / scale, read = stored * scale; docs/kv_cache.md),
     passed to the backend on every call and ignored by other cache types. Not persistent: a
     state dict without them (every float checkpoint) loads as before.
+
+    `logits_soft_cap` (Gemma 2's `attn_logit_softcapping`; None: none): every backend replaces
+    each scaled score `s` by `cap * tanh(s / cap)` before the mask and the softmax.
     """
 
     def __init__(
@@ -84,6 +97,7 @@ class Attention(nn.Module):
         num_kv_heads: int,
         sliding_window: int | None = None,
         device: torch.device | str | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -93,6 +107,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.logits_soft_cap = check_soft_cap(logits_soft_cap)
         self.backend = get_attn_backend()
         self.k_scale: torch.Tensor
         self.v_scale: torch.Tensor
@@ -133,11 +148,12 @@ class Attention(nn.Module):
             sliding_window=self.sliding_window,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            logits_soft_cap=self.logits_soft_cap,
         )
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"sliding_window={self.sliding_window}, backend={self.backend.name}"
+            f"sliding_window={self.sliding_window}, logits_soft_cap={self.logits_soft_cap}, backend={self.backend.name}"
         )

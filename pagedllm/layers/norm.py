@@ -1,4 +1,4 @@
-"""RMSNorm with the same numerics as Hugging Face's LlamaRMSNorm."""
+"""RMSNorm with the same numerics as Hugging Face's LlamaRMSNorm, and Gemma's `(1 + weight)` form."""
 
 from __future__ import annotations
 
@@ -34,18 +34,23 @@ class RMSNorm(nn.Module):
             raise ValueError(f"RMSNorm: the input's hidden size {x.shape[-1]} != the weight's {self.weight.shape[0]}")
         if residual is not None and residual.shape != x.shape:
             raise ValueError(f"RMSNorm: residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
-        kernel = fused_kernel_for(x, self.weight) if x.dim() == 2 else None
+        weight = self.kernel_weight()
+        kernel = fused_kernel_for(x, weight) if x.dim() == 2 else None
         if kernel is not None and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype)):
             out = torch.empty_like(x)
             rows, hidden = x.shape
             kernel.add_rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else 0,
-                                self.weight.data_ptr(), out.data_ptr(), rows, hidden, self.variance_epsilon,
+                                weight.data_ptr(), out.data_ptr(), rows, hidden, self.variance_epsilon,
                                 int(residual is not None), torch.get_num_threads())  # fmt: skip
             return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+    def kernel_weight(self) -> torch.Tensor:
+        """The weight the fused kernel multiplies by, `weight * (x * rsqrt(...))`."""
+        return self.weight
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
@@ -56,3 +61,27 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: `x / sqrt(mean(x^2) + eps) * (1 + weight)`, all in float32, then cast.
+
+    The checkpoint's weight is the offset from one (zeros mean identity). transformers'
+    `Gemma2RMSNorm` / `Gemma3RMSNorm` multiply by `1 + weight` in float32 before the downcast,
+    where Llama downcasts first and multiplies in the model's dtype: in bfloat16 the two differ,
+    so this order is Gemma's own. In float32 on CPU the fused C kernel computes `(1 + w) * (x *
+    r)`, the same product (the scale `1 + w` taken in float32 on each call: a vector of `hidden`).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(hidden_size, eps, dtype, device)
+        self.weight.data.zero_()  # identity until loaded, as transformers initialises it
+
+    def kernel_weight(self) -> torch.Tensor:
+        return 1.0 + self.weight.float()
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (h * (1.0 + self.weight.float())).type_as(x)

@@ -14,6 +14,10 @@ the used blocks (converted or dequantized) and calls SDPA with an additive mask.
 per-layer scales (`k_scale`, `v_scale` [Hk]) are optional tensor arguments of the op, so a
 compiled decode graph passes them like any other input (other cache types ignore them).
 
+`logits_soft_cap` (Gemma 2's `attn_logit_softcapping`; 0: none) caps every scaled score as
+`cap * tanh(score / cap)` before the softmax: in the C kernel (its `_softcap` entry point), and
+in the torch path by explicit matmuls (`paged_ops.softcap_attention`: SDPA cannot cap).
+
 No `from __future__ import annotations` here: `custom_op` reads the signature's real types.
 """
 
@@ -23,10 +27,17 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels import decode_attention_kernel
-from pagedllm.layers.backends.paged_ops import decode_mask, gather_blocks, write_to_kv_cache
+from pagedllm.layers.backends.paged_ops import (
+    decode_mask,
+    gather_blocks,
+    softcap_attention,
+    softcap_kernel,
+    write_to_kv_cache,
+)
 from pagedllm.layers.kv_cache_format import KERNEL_KIND, KVHalf, split_kv_cache
 
-_c_kernel = decode_attention_kernel
+# `paged_decode_attention_softcap`: the kernel build.py binds, plus the soft cap (0: none).
+_c_kernel = softcap_kernel(decode_attention_kernel, "paged_decode_attention.c", "paged_decode_attention_softcap")
 
 
 def decode_attention_torch(
@@ -37,10 +48,11 @@ def decode_attention_torch(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: Optional[int],
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
-    """Portable decode attention: gather the used blocks (in the query's dtype), mask, SDPA.
-    `query [D, Hq, dh]`; the caches `[blocks, block_size, Hk, dh]` tensors, int8 views or fp8
-    `ScaledBlocks`."""
+    """Portable decode attention: gather the used blocks (in the query's dtype), mask, SDPA (or
+    the soft-capped attention). `query [D, Hq, dh]`; the caches `[blocks, block_size, Hk, dh]`
+    tensors, int8 views or fp8 `ScaledBlocks`."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     max_blocks = -(-int(context_lens.max()) // block_size)
@@ -49,7 +61,10 @@ def decode_attention_torch(
     k = gather_blocks(key_cache, tables, query.dtype).transpose(1, 2)  # [D, Hk, L, dh]
     v = gather_blocks(value_cache, tables, query.dtype).transpose(1, 2)
     q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # grouped by KV head
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if logits_soft_cap:
+        o = softcap_attention(q, k, v, mask, scale, logits_soft_cap)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return o.reshape(num_seqs, num_heads, head_dim)
 
 
@@ -68,11 +83,12 @@ def decode_attention_c(
     scale: float,
     sliding_window: Optional[int],
     new_kv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    logits_soft_cap: float = 0.0,
 ) -> Optional[torch.Tensor]:
     """The C kernel's decode attention, or None where it does not apply (not CPU, queries not
     float32, a cache type the kernel lacks: float16, fp8). With `new_kv = (key, value,
     slot_mapping)` the kernel first stores the new K/V rows at their slots (converted /
-    quantized)."""
+    quantized). `logits_soft_cap` > 0 caps the scores (0: none)."""
     kernel = _c_kernel()
     kind = KERNEL_KIND.get(key_cache.dtype)
     if (
@@ -107,7 +123,7 @@ def decode_attention_c(
         kind, query.data_ptr(), query.stride(0), key_ptr, value_ptr, kv_stride, slots_ptr,
         key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
         out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
-        num_blocks, scale, sliding_window or 0, torch.get_num_threads(),
+        num_blocks, scale, sliding_window or 0, torch.get_num_threads(), logits_soft_cap,
     )  # fmt: skip
     if failed:
         _raise_failure(failed, block_tables, context_lens, slots, num_blocks, block_size, sliding_window)
@@ -185,17 +201,19 @@ def paged_decode_attention_eager(
     sliding_window: Optional[int],
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """Write `key/value [D, Hk, dh]` at `slot_mapping` of `kv_cache [2, blocks, block_size, Hk,
     dh]`, then attend `query [D, Hq, dh]` over the first `context_lens[i]` positions of block
-    table row `i` -> `[D, Hq, dh]`. `k_scale` / `v_scale` [Hk]: an fp8 cache's (needed there)."""
+    table row `i` -> `[D, Hq, dh]`. `k_scale` / `v_scale` [Hk]: an fp8 cache's (needed there);
+    `logits_soft_cap` > 0: the scores soft-capped (0: none)."""
     key_cache, value_cache = split_kv_cache(kv_cache, key.shape[1], key.shape[2], k_scale, v_scale)
     args = (query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window)
-    out = decode_attention_c(*args, new_kv=(key, value, slot_mapping))
+    out = decode_attention_c(*args, new_kv=(key, value, slot_mapping), logits_soft_cap=logits_soft_cap)
     if out is not None:
         return out
     write_to_kv_cache(key, value, key_cache, value_cache, slot_mapping)
-    return decode_attention_torch(*args)
+    return decode_attention_torch(*args, logits_soft_cap)
 
 
 paged_decode_attention = torch.library.custom_op(
@@ -205,5 +223,5 @@ paged_decode_attention = torch.library.custom_op(
 
 @paged_decode_attention.register_fake
 def _(query, key, value, kv_cache, slot_mapping, block_tables, context_lens, scale, sliding_window,
-      k_scale=None, v_scale=None):
+      k_scale=None, v_scale=None, logits_soft_cap=0.0):
     return torch.empty_like(query)

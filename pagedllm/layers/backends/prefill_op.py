@@ -7,6 +7,9 @@ The cache may hold float32, bfloat16 or int8 (layers/kv_cache_format.py): the ke
 as it loads, and its queries attend to the cache's values, their own new rows included.
 float16 and fp8 caches are not the kernel's (no element kind for them): it declines them.
 
+`logits_soft_cap` (Gemma 2; 0: none) caps the scaled scores in the kernel (its `_softcap` entry
+point) as `cap * tanh(score / cap)`, before the mask and the softmax.
+
 `prefill_attention_c` returns None where the kernel does not apply (no compiler, kernels
 disabled, not CPU, not float32 activations, a float16 / fp8 cache, no 2-D prefill block table
 in the metadata); the caller then takes the portable torch path (layers/backends/torch_paged.py:
@@ -20,12 +23,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.kernels import prefill_attention_kernel
+from pagedllm.layers.backends.paged_ops import softcap_kernel
 from pagedllm.layers.kv_cache_format import KERNEL_KIND, KVHalf
 
 if TYPE_CHECKING:
     from pagedllm.layers.attention import AttentionMetadata
 
-_c_kernel = prefill_attention_kernel
+# `paged_prefill_attention_softcap`: the kernel build.py binds, plus the soft cap (0: none).
+_c_kernel = softcap_kernel(prefill_attention_kernel, "paged_prefill_attention.c", "paged_prefill_attention_softcap")
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -54,6 +59,7 @@ def prefill_attention_c(
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor | None = None,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor | None:
     """`query [Tp, Hq, dh]`, `key/value [Tp, Hk, dh]`: the prefill rows of the step (after the
     decodes). Stores key/value at `md.slot_mapping[nd:]`, returns `[Tp, Hq, dh]` (into `out`
@@ -97,7 +103,7 @@ def prefill_attention_c(
         slots.data_ptr(), num_tokens, key_cache.data_ptr(), value_cache.data_ptr(),
         tables.data_ptr(), tables.shape[1], lens[0].data_ptr(), lens[1].data_ptr(),
         lens[2].data_ptr(), num_seqs, out.data_ptr(), num_heads, num_kv_heads, head_dim,
-        block_size, num_blocks, scale, sliding_window or 0, torch.get_num_threads(),
+        block_size, num_blocks, scale, sliding_window or 0, torch.get_num_threads(), logits_soft_cap,
     )  # fmt: skip
     if failed:
         _raise_for(failed, slots, tables, lens, num_blocks, block_size, num_tokens)

@@ -19,6 +19,10 @@ position `ctx_len - q_len + i` and sees keys `0 ..` that position.
 
 Sliding-window layers additionally hide keys at positions `<= query_pos - window` (the
 transformers convention `kv_idx > q_idx - window`).
+
+Logit soft-capping (`logits_soft_cap`, Gemma 2: `cap * tanh(score / cap)` after the scale, before
+the mask) runs in both C kernels; the portable path, where SDPA cannot cap, computes such a
+layer's attention with explicit matmuls in transformers' eager order (`paged_ops.softcap_attention`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.backends.decode_op import paged_decode_attention_eager
-from pagedllm.layers.backends.paged_ops import gather_blocks, prefill_mask, write_to_kv_cache
+from pagedllm.layers.backends.paged_ops import gather_blocks, prefill_mask, softcap_attention, write_to_kv_cache
 from pagedllm.layers.backends.prefill_op import prefill_attention_c
 from pagedllm.layers.kv_cache_format import KVHalf, split_kv_cache
 
@@ -51,11 +55,14 @@ class TorchPagedAttentionBackend:
         sliding_window: int | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """`query [T, Hq, D]`, `key/value [T, Hk, D]`, `kv_cache [2, blocks, block_size, Hk, D]`
         -> attention output `[T, Hq, D]`. `k_scale` / `v_scale` (float32 [Hk]): the layer's fp8
-        scales, required with an fp8 cache, ignored with any other."""
+        scales, required with an fp8 cache, ignored with any other. `logits_soft_cap`: the
+        scores' soft cap (None or 0: none)."""
         md = attn_metadata
+        cap = float(logits_soft_cap or 0.0)
         nd = md.num_decode_tokens
         decoded = None
         if nd > 0:
@@ -64,7 +71,7 @@ class TorchPagedAttentionBackend:
             op = torch.ops.pagedllm.paged_decode_attention if torch.compiler.is_compiling() else paged_decode_attention_eager
             decoded = op(
                 query[:nd], key[:nd], value[:nd], kv_cache, md.slot_mapping[:nd],
-                md.decode_block_tables, md.decode_context_lens, scale, sliding_window, k_scale, v_scale,
+                md.decode_block_tables, md.decode_context_lens, scale, sliding_window, k_scale, v_scale, cap,
             )  # fmt: skip
             if md.num_prefills == 0:
                 return decoded
@@ -74,7 +81,8 @@ class TorchPagedAttentionBackend:
             out[:nd] = decoded
         if not torch.compiler.is_compiling():
             done = prefill_attention_c(
-                query[nd:], key[nd:], value[nd:], key_cache, value_cache, md, scale, sliding_window, out=out[nd:]
+                query[nd:], key[nd:], value[nd:], key_cache, value_cache, md, scale, sliding_window, out=out[nd:],
+                logits_soft_cap=cap,
             )  # fmt: skip
             if done is not None:
                 return out
@@ -83,7 +91,8 @@ class TorchPagedAttentionBackend:
             start, q_len = md.prefill_query_starts[i], md.prefill_query_lens[i]
             end = start + q_len
             out[start:end] = _prefill_one(
-                i, query[start:end], key[start:end], value[start:end], key_cache, value_cache, md, scale, sliding_window
+                i, query[start:end], key[start:end], value[start:end], key_cache, value_cache, md, scale, sliding_window,
+                cap,
             )
         return out
 
@@ -98,11 +107,13 @@ def _prefill_one(
     md: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     q_len, ctx_len = md.prefill_query_lens[i], md.prefill_context_lens[i]
+    explicit = softcap > 0  # soft-capped attention has no `is_causal`
     mask = md.cached_mask(
-        ("prefill", i, sliding_window),
-        lambda: prefill_mask(q_len, ctx_len, sliding_window, query.dtype, query.device),
+        ("prefill", i, sliding_window, explicit),
+        lambda: prefill_mask(q_len, ctx_len, sliding_window, query.dtype, query.device, explicit),
     )
     if ctx_len == q_len and key_cache.dtype == key.dtype:
         k, v = key, value  # no cached context, an exact cache: the fresh K/V are the context
@@ -110,13 +121,12 @@ def _prefill_one(
         block_table = md.prefill_block_tables[i]
         k = gather_blocks(key_cache, block_table, query.dtype)[:ctx_len]
         v = gather_blocks(value_cache, block_table, query.dtype)[:ctx_len]
-    o = F.scaled_dot_product_attention(
-        query.transpose(0, 1).unsqueeze(0),  # [1, Hq, q, dh]
-        k.transpose(0, 1).unsqueeze(0),  # [1, Hk, ctx, dh]
-        v.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=scale,
-        enable_gqa=True,
-    )
+    q4 = query.transpose(0, 1).unsqueeze(0)  # [1, Hq, q, dh]
+    k4 = k.transpose(0, 1).unsqueeze(0)  # [1, Hk, ctx, dh]
+    v4 = v.transpose(0, 1).unsqueeze(0)
+    if explicit:
+        o = softcap_attention(q4, k4, v4, mask, scale, softcap)
+    else:
+        o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                           enable_gqa=True)
     return o[0].transpose(0, 1)  # [q, Hq, dh]

@@ -30,6 +30,12 @@ Kernel design (all accumulate in float32; the output is in the query's dtype):
   tile sees wholly, most of a long prompt's, skips the mask), with a -inf-safe online softmax
   (a row may see nothing in a step). Every key and value comes from the cache, so a prompt run
   whole, in chunks or after a prefix-cache hit sees the same numbers.
+- Logit soft-capping (Gemma 2's `attn_logit_softcapping`, constexpr `SOFTCAP`: the uncapped
+  kernels are unchanged): each scaled score s becomes `cap * tanh(s / cap)` before the mask and
+  the softmax, as transformers does. tanh comes from exp2 (`(1 - e) / (1 + e)`, e = 2^(-2|x|
+  log2 e), no overflow), from its Taylor series below |x| = 1/8 where that form would lose
+  digits (relative error about 1e-7 either way); libdevice's tanh would not run in the
+  interpreter.
 - fp8 caches: the K/V tiles are converted exactly to the dot dtype (every e4m3 / e5m2 value is
   a bfloat16 / float16 value), and the program's one KV-head scale multiplies the scores (k)
   and the accumulator (v) in float32.
@@ -55,6 +61,7 @@ multiplies raw bits, so there the dots of bfloat16 queries run on float32-upcast
 
 from __future__ import annotations
 
+import math
 import os
 import types
 from typing import NamedTuple
@@ -119,9 +126,10 @@ if HAS_TRITON:
     def _attend_keys(
         q, seq, kvh, t_begin, t_end, lo, hi, scale_log2, k_ptr, v_ptr, bt_ptr, ks_ptr, vs_ptr,
         stride_kn, stride_kb, stride_kh, stride_kd, stride_vn, stride_vb, stride_vh, stride_vd, stride_bts, stride_btw,
-        offs_d, d_mask, qpos, window, all_lo, first_pos,
+        offs_d, d_mask, qpos, window, all_lo, first_pos, softcap_log2,
         ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
         DOT_DTYPE: tl.constexpr, FP8: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        SOFTCAP: tl.constexpr,
     ):
         """The key sweep of decode and prefill (inlined into both): the query rows `q` ([ROWS,
         BLOCK_D], of KV head `kvh`) over key steps `t_begin .. t_end - 1` of block-table row `seq`,
@@ -131,7 +139,8 @@ if HAS_TRITON:
         qpos[r] (and, with a window, > qpos[r] - window), masked per element unless every row
         sees the whole step (its keys in [all_lo, first_pos]), and the max is -inf-safe (a row
         may see nothing in a step); else (decode) only invalid keys are masked: every step holds
-        a visible key, so every row's max is finite (padded rows score 0)."""
+        a visible key, so every row's max is finite (padded rows score 0). SOFTCAP: the scaled
+        scores are soft-capped first (`softcap_log2` = cap * log2 e, the cap in exp2 units)."""
         if FP8:
             qk_scale = scale_log2 * tl.load(ks_ptr + kvh)
         else:
@@ -157,8 +166,17 @@ if HAS_TRITON:
                 qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
                 qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)))
-            if CAUSAL:
+            if SOFTCAP:  # cap * tanh(s / cap) of the scaled score s, in exp2 units
+                x = qk * (qk_scale / softcap_log2)
+                ax = tl.where(x < 0.0, -x, x)
+                e = tl.math.exp2(ax * -2.8853900817779268)  # exp(-2|x|)
+                x2 = ax * ax
+                th = tl.where(ax < 0.125, ax * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0)))),
+                              (1.0 - e) / (1.0 + e))
+                qk = tl.where(x < 0.0, -th, th) * softcap_log2
+            else:
                 qk = qk * qk_scale
+            if CAUSAL:
                 if (t * BLOCK_N < all_lo) | (t * BLOCK_N + BLOCK_N - 1 > first_pos):
                     visible = valid[None, :] & (tok[None, :] <= qpos[:, None])
                     if HAS_WINDOW:
@@ -167,7 +185,7 @@ if HAS_TRITON:
                 m_new = tl.maximum(m_i, tl.reduce(qk, 1, tl.standard._elementwise_max))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
             else:
-                qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
+                qk = tl.where(valid[None, :], qk, float("-inf"))
                 m_new = tl.maximum(m_i, tl.reduce(qk, 1, tl.standard._elementwise_max))
                 m_safe = m_new
             p = tl.math.exp2(qk - m_safe[:, None])
@@ -184,13 +202,14 @@ if HAS_TRITON:
 
     def _decode_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, o_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
-        scale_log2, window, num_splits,
+        scale_log2, window, num_splits, softcap_log2,
         stride_qs, stride_qh, stride_qd,
         stride_kn, stride_kb, stride_kh, stride_kd, stride_vn, stride_vb, stride_vh, stride_vd,
         stride_bts, stride_btw, stride_os, stride_oh, stride_od,
         G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+        SOFTCAP: tl.constexpr,
     ):
         s = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -219,8 +238,9 @@ if HAS_TRITON:
         m_i, l_i, acc = _attend_keys(
             q, s, kvh, t_begin, t_end, lo, ctx, scale_log2, k_ptr, v_ptr, bt_ptr, ks_ptr, vs_ptr,
             stride_kn, stride_kb, stride_kh, stride_kd, stride_vn, stride_vb, stride_vh, stride_vd, stride_bts,
-            stride_btw, offs_d, d_mask, ctx, window, lo, ctx, ROWS=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-            PAGE=PAGE, DOT_DTYPE=DOT_DTYPE, FP8=FP8, CAUSAL=False, HAS_WINDOW=HAS_WINDOW)
+            stride_btw, offs_d, d_mask, ctx, window, lo, ctx, softcap_log2, ROWS=BLOCK_G, BLOCK_D=BLOCK_D,
+            BLOCK_N=BLOCK_N, PAGE=PAGE, DOT_DTYPE=DOT_DTYPE, FP8=FP8, CAUSAL=False, HAS_WINDOW=HAS_WINDOW,
+            SOFTCAP=SOFTCAP)
         out_mask = g_mask[:, None] & d_mask[None, :]
         if SPLIT:  # partials [S, Hq, num_splits] (m, l) and [S, Hq, num_splits, HEAD_DIM] (acc)
             row = (s * num_heads + heads).to(tl.int64) * num_splits + sp
@@ -258,13 +278,13 @@ if HAS_TRITON:
 
     def _prefill_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, o_ptr,
-        scale_log2, window,
+        scale_log2, window, softcap_log2,
         stride_qt, stride_qh, stride_qd,
         stride_kn, stride_kb, stride_kh, stride_kd, stride_vn, stride_vb, stride_vh, stride_vd,
         stride_bts, stride_btw, stride_ot, stride_oh, stride_od,
         G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         tile = tl.program_id(0)
         p_id = tl.program_id(1)
@@ -302,8 +322,9 @@ if HAS_TRITON:
         m_i, l_i, acc = _attend_keys(
             q, p_id, kvh, tile_lo, tile_hi, lo, hi, scale_log2, k_ptr, v_ptr, bt_ptr, ks_ptr, vs_ptr,
             stride_kn, stride_kb, stride_kh, stride_kd, stride_vn, stride_vb, stride_vh, stride_vd, stride_bts,
-            stride_btw, offs_d, d_mask, qpos, window, all_lo, first_pos, ROWS=BLOCK_M, BLOCK_D=BLOCK_D,
-            BLOCK_N=BLOCK_N, PAGE=PAGE, DOT_DTYPE=DOT_DTYPE, FP8=FP8, CAUSAL=True, HAS_WINDOW=HAS_WINDOW)
+            stride_btw, offs_d, d_mask, qpos, window, all_lo, first_pos, softcap_log2, ROWS=BLOCK_M,
+            BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PAGE=PAGE, DOT_DTYPE=DOT_DTYPE, FP8=FP8, CAUSAL=True,
+            HAS_WINDOW=HAS_WINDOW, SOFTCAP=SOFTCAP)
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         o_rows = (q_start + qi).to(tl.int64) * stride_ot + heads * stride_oh
         tl.store(o_ptr + o_rows[:, None] + offs_d[None, :] * stride_od, out.to(o_ptr.dtype.element_ty),
@@ -534,21 +555,33 @@ def _window(sliding_window: int | None) -> tuple[bool, int]:
     return True, int(sliding_window)
 
 
+def _softcap(name: str, logits_soft_cap: float | None) -> tuple[bool, float]:
+    """(SOFTCAP, cap * log2 e) for the kernels; None or 0: no capping. ValueError unless the cap
+    is a positive finite number."""
+    if not logits_soft_cap:
+        return False, 0.0
+    if not math.isfinite(logits_soft_cap) or logits_soft_cap < 0:
+        raise ValueError(f"{name}: logits_soft_cap must be a positive finite number (or None), got {logits_soft_cap!r}")
+    return True, float(logits_soft_cap) * _LOG2E
+
+
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None, num_splits: int | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
     """One query token per sequence, `query [S, Hq, D]`, over the first `context_lens[s]` (>= 1)
     cached positions of block-table row `s` -> `[S, Hq, D]` in query's dtype (or `out`).
     `num_splits`: programs per (sequence, KV head) over its keys (None: `default_num_splits`);
-    the result does not depend on it beyond float32 rounding. Capture-safe (module docstring)."""
+    the result does not depend on it beyond float32 rounding. `logits_soft_cap`: each scaled
+    score s becomes `cap * tanh(s / cap)` (None: not). Capture-safe (module docstring)."""
     _need_triton("paged_decode_attention")
     name = "paged_decode_attention"
     num_seqs = query.shape[0] if query.dim() == 3 else -1
     _check_attention(name, query, key_cache, value_cache, block_tables, context_lens, num_seqs, out)
     tensors = [query, key_cache, value_cache, block_tables, context_lens] + ([out] if out is not None else [])
     _check_device(name, *tensors)
+    _softcap(name, logits_soft_cap)
     _, block_size, num_kv_heads, _ = key_cache.shape
     fp8, ks, vs = _scales(name, key_cache.dtype, k_scale, v_scale, num_kv_heads, context_lens)
     if out is None:
@@ -560,18 +593,19 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"{name}: num_splits must be a positive int, got {num_splits!r}")
     for launch in _decode_launches(query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window,
-                                   fp8, ks, vs, num_splits, out):
+                                   fp8, ks, vs, num_splits, out, logits_soft_cap):
         _run(launch)
     return out
 
 
 def _decode_launches(query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window, fp8, ks, vs,
-                     num_splits, out) -> list[_Launch]:
+                     num_splits, out, logits_soft_cap: float | None = None) -> list[_Launch]:
     """The decode kernel's launch, and the reduce kernel's when split (workspace allocated here)."""
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
     has_window, window = _window(sliding_window)
+    softcap, softcap_log2 = _softcap("paged_decode_attention", logits_soft_cap)
     cfg = _decode_config(head_dim, group, query.dtype)
     split = num_splits > 1
     if split:
@@ -582,10 +616,11 @@ def _decode_launches(query, key_cache, value_cache, block_tables, context_lens, 
         ws_m = ws_l = ws_acc = out
     launches = [_Launch("decode", (num_seqs, num_kv_heads, num_splits), (
         query, key_cache, value_cache, block_tables, context_lens, ks, vs, out, ws_m, ws_l, ws_acc,
-        scale * _LOG2E, window, num_splits,
+        scale * _LOG2E, window, num_splits, softcap_log2,
         *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(), *out.stride(),
     ), dict(G=group, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"],
-            BLOCK_N=cfg["BLOCK_N"], HAS_WINDOW=has_window, FP8=fp8, SPLIT=split, DOT_DTYPE=_dot_dtype(query.dtype)),
+            BLOCK_N=cfg["BLOCK_N"], HAS_WINDOW=has_window, FP8=fp8, SPLIT=split, DOT_DTYPE=_dot_dtype(query.dtype),
+            SOFTCAP=softcap),
         dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))]
     if split:
         launches.append(_Launch("reduce", (num_seqs, num_heads), (ws_m, ws_l, ws_acc, out, num_splits, *out.stride()),
@@ -598,12 +633,13 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
                             scale: float, max_query_len: int, sliding_window: int | None = None,
                             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
     """Varlen prefill over the cache: `query [T, Hq, D]` holds P sequences' new tokens back to
     back (`query_start_loc [P + 1]`), whose K/V are already in the cache; sequence p has
     `context_lens[p]` positions (cached + new) in block-table row p, and its query i sits at
     `ctx - qlen + i` (bottom-right causal, minus the window). `max_query_len` (host int, >= every
-    qlen) sizes the grid. Returns `[T, Hq, D]` in query's dtype (or writes `out`)."""
+    qlen) sizes the grid. `logits_soft_cap`: the scores capped as in decode (None: not). Returns
+    `[T, Hq, D]` in query's dtype (or writes `out`)."""
     _need_triton("paged_prefill_attention")
     name = "paged_prefill_attention"
     num_prefills = context_lens.shape[0] if context_lens.dim() == 1 else -1
@@ -615,6 +651,7 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
         raise ValueError(f"{name}: max_query_len must be a host int >= 0, got {max_query_len!r}")
     tensors = [query, key_cache, value_cache, block_tables, query_start_loc, context_lens]
     _check_device(name, *tensors, *([out] if out is not None else []))
+    _softcap(name, logits_soft_cap)
     num_kv_heads = key_cache.shape[2]
     fp8, ks, vs = _scales(name, key_cache.dtype, k_scale, v_scale, num_kv_heads, context_lens)
     if out is None:
@@ -622,22 +659,24 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     if num_prefills == 0 or query.shape[0] == 0 or max_query_len == 0:
         return out
     _run(_prefill_launch(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
-                         max_query_len, sliding_window, fp8, ks, vs, out))
+                         max_query_len, sliding_window, fp8, ks, vs, out, logits_soft_cap=logits_soft_cap))
     return out
 
 
 def _prefill_launch(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, max_query_len,
-                    sliding_window, fp8, ks, vs, out, capability: tuple[int, int] | None = None) -> _Launch:
+                    sliding_window, fp8, ks, vs, out, capability: tuple[int, int] | None = None,
+                    logits_soft_cap: float | None = None) -> _Launch:
     """The prefill kernel's launch; `capability` (default: the device's) picks the tiles."""
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     group = query.shape[1] // num_kv_heads
     has_window, window = _window(sliding_window)
+    softcap, softcap_log2 = _softcap("paged_prefill_attention", logits_soft_cap)
     cfg = _prefill_config(max_query_len, head_dim, group, query.dtype, capability or _capability(query.device))
     grid = (-(-max_query_len // cfg["BLOCK_Q"]), context_lens.shape[0], num_kv_heads)
     return _Launch("prefill", grid, (
         query, key_cache, value_cache, block_tables, query_start_loc, context_lens, ks, vs, out,
-        scale * _LOG2E, window,
+        scale * _LOG2E, window, softcap_log2,
         *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(), *out.stride(),
     ), dict(G=group, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"],
             BLOCK_D=cfg["BLOCK_D"], BLOCK_N=cfg["BLOCK_N"], HAS_WINDOW=has_window, FP8=fp8,
-            DOT_DTYPE=_dot_dtype(query.dtype)), dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+            DOT_DTYPE=_dot_dtype(query.dtype), SOFTCAP=softcap), dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))

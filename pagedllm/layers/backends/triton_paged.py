@@ -42,9 +42,11 @@ class TritonPagedAttentionBackend:
         sliding_window: int | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """`query [T, Hq, D]`, `key/value [T, Hk, D]`, `kv_cache [2, blocks, block_size, Hk, D]`
-        -> attention output `[T, Hq, D]` (decodes first, then prefills, as the metadata says)."""
+        -> attention output `[T, Hq, D]` (decodes first, then prefills, as the metadata says);
+        `logits_soft_cap`: the scores' soft cap (None: none)."""
         md = attn_metadata
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         if key_cache.dtype not in FP8_DTYPES:
@@ -55,7 +57,7 @@ class TritonPagedAttentionBackend:
         if nd:
             kernels.paged_decode_attention(
                 query[:nd], key_cache, value_cache, md.decode_block_tables, md.decode_context_lens, scale,
-                sliding_window, k_scale, v_scale, out=out[:nd],
+                sliding_window, k_scale, v_scale, out=out[:nd], logits_soft_cap=logits_soft_cap,
             )  # fmt: skip
         if md.num_prefills:
             if md.prefill_query_start_loc is None or md.prefill_block_tables_padded is None:
@@ -64,6 +66,6 @@ class TritonPagedAttentionBackend:
             kernels.paged_prefill_attention(
                 query[nd:], key_cache, value_cache, md.prefill_block_tables_padded, md.prefill_query_start_loc,
                 md.prefill_context_lens_tensor, scale, md.max_prefill_query_len, sliding_window, k_scale, v_scale,
-                out=out[nd:],
+                out=out[nd:], logits_soft_cap=logits_soft_cap,
             )  # fmt: skip
         return out
