@@ -1,6 +1,6 @@
 """Model ids on the Hugging Face Hub (`org/name`, `org/name:Q4_K_M`) resolved to a local folder.
 
-Everything goes through huggingface_hub (`HfApi.resolve_revision`, `list_repo_files`,
+Everything goes through huggingface_hub (`HfApi.resolve_revision`, `model_info`,
 `get_cached_repo_tree`, `snapshot_download`, `hf_hub_download`), so its cache layout and its
 environment apply unchanged: `HF_HOME` / `HF_HUB_CACHE` (where the cache is), `HF_HUB_OFFLINE`
 (no network: the cache or an error), `HF_TOKEN` (private and gated repos), `HF_ENDPOINT`
@@ -162,21 +162,28 @@ def _snapshot_files(folder: str) -> list[str]:
     return sorted(out)
 
 
-def _repo_files(api, repo_id: str, revision, cache: str) -> list[str]:
-    """The repo's files at the resolved commit: the cached tree listing (a commit never changes),
-    else the Hub's listing, else (offline, or the Hub unreachable) what the cached snapshot holds."""
+def _repo_files(api, repo_id: str, revision, cache: str) -> tuple[list[str], bool]:
+    """(the repo's files at the resolved commit, whether to ask the Hub for missing ones): the
+    cached tree listing (a commit never changes), else the Hub's (`model_info`: one request
+    that fails fast, where a tree listing retries for 23 s), else, offline or with the Hub
+    unreachable or down, what the cached snapshot holds."""
     from huggingface_hub import get_cached_repo_tree, snapshot_download
-    from huggingface_hub.errors import CachedRepoTreeNotFoundError
+    from huggingface_hub.errors import CachedRepoTreeNotFoundError, HfHubHTTPError
 
     try:
-        return sorted(f.path for f in get_cached_repo_tree(repo_id, revision=revision, cache_dir=cache))
+        return sorted(f.path for f in get_cached_repo_tree(repo_id, revision=revision, cache_dir=cache)), True
     except CachedRepoTreeNotFoundError:
         pass
     try:
-        return sorted(api.list_repo_files(repo_id, revision=revision.resolved))
+        info = api.model_info(repo_id, revision=revision.resolved)
+        return sorted(s.rfilename for s in info.siblings or []), True
+    except HfHubHTTPError as e:
+        if e.response is None or e.response.status_code < 500:
+            raise
     except _transport_errors():
-        folder = snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True)
-        return _snapshot_files(folder)
+        pass
+    folder = snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True)
+    return _snapshot_files(folder), False
 
 
 def _gguf_base(name: str) -> str:
@@ -277,6 +284,24 @@ def _shards_from_index(repo_id: str, revision, cache: str) -> list[str]:
     return shards
 
 
+def _partial_snapshot(repo_id: str, revision: str, commit: str, cache: str, files: list[str],
+                      patterns: list[str]) -> ValueError:
+    """The error for a cached commit that lacks files this load needs, naming them."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import filter_repo_objects
+
+    folder = os.path.join(_repo_cache_folder(repo_id, cache), "snapshots", commit)
+    missing = [f for f in filter_repo_objects(files, allow_patterns=patterns)
+               if not os.path.isfile(os.path.join(folder, f))]
+    why = ("offline mode (HF_HUB_OFFLINE=1 or TRANSFORMERS_OFFLINE=1) forbids downloading them"
+           if constants.is_offline_mode() else f"the Hub ({constants.ENDPOINT}) could not be reached")
+    return ValueError(
+        f"Model {repo_id!r} (revision {revision!r}) is only partly in the Hugging Face cache at {folder}: "
+        f"it lacks {', '.join(missing) if missing else 'files this load needs'}, and {why}. Download "
+        f"them where the Hub is reachable (`hf download {repo_id} --revision {commit}`)."
+    )
+
+
 def resolve_hub_model(repo_id: str, *, revision: str | None = None, download_dir: str | None = None,
                       gguf_file: str | None = None, quant_tag: str | None = None,
                       weights: bool = True) -> HubSnapshot:
@@ -286,6 +311,7 @@ def resolve_hub_model(repo_id: str, *, revision: str | None = None, download_dir
     resolved to one commit first, and every file is taken at that commit, so a push to the
     repo meanwhile cannot mix two versions."""
     from huggingface_hub import HfApi, constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
     if gguf_file is not None and quant_tag is not None:
         raise ValueError(f"Give either {repo_id}:{quant_tag} or gguf_file={gguf_file!r}, not both.")
@@ -296,7 +322,7 @@ def resolve_hub_model(repo_id: str, *, revision: str | None = None, download_dir
         # Offline, the cached ref answers at once (no attempt to reach the Hub, no warning).
         resolved = api.resolve_revision(repo_id, revision=revision, cache_dir=cache,
                                         local_files_only=constants.is_offline_mode())
-        files = _repo_files(api, repo_id, resolved, cache)
+        files, reachable = _repo_files(api, repo_id, resolved, cache)
         chosen, patterns = _choose_files(repo_id, files, gguf_file, quant_tag, weights)
         if chosen is not None:
             patterns = [chosen]
@@ -304,7 +330,11 @@ def resolve_hub_model(repo_id: str, *, revision: str | None = None, download_dir
             shards = (_shards_from_index(repo_id, resolved, cache) if SAFETENSORS_INDEX in files
                       else [f for f in files if f.endswith(".safetensors")])
             patterns = patterns + [SAFETENSORS_INDEX] + shards
-        folder = snapshot_download(repo_id, revision=resolved, cache_dir=cache, allow_patterns=patterns)
+        try:
+            folder = snapshot_download(repo_id, revision=resolved, cache_dir=cache, allow_patterns=patterns,
+                                       local_files_only=not reachable)
+        except LocalEntryNotFoundError as e:  # the commit is known, some of its files are not here
+            raise _partial_snapshot(repo_id, asked, resolved.resolved, cache, files, patterns) from e
     path = folder
     if chosen is not None and os.path.dirname(chosen):  # `Q4_K_M/x.gguf`: the file's own folder
         path = os.path.join(folder, os.path.dirname(chosen))
