@@ -291,8 +291,10 @@ def _partial_snapshot(repo_id: str, revision: str, commit: str, cache: str, file
     from huggingface_hub.utils import filter_repo_objects
 
     folder = os.path.join(_repo_cache_folder(repo_id, cache), "snapshots", commit)
-    missing = [f for f in filter_repo_objects(files, allow_patterns=patterns)
-               if not os.path.isfile(os.path.join(folder, f))]
+    wanted = list(filter_repo_objects(files, allow_patterns=patterns))
+    optional = (*TOKENIZER_FILES, *CONFIG_FILES, SAFETENSORS_INDEX)
+    wanted += [p for p in patterns if p not in wanted and p not in optional]  # indexed, not listed
+    missing = [f for f in wanted if not os.path.isfile(os.path.join(folder, f))]
     why = ("offline mode (HF_HUB_OFFLINE=1 or TRANSFORMERS_OFFLINE=1) forbids downloading them"
            if constants.is_offline_mode() else f"the Hub ({constants.ENDPOINT}) could not be reached")
     return ValueError(
@@ -324,17 +326,23 @@ def resolve_hub_model(repo_id: str, *, revision: str | None = None, download_dir
                                         local_files_only=constants.is_offline_mode())
         files, reachable = _repo_files(api, repo_id, resolved, cache)
         chosen, patterns = _choose_files(repo_id, files, gguf_file, quant_tag, weights)
-        if chosen is not None:
-            patterns = [chosen]
-        elif weights:
-            shards = (_shards_from_index(repo_id, resolved, cache) if SAFETENSORS_INDEX in files
-                      else [f for f in files if f.endswith(".safetensors")])
-            patterns = patterns + [SAFETENSORS_INDEX] + shards
-        try:
+        try:  # from here on the commit is known: what is missing is some of its files
+            if chosen is not None:
+                patterns = [chosen]
+            elif weights:
+                shards = (_shards_from_index(repo_id, resolved, cache) if SAFETENSORS_INDEX in files
+                          else [f for f in files if f.endswith(".safetensors")])
+                patterns = patterns + [SAFETENSORS_INDEX] + shards
             folder = snapshot_download(repo_id, revision=resolved, cache_dir=cache, allow_patterns=patterns,
                                        local_files_only=not reachable)
-        except LocalEntryNotFoundError as e:  # the commit is known, some of its files are not here
-            raise _partial_snapshot(repo_id, asked, resolved.resolved, cache, files, patterns) from e
+            # Without a cached tree listing, an offline snapshot is returned as it is: check that
+            # the files the load opens (the GGUF, config.json, every indexed shard) are there.
+            opened = [chosen] if chosen is not None else (["config.json"] + shards if weights else [])
+            if any(not os.path.isfile(os.path.join(folder, f)) for f in opened):
+                raise LocalEntryNotFoundError(f"{folder} lacks some of {opened}")
+        except LocalEntryNotFoundError as e:
+            needed = patterns if not weights or chosen is not None else patterns + [SAFETENSORS_INDEX]
+            raise _partial_snapshot(repo_id, asked, resolved.resolved, cache, files, needed) from e
     path = folder
     if chosen is not None and os.path.dirname(chosen):  # `Q4_K_M/x.gguf`: the file's own folder
         path = os.path.join(folder, os.path.dirname(chosen))

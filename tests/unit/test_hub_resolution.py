@@ -228,3 +228,17 @@ def test_serve_command_line_resolves_the_id(hub):
     config = engine_config_from_args(args)
     src = resolve_model_source(config)
     assert (src.name, src.revision) == ("org/model", V1)
+
+
+def test_cached_snapshot_missing_a_shard(hub):
+    """The shard index names a file the cached snapshot lacks: named, not a later load error."""
+    index = b'{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}'
+    add_revision(hub, "org/sharded", MAIN, {"config.json": b"{}", "model.safetensors.index.json": index,
+                                            "model-00001-of-00002.safetensors": b"1"})
+    snapshot = hub / "models--org--sharded" / "snapshots" / MAIN
+    with pytest.raises(ValueError, match=rf"Model 'org/sharded' \(revision 'main'\) is only partly in the "
+                                         rf"Hugging Face cache at {snapshot}: it lacks "
+                                         r"model-00002-of-00002.safetensors, and offline mode"):
+        resolve_model("org/sharded")
+    add_revision(hub, "org/sharded", MAIN, {"model-00002-of-00002.safetensors": b"2"})
+    assert resolve_model("org/sharded").path == str(snapshot)
