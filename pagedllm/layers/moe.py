@@ -136,6 +136,8 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     out = torch.zeros_like(x)
     if x.shape[0] == 0:
         return out
+    if x.shape[0] == 1:  # one token (a single decode): its k experts directly, no sort or scatter
+        return _one_token(x, weights, ids, experts, out)
     k = ids.shape[1]
     flat = ids.reshape(-1)
     counts = torch.bincount(flat, minlength=len(experts)) if int(flat.min()) >= 0 else None
@@ -153,6 +155,17 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             start += n
     scaled = torch.cat(outputs) * weights.reshape(-1).index_select(0, order).unsqueeze(1)
     return out.index_add_(0, token_of, scaled.to(out.dtype))
+
+
+def _one_token(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: Sequence[nn.Module],
+               out: torch.Tensor) -> torch.Tensor:
+    chosen = ids[0].tolist()
+    if min(chosen) < 0 or max(chosen) >= len(experts):
+        raise ValueError(f"experts: routing chose expert ids {sorted(set(chosen))}, the layer has "
+                         f"{len(experts)} experts (0..{len(experts) - 1})")
+    for j, e in enumerate(chosen):
+        out += (experts[e](x) * weights[:, j:j + 1]).to(out.dtype)
+    return out
 
 
 def dense_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

@@ -172,6 +172,8 @@ def test_bad_routing_is_a_value_error():
         grouped_experts(x, torch.rand(3, 1), torch.tensor([[0], [4], [0]]), experts)
     with pytest.raises(ValueError, match=r"expert ids \[-1, 0\]"):
         grouped_experts(x, torch.rand(3, 1), torch.tensor([[0], [-1], [0]]), experts)
+    with pytest.raises(ValueError, match=r"expert ids \[1, 7\], the layer has 4 experts"):  # one token
+        grouped_experts(x[:1], torch.rand(1, 2), torch.tensor([[7, 1]]), experts)
     with pytest.raises(ValueError, match=r"must be \[T, H\], \[T, k\], \[T, k\]"):
         grouped_experts(x, torch.rand(2, 1), torch.zeros(2, 1, dtype=torch.int64), experts)
 
@@ -301,3 +303,14 @@ def test_check_tensor_parallel_names_the_expert_sizes():
                              moe_intermediate_size=36, num_experts=4)
     with pytest.raises(ValueError, match=r"each expert's intermediate size \(moe_intermediate_size\) of 36"):
         Qwen3MoeForCausalLM.check_tensor_parallel(wide, 8)
+
+
+def test_benchmark_variants_agree_and_report_ratios():
+    """benchmarks/moe.py on tiny shapes: it checks every variant's output against ours first."""
+    from benchmarks.moe import main
+
+    result = main(["--hidden", "64", "--intermediate", "96", "--tokens", "1", "9", "--iters", "1", "--repeats", "2"])
+    variants = {(r["tokens"], r["variant"]) for r in result["rows"]}
+    assert variants == {(t, v) for t in (1, 9) for v in ("pagedllm", "dense", "transformers", "per-token")}
+    assert all(r["ratio"] == 1.0 for r in result["rows"] if r["variant"] == "pagedllm")
+    assert all(len(r["runs_ms"]) == 2 and r["ms"] > 0 for r in result["rows"])
