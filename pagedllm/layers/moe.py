@@ -15,7 +15,9 @@ expert through its `layers/quantization` method, as any dense projection.
 
 A CUDA graph capture may not read counts to the host: while capturing, every expert runs on every
 token, weighted by a `[tokens, experts]` matrix that is zero off the chosen experts
-(`dense_experts`); same result, more arithmetic.
+(`dense_experts`); same result, more arithmetic. Under torch.compile (compiled CPU decode
+graphs) the grouped computation is left out of the graph (`torch.compiler.disable`): the rest
+of the step is compiled, the experts run eagerly on the C kernels, and no count recompiles.
 
 Tensor parallelism splits each expert's intermediate size (gate/up column-parallel, down
 row-parallel, as LlamaMLP); the router and Qwen2's `shared_expert_gate` are replicated, so every
@@ -184,6 +186,11 @@ def _capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+# Under torch.compile (the CPU's compiled decode graphs) the grouped experts stay eager: traced,
+# every new set of per-expert counts would be a recompilation; eager, they keep the C kernels.
+_grouped_outside_compile = torch.compiler.disable(grouped_experts)
+
+
 class MoeSpec(NamedTuple):
     """What an architecture's config says about its sparse blocks."""
 
@@ -227,7 +234,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        run = dense_experts if _capturing(x) else grouped_experts
+        run = dense_experts if _capturing(x) else _grouped_outside_compile
         out = run(x, weights, ids, self.experts)
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
