@@ -79,8 +79,10 @@ def hf_greedy(hf_model, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list
     from transformers import GenerationConfig
 
     ids = torch.tensor([prompt])
-    gen = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
+    # No EOS on either side (the engine runs with ignore_eos): neither stopping at it nor
+    # masking it (min_new_tokens would mask it on this side only).
+    hf_model.generation_config.eos_token_id = None
+    gen = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
     return out[0, len(prompt):].tolist()
 
