@@ -106,3 +106,78 @@ def test_c_kernel_writes_strided_rows_and_rejects_bad_slots():
     slots[0] = kc.shape[0] * 8  # one past the last slot
     with pytest.raises(ValueError, match="outside the KV cache"):
         decode_attention_c(query, kc, vc, tables, ctx, 0.25, None, new_kv=(key, value, slots))
+
+
+# ---- logit soft-capping (Gemma 2's attn_logit_softcapping) ----------------------------------------
+
+def _softcap_reference(query, key_cache, value_cache, tables, ctx, scale, window, cap):
+    """float64, per sequence: scores * scale, `cap * tanh(s / cap)`, window, softmax, values."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float64)
+    for s in range(num_seqs):
+        c = int(ctx[s])
+        blocks = tables[s, : -(-c // block_size)]
+        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:c].double().repeat_interleave(group, 1)
+        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:c].double().repeat_interleave(group, 1)
+        scores = torch.einsum("hd,khd->hk", query[s].double(), k) * scale
+        if cap:
+            scores = cap * torch.tanh(scores / cap)
+        if window:
+            scores[:, : max(0, c - window)] = float("-inf")
+        out[s] = torch.einsum("hk,khd->hd", scores.softmax(-1), v)
+    return out
+
+
+SOFTCAP_CASES = [
+    # (seqs, heads, kv heads, head_dim, block size, window, cap)
+    (6, 9, 3, 64, 16, None, 2.0),  # head_dim 64: the kernel's fast path
+    (5, 8, 2, 64, 32, 20, 1.5),  # with a sliding window
+    (4, 6, 1, 16, 8, None, 3.0),  # the general loops, multi-query
+    (3, 4, 4, 32, 8, 7, 50.0),  # Gemma 2's cap: hardly capped at these scores, still equal
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_seqs,num_heads,num_kv_heads,head_dim,block_size,window,cap", SOFTCAP_CASES)
+def test_softcap_c_kernel_and_torch_path_match_a_plain_reference(num_seqs, num_heads, num_kv_heads, head_dim,
+                                                                 block_size, window, cap):
+    q, kc, vc, tables, ctx = _case(num_seqs, num_heads, num_kv_heads, head_dim, block_size, seed=3)
+    q = q * 2.0  # scores of a few units: a cap of 1.5-3 bends most of them
+    scale = head_dim**-0.5
+    want = _softcap_reference(q, kc, vc, tables, ctx, scale, window, cap).float()
+    got = decode_attention_c(q, kc, vc, tables, ctx, scale, window, logits_soft_cap=cap)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=3e-6)
+    torch.testing.assert_close(decode_attention_torch(q, kc, vc, tables, ctx, scale, window, cap), want,
+                               rtol=1e-5, atol=3e-6)
+    if cap < 10:  # the cap changes the result (the comparison above is not vacuous)
+        plain = decode_attention_c(q, kc, vc, tables, ctx, scale, window)
+        assert float((plain - want).abs().max()) > 1e-2
+
+
+def test_softcap_torch_path_in_bfloat16_and_through_the_op():
+    """bfloat16 (the C kernel declines it): the torch path's explicit matmuls; and the registered
+    op with its cap argument, the path compiled decode graphs take."""
+    q, kc, vc, tables, ctx = _case(3, 4, 2, 16, 8, seed=4)
+    q = q * 3.0
+    want = _softcap_reference(q, kc, vc, tables, ctx, 0.25, None, 2.0)
+    got = decode_attention_torch(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), tables, ctx, 0.25, None, 2.0)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=5e-2)
+    key, value = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    last = ctx - 1
+    slots = tables[torch.arange(3), last // 8] * 8 + last % 8
+    kv_cache = torch.stack([kc, vc])
+    out = torch.ops.pagedllm.paged_decode_attention(q, key, value, kv_cache, slots, tables, ctx, 0.25, None,
+                                                    None, None, 2.0)
+    want = _softcap_reference(q, kv_cache[0], kv_cache[1], tables, ctx, 0.25, None, 2.0).float()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=3e-6)
+
+
+@pytest.mark.parametrize("cap", [0.0, -1.0, float("inf"), float("nan"), True, "5"])
+def test_attention_layer_refuses_a_bad_soft_cap(cap):
+    from pagedllm.layers.attention import Attention
+
+    with pytest.raises(ValueError, match="logits_soft_cap must be a positive finite number"):
+        Attention(4, 16, 0.25, 2, logits_soft_cap=cap)

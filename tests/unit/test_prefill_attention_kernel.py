@@ -58,9 +58,10 @@ def _case(seqs, num_heads, num_kv_heads, head_dim, block_size, num_decodes=0, se
     return q, k, v, kc, vc, md
 
 
-def attend_prefills(q, keys, vals, md, scale, window):
+def attend_prefills(q, keys, vals, md, scale, window, softcap=None):
     """Float64 causal attention of each prefill's queries over its gathered context: `keys` and
-    `vals` are the cache's blocks `[num_blocks, block, Hk, dh]` (any float dtype)."""
+    `vals` are the cache's blocks `[num_blocks, block, Hk, dh]` (any float dtype); `softcap`:
+    the scaled scores become `softcap * tanh(s / softcap)` before the mask."""
     hk, dh = keys.shape[-2:]
     outs = []
     for i in range(md.num_prefills):
@@ -72,6 +73,8 @@ def attend_prefills(q, keys, vals, md, scale, window):
         group = qs.shape[1] // hk
         keys_i, vals_i = keys_i.repeat_interleave(group, 1), vals_i.repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", qs, keys_i) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         qpos = torch.arange(ctx - q_len, ctx)[:, None]
         kpos = torch.arange(ctx)[None, :]
         visible = kpos <= qpos
@@ -82,14 +85,14 @@ def attend_prefills(q, keys, vals, md, scale, window):
     return torch.cat(outs)
 
 
-def _reference(q, k, v, kc, vc, md, scale, window):
-    """Plain torch, float64: store the new K/V, gather each context, mask, softmax."""
+def _reference(q, k, v, kc, vc, md, scale, window, softcap=None):
+    """Plain torch, float64: store the new K/V, gather each context, (soft-cap,) mask, softmax."""
     kc, vc = kc.clone(), vc.clone()
     nd = md.num_decode_tokens
     hk, dh = kc.shape[2], kc.shape[3]
     kc.view(-1, hk, dh)[md.slot_mapping[nd:]] = k[nd:]
     vc.view(-1, hk, dh)[md.slot_mapping[nd:]] = v[nd:]
-    return attend_prefills(q, kc, vc, md, scale, window), kc, vc
+    return attend_prefills(q, kc, vc, md, scale, window, softcap), kc, vc
 
 
 CASES = [
@@ -167,3 +170,39 @@ def test_declines_other_dtypes_and_missing_tables():
     assert prefill_attention_c(q.bfloat16(), k.bfloat16(), v.bfloat16(), kc.bfloat16(), vc.bfloat16(), md, 0.25, None) is None
     md.prefill_block_tables_padded = None
     assert prefill_attention_c(q, k, v, kc, vc, md, 0.25, None) is None
+
+
+# ---- logit soft-capping (Gemma 2's attn_logit_softcapping) ----------------------------------------
+
+@needs_kernel
+@pytest.mark.parametrize("seqs,num_heads,num_kv_heads,head_dim,block_size,window", CASES)
+@pytest.mark.parametrize("cap", [2.0, 50.0])
+def test_softcap_c_kernel_matches_reference(seqs, num_heads, num_kv_heads, head_dim, block_size, window, cap):
+    q, k, v, kc, vc, md = _case(seqs, num_heads, num_kv_heads, head_dim, block_size)
+    q = q * 2.0  # scores of a few units: a cap of 2 bends most of them
+    scale = head_dim**-0.5
+    want, want_kc, want_vc = _reference(q, k, v, kc, vc, md, scale, window, cap)
+    got = prefill_attention_c(q, k, v, kc, vc, md, scale, window, logits_soft_cap=cap)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=3e-6)
+    assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+    if cap < 10:  # the cap changes the result (the comparison above is not vacuous)
+        assert float((_reference(q, k, v, kc, vc, md, scale, window)[0] - want).abs().max()) > 1e-2
+
+
+@pytest.mark.parametrize("window", [None, 11])
+def test_softcap_backend_portable_path_matches_reference_with_decodes(window):
+    """The torch backend without the C kernels (SDPA cannot cap: explicit matmuls), prompts and
+    chunks on cached context next to decodes, equals the plain reference; so does its kernel path."""
+    seqs = [(23, 23), (8, 41), (1, 19)]
+    q, k, v, kc, vc, md = _case(seqs, 9, 3, 64, 16, num_decodes=3)
+    q = q * 2.0
+    want, _, _ = _reference(q, k, v, kc, vc, md, 0.125, window, 2.0)
+    md_portable = AttentionMetadata(**{**md.__dict__, "prefill_block_tables_padded": None, "_mask_cache": {}})
+    got = TorchPagedAttentionBackend.forward(q, k, v, torch.stack([kc, vc]), md_portable, 0.125, window,
+                                             logits_soft_cap=2.0)
+    nd = md.num_decode_tokens
+    torch.testing.assert_close(got[nd:], want, rtol=1e-5, atol=3e-6)
+    if prefill_op._c_kernel() is not None:
+        fast = TorchPagedAttentionBackend.forward(q, k, v, torch.stack([kc, vc]), md, 0.125, window,
+                                                  logits_soft_cap=2.0)
+        torch.testing.assert_close(fast, got, rtol=1e-5, atol=3e-6)

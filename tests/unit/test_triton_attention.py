@@ -108,8 +108,9 @@ class Cache:
         return table
 
 
-def reference(q, cache, tables, ctx_lens, q_lens, scale, window=None):
-    """float64 attention of `q [T, Hq, D]` (sequences' queries back to back)."""
+def reference(q, cache, tables, ctx_lens, q_lens, scale, window=None, softcap=None):
+    """float64 attention of `q [T, Hq, D]` (sequences' queries back to back); `softcap`: scaled
+    scores s become `softcap * tanh(s / softcap)` (Gemma 2) before the mask."""
     T, Hq, D = q.shape
     Hk, B = cache.kd.shape[2], cache.block_size
     G = Hq // Hk
@@ -127,6 +128,8 @@ def reference(q, cache, tables, ctx_lens, q_lens, scale, window=None):
             vis &= kpos > qpos - window
         qs = q[start:start + ql].double().cpu()
         scores = torch.einsum("qhd,khd->hqk", qs, k.nan_to_num(0.0)) * scale  # poison before the window: 0
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         p = torch.softmax(torch.where(vis[None], scores, -math.inf), -1)
         out[start:start + ql] = torch.einsum("hqk,khd->qhd", p, v.nan_to_num(0.0))
         start += ql
@@ -139,31 +142,33 @@ def check(out, ref, dtype, what=""):
     torch.testing.assert_close(out.double().cpu(), ref, atol=TOL[dtype], rtol=TOL[dtype], msg=lambda m: f"{what}: {m}")
 
 
-def run_decode(cache, ctx_lens, Hq, dtype, seed, window=None, num_splits=None, scale=None, width=None, **kw):
+def run_decode(cache, ctx_lens, Hq, dtype, seed, window=None, num_splits=None, scale=None, width=None, softcap=None,
+               q_std=1.0, **kw):
     D = cache.key.shape[3]
-    q = torch.randn(len(ctx_lens), Hq, D, generator=gen(seed)).to(dtype)
+    q = (torch.randn(len(ctx_lens), Hq, D, generator=gen(seed)) * q_std).to(dtype)
     tables = cache.tables(ctx_lens, seed, width=width, first_visible=[max(0, c - window) for c in ctx_lens]
                           if window else None)
     scale = scale or D ** -0.5
     out = ta.paged_decode_attention(q.to(DEVICE), cache.key, cache.value, tables.to(DEVICE),
                                     torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE), scale,
                                     sliding_window=window, k_scale=cache.k_scale, v_scale=cache.v_scale,
-                                    num_splits=num_splits, **kw)
-    return out, reference(q, cache, tables, ctx_lens, [1] * len(ctx_lens), scale, window)
+                                    num_splits=num_splits, logits_soft_cap=softcap, **kw)
+    return out, reference(q, cache, tables, ctx_lens, [1] * len(ctx_lens), scale, window, softcap)
 
 
-def run_prefill(cache, ctx_lens, q_lens, Hq, dtype, seed, window=None, scale=None):
+def run_prefill(cache, ctx_lens, q_lens, Hq, dtype, seed, window=None, scale=None, softcap=None, q_std=1.0):
     D = cache.key.shape[3]
     T = sum(q_lens)
-    q = torch.randn(T, Hq, D, generator=gen(seed)).to(dtype)
+    q = (torch.randn(T, Hq, D, generator=gen(seed)) * q_std).to(dtype)
     tables = cache.tables(ctx_lens, seed, first_visible=[max(0, c - ql - window + 1) for c, ql in zip(ctx_lens, q_lens)]
                           if window else None)
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     scale = scale or D ** -0.5
     out = ta.paged_prefill_attention(q.to(DEVICE), cache.key, cache.value, tables.to(DEVICE), qsl,
                                      torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE), scale, max(q_lens),
-                                     sliding_window=window, k_scale=cache.k_scale, v_scale=cache.v_scale)
-    return out, reference(q, cache, tables, ctx_lens, q_lens, scale, window)
+                                     sliding_window=window, k_scale=cache.k_scale, v_scale=cache.v_scale,
+                                     logits_soft_cap=softcap)
+    return out, reference(q, cache, tables, ctx_lens, q_lens, scale, window, softcap)
 
 
 # ---- decode ----------------------------------------------------------------------------------------
@@ -603,6 +608,57 @@ def test_decode_and_prefill_capture_in_a_cuda_graph(monkeypatch):
         check(pre, ref, torch.bfloat16, f"prefill replay {seed}")
 
 
+# ---- logit soft-capping (Gemma 2's attn_logit_softcapping: the SOFTCAP constexpr) ---------------
+
+@pytest.mark.parametrize("cap,window,splits", [(2.0, None, 1), (1.0, 7, 3), (50.0, None, 2)])
+@needs_triton
+def test_decode_softcap(mode, cap, window, splits):
+    """Scores of a few units (queries x 3) capped at 1-2 (most of them bent), and at Gemma 2's 50;
+    split-K and a window; the uncapped kernel's result differs (the check is not vacuous)."""
+    cache = Cache(40, 8, 3, 64, torch.float32, seed=11)
+    ctx = [1, 9, 41, 150]
+    out, ref = run_decode(cache, ctx, 9, torch.float32, seed=12, window=window, num_splits=splits, softcap=cap,
+                          q_std=3.0)
+    check(out, ref, torch.float32, f"softcap {cap}")
+    plain, _ = run_decode(cache, ctx, 9, torch.float32, seed=12, window=window, num_splits=splits, q_std=3.0)
+    assert float((plain.double().cpu() - ref).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("cap,window", [(2.0, None), (1.0, 9)])
+@needs_triton
+def test_prefill_softcap(mode, cap, window):
+    """Prompts and chunks on cached context (masked and unmasked key steps), capped scores."""
+    cache = Cache(40, 16, 2, 32, torch.float32, seed=13)
+    out, ref = run_prefill(cache, [70, 20, 5], [30, 20, 1], 4, torch.float32, seed=14, window=window, softcap=cap,
+                           q_std=3.0)
+    check(out, ref, torch.float32, f"softcap {cap}")
+    plain, _ = run_prefill(cache, [70, 20, 5], [30, 20, 1], 4, torch.float32, seed=14, window=window, q_std=3.0)
+    assert float((plain.double().cpu() - ref).abs().max()) > 1e-3
+
+
+@needs_triton
+def test_softcap_bfloat16_and_tanh_accuracy(mode):
+    """bfloat16 queries and cache with a cap; and the kernel's tanh (exp2 form, Taylor series
+    below 1/8) across its branch point: caps 1e3 .. 1e-2 put the scores on both sides."""
+    cache = Cache(16, 16, 3, 64, torch.bfloat16, seed=15)
+    out, ref = run_decode(cache, [1, 20, 90], 9, torch.bfloat16, seed=16, num_splits=2, softcap=2.0, q_std=3.0)
+    check(out, ref, torch.bfloat16)
+    cache = Cache(16, 16, 1, 64, torch.float32, seed=17)
+    for cap in (1e3, 10.0, 0.3, 1e-2):
+        out, ref = run_decode(cache, [3, 33, 64], 4, torch.float32, seed=18, softcap=cap)
+        check(out, ref, torch.float32, f"softcap {cap}")
+
+
+@needs_triton
+def test_softcap_refused_unless_positive_and_finite(mode):
+    cache = Cache(8, 16, 1, 64, torch.float32, seed=19)
+    for cap in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="logits_soft_cap must be a positive finite number"):
+            run_decode(cache, [3], 4, torch.float32, seed=1, softcap=cap)
+        with pytest.raises(ValueError, match="logits_soft_cap must be a positive finite number"):
+            run_prefill(cache, [3], [3], 4, torch.float32, seed=1, softcap=cap)
+
+
 # ---- the compiled kernels, without a GPU: ahead-of-time compilation to CUDA binaries -------------
 
 def _compile(launch, capability, tmp_path):
@@ -637,6 +693,33 @@ COMPILE_CASES = [
     (9, 3, 64, 16, torch.float16, torch.float8_e5m2, 256),
     (4, 1, 96, 128, torch.float32, torch.float32, None),
 ]
+
+
+@needs_ptxas
+@pytest.mark.parametrize("capability", [80, 90])
+@pytest.mark.parametrize("head_dim,q_dtype", [(256, torch.bfloat16), (128, torch.float16)])
+def test_softcap_compiles_to_cuda_binary(monkeypatch, tmp_path, capability, head_dim, q_dtype):
+    """The SOFTCAP variants compile for sm_80 / sm_90 without register spills, at Gemma 2 9B's
+    attention (16 query / 8 KV heads of 256, window 4096, cap 50) and at head_dim 128
+    (Gemma 2 27B); the capped decode keeps its tensor-core dot."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    Hq, Hk, B, T, S, W = 16, 8, 16, 256, 8, 64
+    cache = torch.empty(2, 32, B, Hk, head_dim, dtype=q_dtype)
+    scales = torch.ones(Hk)
+    q = torch.empty(S, Hq, head_dim, dtype=q_dtype)
+    tables, lens = torch.zeros(S, W, dtype=torch.int32), torch.ones(S, dtype=torch.int32)
+    launches = ta._decode_launches(q, cache[0], cache[1], tables, lens, 0.0625, 4096, False, scales, scales, 1,
+                                   torch.empty_like(q), 50.0)
+    qp = torch.empty(T, Hq, head_dim, dtype=q_dtype)
+    launches.append(ta._prefill_launch(qp, cache[0], cache[1], tables[:2], torch.zeros(3, dtype=torch.int32),
+                                       lens[:2], 0.0625, T, 4096, False, scales, scales, torch.empty_like(qp),
+                                       capability=divmod(capability, 10), logits_soft_cap=50.0))
+    assert all(launch.constexprs["SOFTCAP"] for launch in launches)
+    for launch in launches:
+        ptx = _compile(launch, capability, tmp_path)
+        if launch.kernel == "decode":
+            assert "mma.sync" in ptx
 
 
 @needs_ptxas
