@@ -1,0 +1,194 @@
+"""Gemma 2 and Gemma 3 (text): tiny random checkpoints by transformers' own classes, greedy
+through the whole engine equal to transformers' `generate` in every engine mode, logits parity,
+and the Gemma parts shown to matter: transformers' own output changes without the attention /
+final soft caps or with another window (so the parity is not vacuous), ours changes without the
+q/k norms or with one rope table; our per-layer windows, rope tables, scales and caps equal
+transformers'. Both windows (8) are shorter than every prompt but the first; the caps are small
+enough that they bend these models' scores."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from transformers import Gemma2Config, Gemma3TextConfig
+
+from pagedllm.layers.backends import triton_attention
+from pagedllm.model import get_model_class, load_model
+from pagedllm.model.gemma2 import Gemma2ForCausalLM
+from pagedllm.model.gemma3 import Gemma3ForCausalLM
+from pagedllm.model.llama import LlamaAttention
+from tests.integration.arch_parity import (
+    MODES,
+    build_tiny,
+    check_engine_greedy,
+    hf_greedy,
+    our_prefill_logits,
+    prefill_logits_max_abs,
+    tiny_prompts,
+)
+
+CONFIGS = {
+    # Layers sliding / full / sliding / full; query_pre_attn_scalar 24 != head_dim 16.
+    "gemma2": dict(kind="gemma2", sliding_window=8, attn_logit_softcapping=3.0, final_logit_softcapping=0.5),
+    # Layers sliding, sliding, full, sliding (pattern 3); local rope base 100 against 1M with a
+    # linear x2 scaling on the global layers; q/k norms.
+    "gemma3": dict(kind="gemma3", sliding_window=8, sliding_window_pattern=3, rope_local_base_freq=100.0,
+                   rope_scaling={"rope_type": "linear", "factor": 2.0}, final_logit_softcapping=0.5),
+}
+_CLASSES = {"gemma2": Gemma2Config, "gemma3": Gemma3TextConfig}
+
+
+def _config(kind: str, **overrides):
+    base = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, max_position_embeddings=256)
+    return _CLASSES[kind](**(base | overrides))
+
+
+# Random embeddings times sqrt(hidden) = 8 outweigh the post-normed layer outputs in the residual
+# stream, and a tied head then repeats the last token: shrunk, the outputs are varied.
+EMBED_SHRINK = 0.1
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def tiny(request, tmp_path_factory):
+    """`(name, path, transformers model, references memo)` of each tiny checkpoint."""
+    path = tmp_path_factory.mktemp(request.param)
+    hf = build_tiny(_config(**CONFIGS[request.param]), path, seed=len(request.param))
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.mul_(EMBED_SHRINK)
+    hf.save_pretrained(path, safe_serialization=True)
+    return request.param, path, hf, {}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_matches_transformers(tiny, mode):
+    name, path, hf, refs = tiny
+    check_engine_greedy(name, path, hf, mode, refs)
+
+
+def test_tensor_parallel_matches_transformers(tiny):
+    """Two ranks (gloo): each its query / KV heads and intermediate slice, norms replicated."""
+    name, path, hf, refs = tiny
+    check_engine_greedy(f"{name} tp=2", path, hf, "preempt-recompute", refs, tensor_parallel_size=2)
+
+
+@torch.no_grad()
+def _hf_logits(hf, sequences):
+    return [hf(torch.tensor([s])).logits[0] for s in sequences]
+
+
+def _max_diff(a, b) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def test_logits_match_and_layers_are_transformers(tiny):
+    """Logits parity; our model's per-layer windows, scales, caps and rope tables are
+    transformers' (read off its modules)."""
+    name, path, hf, _ = tiny
+    prefill_logits_max_abs(name, path, hf, tiny_prompts(1000))
+    model = load_model(str(path), None, hf.config, torch.float32, "cpu")
+    cls = Gemma2ForCausalLM if name == "gemma2" else Gemma3ForCausalLM
+    assert type(model) is cls is get_model_class(hf.config)
+    assert model.embed_scale == 8.0 and model.final_logit_softcapping == hf.config.final_logit_softcapping
+    windows = []
+    for ours, theirs in zip(model.model.layers, hf.model.layers):
+        attn = ours.self_attn.attn
+        assert attn.sliding_window == theirs.self_attn.sliding_window
+        assert attn.scale == theirs.self_attn.scaling == 24**-0.5
+        cap = theirs.self_attn.attn_logit_softcapping if name == "gemma2" else None  # Gemma 3 passes none
+        assert attn.logits_soft_cap == cap
+        windows.append(attn.sliding_window)
+    assert windows == ([8, None, 8, None] if name == "gemma2" else [8, 8, None, 8])
+    rotary = hf.model.rotary_emb
+    if name == "gemma2":
+        torch.testing.assert_close(model.model.rotary_emb.inv_freq, rotary.inv_freq, rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(model.model.rotary_emb.inv_freq, rotary.full_attention_inv_freq, rtol=0, atol=0)
+        torch.testing.assert_close(model.model.rotary_emb_local.inv_freq, rotary.sliding_attention_inv_freq,
+                                   rtol=0, atol=0)
+        assert not torch.equal(rotary.full_attention_inv_freq, rotary.sliding_attention_inv_freq)
+        for ours, theirs in zip(model.model.layers, hf.model.layers):
+            torch.testing.assert_close(ours.self_attn.k_norm.weight, theirs.self_attn.k_norm.weight, rtol=0, atol=0)
+
+
+def test_soft_caps_and_windows_change_transformers_output(tiny, monkeypatch):
+    """The parity is not vacuous: transformers itself gives other logits for these prompts
+    without the attention soft cap (Gemma 2), without the final soft cap, or with the sliding
+    window widened past every sequence, and other greedy tokens without the attention cap or
+    the window (the final cap is monotonic: it changes logprobs and sampling, not argmaxes)."""
+    name, path, hf, refs = tiny
+    prompts = tiny_prompts(1000)
+    sequences = [p + refs.get(i, hf_greedy(hf, p)) for i, p in enumerate(prompts)]
+    ref = _hf_logits(hf, sequences)
+    greedy = [hf_greedy(hf, p) for p in prompts]
+    variants = {"final_logit_softcapping": lambda: monkeypatch.setattr(hf.config, "final_logit_softcapping", None),
+                "sliding_window": lambda: monkeypatch.setattr(hf.config, "sliding_window", 10**6)}
+    if name == "gemma2":
+        variants["attn_logit_softcapping"] = lambda: [monkeypatch.setattr(layer.self_attn, "attn_logit_softcapping",
+                                                                          None) for layer in hf.model.layers]
+    for what, change in variants.items():
+        change()
+        assert _max_diff(_hf_logits(hf, sequences), ref) > 1e-2, what
+        if what != "final_logit_softcapping":  # tanh is monotonic: the final cap never moves an argmax
+            assert [hf_greedy(hf, p) for p in prompts] != greedy, what
+        monkeypatch.undo()
+    assert _max_diff(_hf_logits(hf, sequences), ref) == 0.0  # undone
+
+
+def _ours_with(path, config, sequences, edit, monkeypatch):
+    """Our prefill logits (arch_parity's runner) of the model as loaded, then `edit`ed."""
+    import pagedllm.model as model_pkg
+
+    load = model_pkg.load_model
+
+    def load_and_edit(*args, **kwargs):
+        model = load(*args, **kwargs)
+        edit(model)
+        return model
+
+    with monkeypatch.context() as m:
+        m.setattr(model_pkg, "load_model", load_and_edit)
+        return our_prefill_logits(path, config, sequences)
+
+
+def _each_attention(fn):
+    return lambda model: [fn(layer.self_attn) for layer in model.model.layers]
+
+
+def test_our_gemma_parts_matter(tiny, monkeypatch):
+    """Our logits leave transformers' without each part: no window on any layer, no attention
+    soft cap (Gemma 2); the global rope table on every layer, no q/k norms (Gemma 3)."""
+    name, path, hf, _ = tiny
+    sequences = [tiny_prompts(1000)[3]]
+    ref = _hf_logits(hf, sequences)
+    edits = {"no window": _each_attention(lambda a: setattr(a.attn, "sliding_window", None))}
+    if name == "gemma2":
+        edits["no attention cap"] = _each_attention(lambda a: setattr(a.attn, "logits_soft_cap", None))
+    else:
+        edits["one rope table"] = lambda model: setattr(
+            model.model, "rotary_tables", lambda positions, md: [model.model.rotary_emb(positions, md)] * 4)
+        edits["no q/k norms"] = _each_attention(lambda a: setattr(a, "forward", types.MethodType(LlamaAttention.forward, a)))
+    assert _max_diff(_ours_with(path, hf.config, sequences, lambda model: None, monkeypatch), ref) < 1e-4
+    for what, edit in edits.items():
+        assert _max_diff(_ours_with(path, hf.config, sequences, edit, monkeypatch), ref) > 1e-2, what
+
+
+def test_unsupported_variants_are_refused():
+    config = _config("gemma3", use_bidirectional_attention=True)
+    with pytest.raises(ValueError, match="use_bidirectional_attention=True"):
+        Gemma3ForCausalLM(config)
+    config = _config("gemma2", attn_logit_softcapping=-1.0)
+    with pytest.raises(ValueError, match="logits_soft_cap must be a positive finite number"):
+        Gemma2ForCausalLM(config)
+
+
+@pytest.mark.skipif(not triton_attention.HAS_TRITON, reason="triton is not installed")
+def test_triton_backend_matches_transformers(tiny, monkeypatch):
+    """The Triton backend (its SOFTCAP kernels; Triton's interpreter on CPU) through the engine,
+    chunked prefill then decode: transformers' tokens."""
+    name, path, hf, refs = tiny
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    check_engine_greedy(f"{name} triton", path, hf, "chunked-prefill", refs, attention_backend="triton")
