@@ -53,6 +53,18 @@
 #define KC 16 /* key positions per chunk: one vector of scores */
 #define STACK_FLOATS 8192
 
+/* cap * tanh(s / cap) of a chunk's 16 scores (Gemma's attention logit soft-capping), as one
+ * vector call of libmvec's tanhf. */
+static inline v16 soft_cap16(v16 s, float cap) {
+    float x[KC];
+    memcpy(x, &s, sizeof(x));
+    const float inv = 1.0f / cap;
+#pragma omp simd
+    for (int t = 0; t < KC; ++t) x[t] = cap * tanhf(x[t] * inv);
+    memcpy(&s, x, sizeof(x));
+    return s;
+}
+
 /* Inlined into one copy per element kind (attend_tile_kind): `kind` is a constant inside. */
 static inline __attribute__((always_inline)) int attend_tile(
     const float *query, int64_t q_stride, const char *key_cache, const char *value_cache,
@@ -123,10 +135,7 @@ static inline __attribute__((always_inline)) int attend_tile(
                 }
                 for (; d < head_dim; ++d) s0 += qc[d] * load16(kt + (int64_t)d * KC);
                 v16 s = (s0 + s1) + (s2 + s3);
-                if (softcap > 0.0f) {
-                    const float inv = 1.0f / softcap;
-                    for (int t = 0; t < KC; ++t) s[t] = softcap * tanhf(s[t] * inv);
-                }
+                if (softcap > 0.0f) s = soft_cap16(s, softcap);
                 float m = mx[c];
                 for (int t = (int)lo; t < (int)hi; ++t) m = s[t] > m ? s[t] : m;
                 const float corr = expf(mx[c] - m);
