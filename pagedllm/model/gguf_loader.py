@@ -7,6 +7,14 @@ dimensions innermost first), renamed (`blk.N.attn_q.weight` -> `model.layers.N.s
 weight`, ...), and llama.cpp's row permutation of the Q/K projections is undone for files whose
 `general.architecture` is `llama` (Llama and Mistral checkpoints), exactly as transformers'
 `LlamaTensorProcessor` does. Qwen2 files are not permuted by llama.cpp.
+
+Gemma 2 / Gemma 3 files (`gemma2`, `gemma3`): llama.cpp names their four norms per layer
+`attn_norm`, `post_attention_norm`, `ffn_norm` (the pre-feed-forward one) and `post_ffw_norm`,
+and stores every norm weight as `1 + w`: one is subtracted, as transformers'
+`Gemma2TensorProcessor` does. transformers' GGUF config reader drops some of their metadata
+(the soft caps, Gemma 3's rope scaling; 27B's query_pre_attn_scalar, which llama.cpp infers from
+the layer count); a file whose metadata disagrees with the config is refused by name
+(`check_gemma_metadata`), rather than run with another model's numbers.
 """
 
 from __future__ import annotations
@@ -40,6 +48,15 @@ _TOP_NAMES = {
 }
 # Tensors some converters add that the model recomputes from its config.
 _IGNORED = {"rope_freqs.weight"}
+# Gemma's names where they differ from Llama's (llama.cpp's GEMMA2 / GEMMA3 tensors).
+_GEMMA_BLOCK_NAMES = _BLOCK_NAMES | {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GEMMA_ARCHITECTURES = {"gemma2", "gemma3"}
+# layer count -> llama.cpp's 27B (query scale from hidden / heads, not head_dim)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _PERMUTED_ARCHITECTURES = {"llama"}
 
@@ -144,15 +161,17 @@ def gguf_blocks(data: np.ndarray, tensor_type: Any, shape: tuple[int, ...]) -> G
     return GGUFBlockWeight(codes, d, m, 4, "Q4_1")
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """transformers name of a llama.cpp tensor name; None for one to ignore; ValueError if unknown."""
+def gguf_to_hf_name(name: str, architecture: str = "llama") -> str | None:
+    """transformers name of a llama.cpp tensor name (of a file of `general.architecture`
+    `architecture`); None for one to ignore; ValueError if unknown."""
     if name in _IGNORED:
         return None
     m = _BLOCK_RE.match(name)
     if m:
         layer, kind, suffix = m.groups()
-        if kind in _BLOCK_NAMES:
-            return f"model.layers.{layer}.{_BLOCK_NAMES[kind]}.{suffix}"
+        names = _GEMMA_BLOCK_NAMES if architecture in _GEMMA_ARCHITECTURES else _BLOCK_NAMES
+        if kind in names:
+            return f"model.layers.{layer}.{names[kind]}.{suffix}"
     else:
         base, _, suffix = name.rpartition(".")
         if base in _TOP_NAMES and suffix in ("weight", "bias"):
@@ -170,6 +189,48 @@ def reverse_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 def gguf_architecture(reader: Any) -> str:
     field = reader.fields["general.architecture"]
     return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def _gguf_number(reader: Any, key: str) -> float | None:
+    field = reader.fields.get(key)
+    return None if field is None else float(field.parts[field.data[0]][0])
+
+
+def _rope_factor(hf_config: Any, architecture: str) -> float:
+    """The linear rope factor of the config's global layers (1: none)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if architecture == "gemma3":
+        params = params.get("full_attention") or {}
+    return float(params.get("factor", 1.0)) if params.get("rope_type", "default") != "default" else 1.0
+
+
+def check_gemma_metadata(reader: Any, architecture: str, hf_config: Any) -> None:
+    """ValueError naming each Gemma parameter where the file's metadata (llama.cpp's values) and
+    `hf_config` (what transformers' GGUF config reader made of it) disagree: the soft caps, the
+    global layers' rope scaling, the attention scale (llama.cpp: hidden / heads for the 27B
+    models, head_dim otherwise)."""
+    mismatches = []
+
+    def compare(what: str, in_file: float | None, in_config: Any) -> None:
+        if in_file is not None and (in_config is None or abs(float(in_config) - in_file) > 1e-6 * max(1.0, in_file)):
+            mismatches.append(f"{what}: file {in_file:g}, config {in_config}")
+
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        config_value = getattr(hf_config, key, None)
+        if not (architecture == "gemma3" and key == "attn_logit_softcapping"):  # Gemma 3 does not use it
+            compare(key, _gguf_number(reader, f"{architecture}.{key}"), config_value)
+    factor = _gguf_number(reader, f"{architecture}.rope.scaling.factor")
+    if factor is not None and factor != 1.0:
+        compare("rope scaling factor", factor, _rope_factor(hf_config, architecture))
+    heads, hidden = hf_config.num_attention_heads, hf_config.hidden_size
+    is_27b = hf_config.num_hidden_layers == _GEMMA_27B_LAYERS[architecture]
+    expected = hidden // heads if is_27b else (getattr(hf_config, "head_dim", None) or hidden // heads)
+    compare("query_pre_attn_scalar (llama.cpp: hidden / heads for 27B, else head_dim)", float(expected),
+            getattr(hf_config, "query_pre_attn_scalar", None))
+    if mismatches:
+        raise ValueError(f"This {architecture} GGUF file's metadata disagrees with its transformers config "
+                         f"(transformers' GGUF reader does not carry these): {'; '.join(mismatches)}. "
+                         "Use the safetensors checkpoint, or pass a config that has the file's values.")
 
 
 def resolve_gguf_path(model_path: str, gguf_file: str | None) -> str | None:
@@ -236,13 +297,17 @@ def iter_gguf_weights(path: str, hf_config: Any, keep_blocks: bool = False, slic
     import gguf
 
     reader = gguf.GGUFReader(path)
-    permute = gguf_architecture(reader) in _PERMUTED_ARCHITECTURES
+    architecture = gguf_architecture(reader)
+    permute = architecture in _PERMUTED_ARCHITECTURES
+    gemma = architecture in _GEMMA_ARCHITECTURES
+    if gemma:
+        check_gemma_metadata(reader, architecture, hf_config)
     n_head = hf_config.num_attention_heads
     n_kv_head = getattr(hf_config, "num_key_value_heads", None) or n_head
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_head
     supported = supported_tensor_types()
     for tensor in reader.tensors:
-        hf_name = gguf_to_hf_name(tensor.name)
+        hf_name = gguf_to_hf_name(tensor.name, architecture)
         if hf_name is None:
             continue
         if tensor.tensor_type not in supported:
@@ -269,4 +334,6 @@ def iter_gguf_weights(path: str, hf_config: Any, keep_blocks: bool = False, slic
         weight = dequantize_tensor(data, tensor.tensor_type).reshape(shape)
         if permute and (".self_attn.q_proj." in hf_name or ".self_attn.k_proj." in hf_name):
             weight = reverse_permute(weight, heads)
+        if gemma and tensor.name.endswith("norm.weight"):
+            weight = weight.float() - 1.0  # llama.cpp stores Gemma's norms as 1 + w
         yield hf_name, _apply_cuts(weight, left)

@@ -192,3 +192,88 @@ def test_triton_backend_matches_transformers(tiny, monkeypatch):
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     check_engine_greedy(f"{name} triton", path, hf, "chunked-prefill", refs, attention_backend="triton")
+
+
+# ---- GGUF: llama.cpp's gemma2 / gemma3 files ------------------------------------------------------
+
+_GGUF_BLOCK = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_GGUF_TYPES = {"attn_q": "Q8_0", "attn_k": "Q4_1", "attn_v": "F16", "attn_output": "Q4_0", "ffn_gate": "Q5_0",
+               "ffn_up": "BF16", "ffn_down": "Q8_0", "token_embd": "Q8_0"}
+
+
+def _write_gemma_gguf(hf, arch: str, path, metadata: dict[str, float]) -> None:
+    """`hf` as llama.cpp writes a Gemma (norms as 1 + w, its tensor names, no output.weight:
+    tied), in mixed quantization types, with `metadata` ({arch}.key -> float); `hf`'s weights are
+    rounded to what the file holds, so both sides compute with the same numbers."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize, quantize
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in metadata.items():
+        writer.add_float32(f"{arch}.{key}", value)
+    with torch.no_grad():
+        for hf_name, param in hf.state_dict().items():
+            if hf_name == "lm_head.weight":
+                continue
+            if hf_name in ("model.embed_tokens.weight", "model.norm.weight"):
+                name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[hf_name]
+            else:
+                _, _, layer, rest = hf_name.split(".", 3)
+                module, _, suffix = rest.rpartition(".")
+                name = f"blk.{layer}.{_GGUF_BLOCK[module]}.{suffix}"
+            kind = name.split(".")[-2]
+            w = param.numpy().astype(np.float32) + (1.0 if name.endswith("norm.weight") else 0.0)
+            qtype = gguf.GGMLQuantizationType[_GGUF_TYPES.get(kind, "F32") if w.ndim == 2 else "F32"]
+            data = w if qtype == gguf.GGMLQuantizationType.F32 else (
+                w.astype(np.float16) if qtype == gguf.GGMLQuantizationType.F16 else quantize(w, qtype))
+            writer.add_tensor(name, data, raw_dtype=qtype)
+            stored = dequantize(data, qtype).reshape(w.shape) - (1.0 if name.endswith("norm.weight") else 0.0)
+            param.copy_(torch.from_numpy(np.ascontiguousarray(stored)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _gguf_metadata(name: str, hf) -> dict[str, float]:
+    caps = {"final_logit_softcapping": hf.config.final_logit_softcapping}
+    return caps | ({"attn_logit_softcapping": hf.config.attn_logit_softcapping} if name == "gemma2" else {})
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_gguf_file_matches_transformers(name, tmp_path):
+    """A tiny llama.cpp-layout Gemma GGUF (Q8_0 / Q4_x matrices kept packed, norms stored as
+    1 + w) loads to transformers' logits (of the same rounded weights). query_pre_attn_scalar is
+    head_dim, as llama.cpp computes the scale of every Gemma but the 27B ones."""
+    hf = build_tiny(_config(**CONFIGS[name], query_pre_attn_scalar=16), tmp_path, seed=len(name))  # llama.cpp's scale
+    arch = "gemma2" if name == "gemma2" else "gemma3"
+    _write_gemma_gguf(hf, arch, tmp_path / "tiny.gguf", _gguf_metadata(name, hf))
+    model = load_model(str(tmp_path), "tiny.gguf", hf.config, torch.float32, "cpu")
+    norm = model.model.layers[1].pre_feedforward_layernorm.weight
+    torch.testing.assert_close(norm, hf.model.layers[1].pre_feedforward_layernorm.weight, rtol=0, atol=1e-6)
+    sequences = tiny_prompts(1000)[2:]
+    ours = our_prefill_logits(tmp_path / "tiny.gguf", hf.config, sequences)
+    assert _max_diff(ours, _hf_logits(hf, sequences)) < 1e-4
+
+
+def test_gguf_metadata_that_the_config_lost_is_refused(tmp_path):
+    """transformers' GGUF config reader keeps the default caps, no Gemma 3 rope scaling and
+    query_pre_attn_scalar 256: a file whose metadata says otherwise is refused by name."""
+    hf = build_tiny(_config(**CONFIGS["gemma2"], query_pre_attn_scalar=16), tmp_path, seed=6)
+    _write_gemma_gguf(hf, "gemma2", tmp_path / "caps.gguf", {"attn_logit_softcapping": 50.0,
+                                                             "final_logit_softcapping": 0.5})
+    with pytest.raises(ValueError, match=r"attn_logit_softcapping: file 50, config 3.0"):
+        load_model(str(tmp_path), "caps.gguf", hf.config, torch.float32, "cpu")
+    hf = build_tiny(_config(**CONFIGS["gemma3"], query_pre_attn_scalar=16), tmp_path / "g3", seed=6)
+    _write_gemma_gguf(hf, "gemma3", tmp_path / "rope.gguf", {"final_logit_softcapping": 0.5,
+                                                             "rope.scaling.factor": 8.0})
+    with pytest.raises(ValueError, match=r"rope scaling factor: file 8, config 2.0"):
+        load_model(str(tmp_path), "rope.gguf", hf.config, torch.float32, "cpu")
+    big = _config(**(CONFIGS["gemma3"] | dict(num_hidden_layers=62)))  # llama.cpp's 27B: hidden / heads = 16
+    with pytest.raises(ValueError, match=r"query_pre_attn_scalar \(llama.cpp: hidden / heads for 27B, else head_dim\): file 16, config 24"):
+        load_model(str(tmp_path), "rope.gguf", big, torch.float32, "cpu")
