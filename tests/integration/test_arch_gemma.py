@@ -277,3 +277,45 @@ def test_gguf_metadata_that_the_config_lost_is_refused(tmp_path):
     big = _config(**(CONFIGS["gemma3"] | dict(num_hidden_layers=62)))  # llama.cpp's 27B: hidden / heads = 16
     with pytest.raises(ValueError, match=r"query_pre_attn_scalar \(llama.cpp: hidden / heads for 27B, else head_dim\): file 16, config 24"):
         load_model(str(tmp_path), "rope.gguf", big, torch.float32, "cpu")
+
+
+# ---- the layers, against transformers' own modules ------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_norm_and_activation_are_transformers(dtype):
+    """GemmaRMSNorm is transformers' Gemma2RMSNorm / Gemma3RMSNorm bit for bit (torch path; the
+    fused C kernel in float32 to rounding), with and without the fused residual add; in bfloat16
+    Llama's order (downcast, then multiply) gives other values. GeluTanhAndMul is
+    `gelu_pytorch_tanh(gate) * up`."""
+    from transformers.activations import ACT2FN
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from pagedllm.layers.activation import GeluTanhAndMul
+    from pagedllm.layers.norm import GemmaRMSNorm, RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(7, 64, generator=g) * 3).to(dtype)
+    residual = torch.randn(7, 64, generator=g).to(dtype)
+    w = (torch.randn(64, generator=g) * 0.5).to(dtype)
+    ours = GemmaRMSNorm(64, 1e-6, dtype=dtype)
+    ours.weight.data.copy_(w)
+    for cls in (Gemma2RMSNorm, Gemma3RMSNorm):
+        theirs = cls(64, eps=1e-6).to(dtype)
+        theirs.weight.data.copy_(w)
+        with torch.no_grad():
+            want = theirs(x)
+            want_sum = theirs(x + residual)
+        exact = dict(rtol=0, atol=0) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)  # float32: C kernel
+        torch.testing.assert_close(ours(x), want, **exact)
+        out, summed = ours(x.clone(), residual.clone())
+        torch.testing.assert_close(summed, x + residual, rtol=0, atol=0)
+        torch.testing.assert_close(out, want_sum, **exact)
+        torch.testing.assert_close(ours._norm(x), want, rtol=0, atol=0)  # the torch path: bit for bit
+    if dtype == torch.bfloat16:
+        llama_order = RMSNorm(64, 1e-6, dtype=dtype)
+        llama_order.weight.data.copy_(1.0 + w.float())
+        assert not torch.equal(llama_order(x), want)
+    gate_up = torch.randn(5, 2 * 48, generator=g).to(dtype)
+    want = ACT2FN["gelu_pytorch_tanh"](gate_up[:, :48]) * gate_up[:, 48:]
+    torch.testing.assert_close(GeluTanhAndMul()(gate_up), want, rtol=0, atol=0)
