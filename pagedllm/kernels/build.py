@@ -22,6 +22,10 @@ The boundary with the process around it:
 - `kernel_state(source)` says for each library whether it is loaded and, if not, why;
   kernels/status.py turns that into the start-up line, `pagedllm --version` and the
   `pagedllm:kernel_info` metric.
+- Instruction set: each library is built for one variant of kernels/isa.py (AVX-512, AVX2, ...),
+  the best this CPU runs, chosen when it loads; the variant's flags (not the CPU) key the cache,
+  except for `-march=native` builds. Every accessor takes `variant=` to load another one
+  (benchmarks/kernel_matrix.py and the tests run each variant this CPU can run).
 """
 
 from __future__ import annotations
@@ -44,24 +48,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+from pagedllm.kernels.isa import MARCH_ENV, KernelVariant, by_name, select_variant
 from pagedllm.model_source import CACHE_DIR_ENV, cache_dir
 
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "PAGEDLLM_DISABLE_C_KERNELS"
 TIMEOUT_ENV = "PAGEDLLM_KERNEL_BUILD_TIMEOUT"
-# Target of the build, default the CPU it runs on. Tests set e.g. `x86-64-v3` (AVX2) or `x86-64`
-# (SSE2) to exercise the kernels' other instruction-set paths on one machine.
-MARCH_ENV = "PAGEDLLM_KERNEL_MARCH"
 DEFAULT_BUILD_TIMEOUT_S = 120.0
 # Compiled objects get the fast-math flags; the link step must not (see the module docstring).
 _CFLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 _LDFLAGS = ["-shared", "-fopenmp"]
-_BUILD_RECIPE_VERSION = 2  # part of the cache key: 1 linked with -ffast-math (crtfastmath.o)
+_BUILD_RECIPE_VERSION = 3  # part of the cache key: 1 linked with -ffast-math (crtfastmath.o); 2 -march=native
 _SOURCE_DIR = Path(__file__).parent
 _LOCAL_INCLUDE = re.compile(rb'^#include "([^"]+)"', re.MULTILINE)  # part of the cache key
 _lock = threading.Lock()
-_loaded: dict[str, ctypes.CDLL | None] = {}
+_loaded: dict[tuple[str, str], ctypes.CDLL | None] = {}  # (source, variant name) -> library
 
 
 class KernelState(NamedTuple):
@@ -69,9 +71,10 @@ class KernelState(NamedTuple):
 
     active: bool
     reason: str
+    variant: str = ""  # the instruction-set variant it was built for (kernels/isa.py)
 
 
-_status: dict[str, KernelState] = {}
+_status: dict[tuple[str, str], KernelState] = {}
 _broken_compiler: str | None = None  # why the compiler is not tried again (cannot run, hung)
 
 
@@ -90,28 +93,46 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
-def build_library(source_name: str) -> ctypes.CDLL | None:
-    """Compile (if not cached) and load `kernels/<source_name>`; None if that is impossible."""
+def _variant(name: str | None) -> tuple[KernelVariant | None, str]:
+    """The variant called `name` (None: this process's choice, kernels/isa.select_variant), or
+    None and why it cannot run here."""
+    if name is None:
+        choice = select_variant()
+        return choice.variant, choice.how
+    variant = by_name(name)
+    return variant, f"variant {name}" if variant is not None else f"unknown kernel variant {name!r}"
+
+
+def build_library(source_name: str, variant: str | None = None) -> ctypes.CDLL | None:
+    """Compile (if not cached) and load `kernels/<source_name>` for `variant` (None: the one this
+    CPU runs best); None if that is impossible."""
+    chosen, how = _variant(variant)
+    key = (source_name, chosen.name if chosen is not None else f"none: {how}")
     with _lock:
-        if source_name in _loaded:
-            return _loaded[source_name]
-        _loaded[source_name] = lib = _build(source_name)
+        if key in _loaded:
+            return _loaded[key]
+        _loaded[key] = lib = _build(source_name, chosen, how, key)
         return lib
 
 
-def kernel_state(source_name: str) -> KernelState:
+def kernel_state(source_name: str, variant: str | None = None) -> KernelState:
     """Build or load `source_name` if not tried yet, and say whether it is active and why."""
-    build_library(source_name)
-    return _status.get(source_name, KernelState(False, "not built"))
+    build_library(source_name, variant)
+    chosen, how = _variant(variant)
+    key = (source_name, chosen.name if chosen is not None else f"none: {how}")
+    return _status.get(key, KernelState(False, "not built"))
 
 
-def _build(source_name: str) -> ctypes.CDLL | None:
-    try:
-        lib, reason = _build_or_load(source_name)
-    except Exception as exc:  # never take the engine down for a kernel
-        lib, reason = None, f"unexpected error while building ({type(exc).__name__}: {exc})"
-        logger.warning("C kernel %s: %s; falling back to plain torch", source_name, reason)
-    _status[source_name] = KernelState(lib is not None, reason)
+def _build(source_name: str, variant: KernelVariant | None, how: str, key: tuple[str, str]) -> ctypes.CDLL | None:
+    if variant is None:
+        lib, reason = _fail(source_name, how)
+    else:
+        try:
+            lib, reason = _build_or_load(source_name, variant)
+        except Exception as exc:  # never take the engine down for a kernel
+            lib, reason = None, f"unexpected error while building ({type(exc).__name__}: {exc})"
+            logger.warning("C kernel %s: %s; falling back to plain torch", source_name, reason)
+    _status[key] = KernelState(lib is not None, reason, variant.name if variant is not None else "")
     return lib
 
 
@@ -186,7 +207,7 @@ def _first_error(output: str) -> str:
     return (f"{first} {errors[0]}" if errors else " ".join(lines[:2]))[:300]
 
 
-def _build_or_load(source_name: str) -> tuple[ctypes.CDLL | None, str]:
+def _build_or_load(source_name: str, variant: KernelVariant) -> tuple[ctypes.CDLL | None, str]:
     global _broken_compiler
     if os.environ.get(DISABLE_ENV, "0") not in ("", "0"):
         return None, f"disabled by {DISABLE_ENV}=1"
@@ -197,13 +218,14 @@ def _build_or_load(source_name: str) -> tuple[ctypes.CDLL | None, str]:
     if compiler is None:
         _broken_compiler = compiler_name
         return _fail(source_name, compiler_name)
-    cflags = [f"-march={os.environ.get(MARCH_ENV) or 'native'}", *_CFLAGS]
+    cflags = [*variant.flags, *_CFLAGS]
     source = (_SOURCE_DIR / source_name).read_bytes()
-    included = b"".join((_SOURCE_DIR / name.decode()).read_bytes() for name in _LOCAL_INCLUDE.findall(source))
+    included = b"".join((_SOURCE_DIR / name.decode()).read_bytes() for name in _included(source))
     recipe = f"{_BUILD_RECIPE_VERSION} {' '.join(cflags)} | {' '.join(_LDFLAGS)} | {compiler_name}"
-    key = hashlib.sha256(source + included + recipe.encode() + _cpu_signature().encode()).hexdigest()[:16]
+    cpu = _cpu_signature() if variant.per_cpu else ""  # named variants run on any CPU with their flags
+    key = hashlib.sha256(source + included + recipe.encode() + cpu.encode()).hexdigest()[:16]
     out_dir = cache_dir() / "kernels"
-    target = out_dir / f"{Path(source_name).stem}-{key}.so"
+    target = out_dir / f"{Path(source_name).stem}-{variant.name.replace('=', '-')}-{key}.so"
     if not target.exists():
         try:
             out_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -238,9 +260,27 @@ def _build_or_load(source_name: str) -> tuple[ctypes.CDLL | None, str]:
         return _fail(source_name, f"loading {target} failed: {exc}")
 
 
+def _included(source: bytes) -> list[bytes]:
+    """The local headers and sources `source` includes, transitively (they are in its key)."""
+    names: list[bytes] = []
+    for name in _LOCAL_INCLUDE.findall(source):
+        if name not in names:
+            names.append(name)
+            names += [n for n in _included((_SOURCE_DIR / name.decode()).read_bytes()) if n not in names]
+    return names
+
+
+def _kernel_function(source_name: str, symbol: str, argtypes: tuple, restype=ctypes.c_int,
+                     variant: str | None = None):
+    chosen, how = _variant(variant)
+    return _bound_function(source_name, symbol, argtypes, restype, variant, chosen.name if chosen else how)
+
+
 @functools.cache
-def _kernel_function(source_name: str, symbol: str, argtypes: tuple, restype=ctypes.c_int):
-    lib = build_library(source_name)
+def _bound_function(source_name: str, symbol: str, argtypes: tuple, restype, variant: str | None,
+                    chosen: str):
+    """One bound symbol per (library, chosen variant): `chosen` is in the key only."""
+    lib = build_library(source_name, variant)
     if lib is None:
         return None
     fn = getattr(lib, symbol)
@@ -252,31 +292,29 @@ def _kernel_function(source_name: str, symbol: str, argtypes: tuple, restype=cty
 _PTR, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
 
-def decode_attention_kernel():
+def decode_attention_kernel(variant: str | None = None):
     """The `paged_decode_attention` C function (built and loaded once), or None. Its first
     argument is the cache's element kind (layers/kv_cache_format.KERNEL_KIND)."""
     return _kernel_function(
         "paged_decode_attention.c",
         "paged_decode_attention",
-        (_I32, _PTR, _I64, _PTR, _PTR, _I64) + (_PTR,) * 6 + (_I32,) * 6 + (_I64, ctypes.c_float, _I32, _I32),
-    )
+        (_I32, _PTR, _I64, _PTR, _PTR, _I64) + (_PTR,) * 6 + (_I32,) * 6 + (_I64, ctypes.c_float, _I32, _I32), variant=variant)
 
 
-def prefill_attention_kernel():
+def prefill_attention_kernel(variant: str | None = None):
     """The `paged_prefill_attention` C function (built and loaded once), or None (first
     argument: the cache's element kind, as for decode)."""
     return _kernel_function(
         "paged_prefill_attention.c",
         "paged_prefill_attention",
         (_I32, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I32) + (_PTR,) * 3
-        + (_I32, _PTR) + (_I32,) * 4 + (_I64, ctypes.c_float, _I32, _I32),
-    )
+        + (_I32, _PTR) + (_I32,) * 4 + (_I64, ctypes.c_float, _I32, _I32), variant=variant)
 
 
-def bf16_round_kernel():
+def bf16_round_kernel(variant: str | None = None):
     """`kv_bf16_round(src, dst, n, portable)` of kernels/kv_cache_types.h (the tests check both
     of its paths against torch), or None."""
-    return _kernel_function("paged_decode_attention.c", "kv_bf16_round", (_PTR, _PTR, _I64, _I32), None)
+    return _kernel_function("paged_decode_attention.c", "kv_bf16_round", (_PTR, _PTR, _I64, _I32), None, variant=variant)
 
 
 class PackedGemm(NamedTuple):
@@ -287,14 +325,14 @@ class PackedGemm(NamedTuple):
     gemm: Callable[..., int]  # (x, wp, y, scratch, M, N, K, threads) -> 0 on success
 
 
-@functools.cache
-def packed_gemm_kernel() -> PackedGemm | None:
+@functools.cache  # the default variant's memo (None) and each named one
+def packed_gemm_kernel(variant: str | None = None) -> PackedGemm | None:
     """The packed-weight GEMM of `packed_gemm.c` (built and loaded once), or None."""
-    size = _kernel_function("packed_gemm.c", "packed_weight_size", (_I64, _I64), _I64)
+    size = _kernel_function("packed_gemm.c", "packed_weight_size", (_I64, _I64), _I64, variant=variant)
     if size is None:
         return None
-    pack = _kernel_function("packed_gemm.c", "pack_weight_f32", (_PTR, _PTR, _I64, _I64), None)
-    gemm = _kernel_function("packed_gemm.c", "packed_gemm_f32", (_PTR,) * 4 + (_I64,) * 3 + (_I32,))
+    pack = _kernel_function("packed_gemm.c", "pack_weight_f32", (_PTR, _PTR, _I64, _I64), None, variant=variant)
+    gemm = _kernel_function("packed_gemm.c", "packed_gemm_f32", (_PTR,) * 4 + (_I64,) * 3 + (_I32,), variant=variant)
     return PackedGemm(size, pack, gemm)
 
 
@@ -312,21 +350,21 @@ class IntGemm(NamedTuple):
 
 
 @functools.cache
-def int_gemm_kernel() -> IntGemm | None:
+def int_gemm_kernel(variant: str | None = None) -> IntGemm | None:
     """The integer-weight GEMM of `int_gemm.c` (built and loaded once), or None."""
     src = "int_gemm.c"
-    size = _kernel_function(src, "int_gemm_packed_size", (_I32, _I32, _I64, _I64, _I64), _I64)
+    size = _kernel_function(src, "int_gemm_packed_size", (_I32, _I32, _I64, _I64, _I64), _I64, variant=variant)
     if size is None:
         return None
     return IntGemm(
         size,
-        _kernel_function(src, "int_gemm_pack", (_I32, _I32) + (_PTR,) * 4 + (_I64,) * 3),
-        _kernel_function(src, "int_gemm_unpack", (_I32, _I32, _PTR, _PTR) + (_I64,) * 3),
-        _kernel_function(src, "int_gemm_exact", (_I32, _I32) + (_PTR,) * 4 + (_I64,) * 4 + (_I32,)),
-        _kernel_function(src, "int_gemm_int8", (_I32, _I32) + (_PTR,) * 4 + (_I64,) * 4 + (_I32,)),
-        _kernel_function(src, "int_gemm_int8_scratch", (_I64, _I64), _I64),
-        _kernel_function(src, "int_gemm_isa", ()),
-        _kernel_function(src, "int_gemm_rows", (_I32, _I32, _PTR, _PTR, _I64, _PTR) + (_I64,) * 3),
+        _kernel_function(src, "int_gemm_pack", (_I32, _I32) + (_PTR,) * 4 + (_I64,) * 3, variant=variant),
+        _kernel_function(src, "int_gemm_unpack", (_I32, _I32, _PTR, _PTR) + (_I64,) * 3, variant=variant),
+        _kernel_function(src, "int_gemm_exact", (_I32, _I32) + (_PTR,) * 4 + (_I64,) * 4 + (_I32,), variant=variant),
+        _kernel_function(src, "int_gemm_int8", (_I32, _I32) + (_PTR,) * 4 + (_I64,) * 4 + (_I32,), variant=variant),
+        _kernel_function(src, "int_gemm_int8_scratch", (_I64, _I64), _I64, variant=variant),
+        _kernel_function(src, "int_gemm_isa", (), variant=variant),
+        _kernel_function(src, "int_gemm_rows", (_I32, _I32, _PTR, _PTR, _I64, _PTR) + (_I64,) * 3, variant=variant),
     )
 
 
@@ -339,11 +377,11 @@ class FusedOps(NamedTuple):
 
 
 @functools.cache
-def fused_ops_kernel() -> FusedOps | None:
+def fused_ops_kernel(variant: str | None = None) -> FusedOps | None:
     """The fused per-layer operations of `fused_ops.c` (built and loaded once), or None."""
-    norm = _kernel_function("fused_ops.c", "add_rms_norm_f32", (_PTR,) * 4 + (_I64, _I64, ctypes.c_float, _I32, _I32), None)
+    norm = _kernel_function("fused_ops.c", "add_rms_norm_f32", (_PTR,) * 4 + (_I64, _I64, ctypes.c_float, _I32, _I32), None, variant=variant)
     if norm is None:
         return None
-    silu = _kernel_function("fused_ops.c", "silu_mul_f32", (_PTR, _PTR, _I64, _I64, _I32), None)
-    rotary = _kernel_function("fused_ops.c", "rotary_f32", (_PTR,) * 3 + (_I64,) * 4 + (_I32,), None)
+    silu = _kernel_function("fused_ops.c", "silu_mul_f32", (_PTR, _PTR, _I64, _I64, _I32), None, variant=variant)
+    rotary = _kernel_function("fused_ops.c", "rotary_f32", (_PTR,) * 3 + (_I64,) * 4 + (_I32,), None, variant=variant)
     return FusedOps(norm, silu, rotary)

@@ -13,8 +13,11 @@
  *   integer: sum_k q * xq in int32 (`vpdpbusd` with AVX-512 VNNI: 64 multiply-adds an
  *   instruction against 16 float32 FMAs; AVX2 `vpmaddubsw` + `vpmaddwd` for 4-bit codes; plain C
  *   otherwise), then y += d * (xs * dot) + m * (xs * sum_k xq) in float32 per block.
- * The instruction set is chosen at build time from `-march=native` (the library is built on the
- * machine it runs on, kernels/build.py) and reported by int_gemm_isa().
+ * Each library is built for one instruction-set variant (kernels/isa.py picks the best this CPU
+ * runs when it loads) and reports it by int_gemm_isa(). The packed layout below is the same in
+ * every variant; the register tiles are sized to the variant's vectors and register count:
+ * a tile is always 2 vectors of columns (NR = 2 VL: 32 with AVX-512, 16 with AVX2, 8 with SSE),
+ * so a 32-column panel is 1, 2 or 4 tiles wide, and its rows (MRE, MRI) fill what remains.
  *
  * Layout, per panel of 32 output columns (columns past N have d = m = 0, q = 0), per group of gs
  * k (gs a multiple of 32 dividing K):
@@ -29,24 +32,27 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "packed_gemm.c" /* the float32 panel kernel: v16, NR, MR, M_CHUNK, pack_rows, ... */
+#include "packed_gemm.c" /* the float32 panel kernel: vf, VL, NR, MR, M_CHUNK, pack_rows, ... */
 
-#define KB 32            /* activation block of the int8 path; groups are multiples of it */
+#define KB 32 /* activation block of the int8 path; groups are multiples of it */
+#define IP 32 /* columns of a packed integer panel (the layout's, in every variant) */
+#define TILES (IP / NR) /* register tiles across one panel: 1 (AVX-512), 2 (AVX2), 4 */
 #if defined(__AVX512F__)
 #define MRE 8 /* rows per register tile, exact path (32 vector registers) */
+#define MRI 4 /* rows per register tile, int8 path */
+#define ACC_BUDGET 16 /* accumulator registers a tile may hold */
 #elif defined(__AVX2__)
-#define MRE 4 /* 16 registers: a larger tile only spills (and multiplies the build time) */
+#define MRE 4 /* 16 registers: 8 accumulators, 2 code vectors, d and m, the weights, 1 broadcast */
+#define MRI 4
+#define ACC_BUDGET 8
 #else
 #define MRE 2 /* portable build: small tiles keep gcc's vector lowering (and build) short */
-#endif
-#if defined(__AVX2__)
-#define MRI 4 /* rows per register tile, int8 path */
-#else
 #define MRI 2
+#define ACC_BUDGET 8
 #endif
 #define PANEL_MIN_ROWS 17 /* exact path: from here on unpack each panel once per row chunk */
 
-typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef int32_t i32v __attribute__((vector_size(VL * 4)));
 
 enum { OFFSET_ZERO = 0, OFFSET_MIN = 1 };
 
@@ -54,58 +60,59 @@ enum { OFFSET_ZERO = 0, OFFSET_MIN = 1 };
 #include <immintrin.h>
 #endif
 
-static inline i32x16 load_i32x16(const uint8_t *p) {
-    i32x16 v;
+static inline i32v load_i32v(const uint8_t *p) {
+    i32v v;
     memcpy(&v, p, sizeof(v));
     return v;
 }
 
-/* 16 bytes widened to 16 float lanes. */
-static inline v16 u8_to_f32(const uint8_t *p) {
-#if defined(__AVX512F__)
-    return __builtin_convertvector((i32x16)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)), v16);
+/* VL bytes widened to VL float lanes. */
+static inline vf u8_to_f32(const uint8_t *p) {
+#if VL == 16
+    return __builtin_convertvector((i32v)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)), vf);
+#elif VL == 8 && defined(__AVX2__)
+    return __builtin_convertvector((i32v)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), vf);
 #else
-    i32x16 r;
-    for (int i = 0; i < 16; ++i) r[i] = p[i];
-    return __builtin_convertvector(r, v16);
+    i32v r;
+    for (int i = 0; i < VL; ++i) r[i] = p[i];
+    return __builtin_convertvector(r, vf);
 #endif
 }
 
+/* Byte offset, inside one 128-byte code vector pair of a panel, of the lanes of column c0 (a
+ * multiple of VL): the pair is 64 bytes for columns 0-15 then 64 for 16-31, 4 bytes a column. */
+static inline int64_t lane_offset(int64_t c0) { return (c0 / 16) * 64 + (c0 % 16) * 4; }
+
 /* acc[lane] += sum_j byte_j(w[lane]) * x_j for the 4 signed activation bytes of `xquad`: the
  * code bytes are unsigned (0..15 when `small`, else 0..255). */
-static inline __attribute__((always_inline)) i32x16 dot4(i32x16 acc, i32x16 w, int32_t xquad,
-                                                          const int small) {
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+static inline __attribute__((always_inline)) i32v dot4(i32v acc, i32v w, int32_t xquad,
+                                                        const int small) {
+#if VL == 16 && defined(__AVX512VNNI__)
     (void)small;
-    return (i32x16)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(xquad));
-#elif defined(__AVX2__)
-    __m256i w2[2], a2[2];
-    memcpy(w2, &w, 64);
-    memcpy(a2, &acc, 64);
-    const __m256i xb = _mm256_set1_epi32(xquad);
-#if defined(__AVXVNNI__)
-    (void)small;
-    a2[0] = _mm256_dpbusd_avx_epi32(a2[0], w2[0], xb);
-    a2[1] = _mm256_dpbusd_avx_epi32(a2[1], w2[1], xb);
-#else
+    return (i32v)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(xquad));
+#elif VL == 16
     if (small) { /* 15 * 127 * 2 fits int16: vpmaddubsw cannot saturate */
-        const __m256i ones = _mm256_set1_epi16(1);
-        a2[0] = _mm256_add_epi32(a2[0], _mm256_madd_epi16(_mm256_maddubs_epi16(w2[0], xb), ones));
-        a2[1] = _mm256_add_epi32(a2[1], _mm256_madd_epi16(_mm256_maddubs_epi16(w2[1], xb), ones));
-    } else { /* 8-bit codes: widen to int16 first (255 * 127 * 2 would saturate vpmaddubsw) */
-        const __m256i xw = _mm256_cvtepi8_epi16(_mm_set1_epi32(xquad));
-        for (int h = 0; h < 2; ++h) {
-            const __m256i lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w2[h]));
-            const __m256i hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w2[h], 1));
-            /* lane pairs (2 k each) -> int32, then add neighbouring pairs: 4 k per column */
-            const __m256i plo = _mm256_madd_epi16(lo, xw), phi = _mm256_madd_epi16(hi, xw);
-            const __m256i sums = _mm256_hadd_epi32(plo, phi); /* [lo0 lo1 hi0 hi1 | lo2 lo3 hi2 hi3] */
-            a2[h] = _mm256_add_epi32(a2[h], _mm256_permute4x64_epi64(sums, 0xD8));
-        }
+        const __m512i p = _mm512_maddubs_epi16((__m512i)w, _mm512_set1_epi32(xquad));
+        return acc + (i32v)_mm512_madd_epi16(p, _mm512_set1_epi16(1));
+    } else { /* 8-bit codes: the even and odd bytes apart, widened to int16 (no saturation) */
+        const __m512i xw = _mm512_set1_epi32(xquad), m8 = _mm512_set1_epi16(0xFF);
+        const __m512i we = _mm512_and_si512((__m512i)w, m8), wo = _mm512_srli_epi16((__m512i)w, 8);
+        const __m512i xe = _mm512_srai_epi16(_mm512_slli_epi16(xw, 8), 8), xo = _mm512_srai_epi16(xw, 8);
+        return acc + (i32v)_mm512_add_epi32(_mm512_madd_epi16(we, xe), _mm512_madd_epi16(wo, xo));
     }
-#endif
-    memcpy(&acc, a2, 64);
-    return acc;
+#elif VL == 8 && defined(__AVXVNNI__)
+    (void)small;
+    return (i32v)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)w, _mm256_set1_epi32(xquad));
+#elif VL == 8 && defined(__AVX2__)
+    if (small) {
+        const __m256i p = _mm256_maddubs_epi16((__m256i)w, _mm256_set1_epi32(xquad));
+        return acc + (i32v)_mm256_madd_epi16(p, _mm256_set1_epi16(1));
+    } else {
+        const __m256i xw = _mm256_set1_epi32(xquad), m8 = _mm256_set1_epi16(0xFF);
+        const __m256i we = _mm256_and_si256((__m256i)w, m8), wo = _mm256_srli_epi16((__m256i)w, 8);
+        const __m256i xe = _mm256_srai_epi16(_mm256_slli_epi16(xw, 8), 8), xo = _mm256_srai_epi16(xw, 8);
+        return acc + (i32v)_mm256_add_epi32(_mm256_madd_epi16(we, xe), _mm256_madd_epi16(wo, xo));
+    }
 #else
     (void)small;
     int8_t xb[4];
@@ -115,9 +122,37 @@ static inline __attribute__((always_inline)) i32x16 dot4(i32x16 acc, i32x16 w, i
 #endif
 }
 
+/* Without VNNI, 4-bit codes: the int16 pair sums of vpmaddubsw for two 4-k quads (lo nibbles
+ * with xa, hi with xb), summed in int16; at most 8 such sums (one 32-k block) stay below
+ * 8 * 2 * 2 * 15 * 127 / 2 = 30480 < 32767, so they are widened once per block, not per quad. */
+#if !defined(__AVX512VNNI__) && !defined(__AVXVNNI__) && (VL == 16 || (VL == 8 && defined(__AVX2__)))
+#define INT16_PARTIALS 1
+typedef int16_t i16v __attribute__((vector_size(VL * 4)));
+static inline __attribute__((always_inline)) i16v pairs2(i32v lo, i32v hi, int32_t xa, int32_t xb) {
+#if VL == 16
+    return (i16v)_mm512_add_epi16(_mm512_maddubs_epi16((__m512i)lo, _mm512_set1_epi32(xa)),
+                                  _mm512_maddubs_epi16((__m512i)hi, _mm512_set1_epi32(xb)));
+#else
+    return (i16v)_mm256_add_epi16(_mm256_maddubs_epi16((__m256i)lo, _mm256_set1_epi32(xa)),
+                                  _mm256_maddubs_epi16((__m256i)hi, _mm256_set1_epi32(xb)));
+#endif
+}
+static inline i32v widen_pairs(i16v s) {
+#if VL == 16
+    return (i32v)_mm512_madd_epi16((__m512i)s, _mm512_set1_epi16(1));
+#else
+    return (i32v)_mm256_madd_epi16((__m256i)s, _mm256_set1_epi16(1));
+#endif
+}
+#else
+#define INT16_PARTIALS 0
+#endif
+
 int int_gemm_isa(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
     return 3; /* AVX-512 VNNI */
+#elif defined(__AVX512F__)
+    return 4; /* AVX-512 without VNNI */
 #elif defined(__AVX2__) && defined(__AVXVNNI__)
     return 2; /* AVX-VNNI (256-bit) */
 #elif defined(__AVX2__)
@@ -127,10 +162,10 @@ int int_gemm_isa(void) {
 #endif
 }
 
-static int64_t header_bytes(int kind) { return NR * 4 + (kind == OFFSET_ZERO ? NR : NR * 4); }
+static int64_t header_bytes(int kind) { return IP * 4 + (kind == OFFSET_ZERO ? IP : IP * 4); }
 
 static int64_t group_bytes(int bits, int kind, int64_t gs) {
-    return header_bytes(kind) + gs * NR * bits / 8;
+    return header_bytes(kind) + gs * IP * bits / 8;
 }
 
 static int valid(int bits, int kind, int64_t N, int64_t K, int64_t gs) {
@@ -141,7 +176,7 @@ static int valid(int bits, int kind, int64_t N, int64_t K, int64_t gs) {
 /* Bytes of the packed form of an [N, K] weight (-1: unsupported arguments). */
 int64_t int_gemm_packed_size(int bits, int kind, int64_t N, int64_t K, int64_t gs) {
     if (!valid(bits, kind, N, K, gs)) return -1;
-    return ((N + NR - 1) / NR) * (K / gs) * group_bytes(bits, kind, gs);
+    return ((N + IP - 1) / IP) * (K / gs) * group_bytes(bits, kind, gs);
 }
 
 /* Pack codes q [N, K] (uint8, < 2^bits), d [N, K/gs] and offsets [N, K/gs] (uint8 zero points
@@ -149,20 +184,20 @@ int64_t int_gemm_packed_size(int bits, int kind, int64_t N, int64_t K, int64_t g
 int int_gemm_pack(int bits, int kind, const uint8_t *q, const float *d, const void *off,
                   uint8_t *out, int64_t N, int64_t K, int64_t gs) {
     if (!valid(bits, kind, N, K, gs)) return 1;
-    const int64_t panels = (N + NR - 1) / NR, G = K / gs, gb = group_bytes(bits, kind, gs);
+    const int64_t panels = (N + IP - 1) / IP, G = K / gs, gb = group_bytes(bits, kind, gs);
     const int64_t hb = header_bytes(kind);
     for (int64_t p = 0; p < panels; ++p)
         for (int64_t g = 0; g < G; ++g) {
             uint8_t *dst = out + (p * G + g) * gb;
-            for (int64_t j = 0; j < NR; ++j) {
-                const int64_t n = p * NR + j;
+            for (int64_t j = 0; j < IP; ++j) {
+                const int64_t n = p * IP + j;
                 const float dv = n < N ? d[n * G + g] : 0.0f;
                 memcpy(dst + 4 * j, &dv, 4);
                 if (kind == OFFSET_ZERO) {
-                    dst[NR * 4 + j] = n < N ? ((const uint8_t *)off)[n * G + g] : 0;
+                    dst[IP * 4 + j] = n < N ? ((const uint8_t *)off)[n * G + g] : 0;
                 } else {
                     const float mv = n < N ? ((const float *)off)[n * G + g] : 0.0f;
-                    memcpy(dst + NR * 4 + 4 * j, &mv, 4);
+                    memcpy(dst + IP * 4 + 4 * j, &mv, 4);
                 }
             }
             uint8_t *codes = dst + hb;
@@ -171,7 +206,7 @@ int int_gemm_pack(int bits, int kind, const uint8_t *q, const float *d, const vo
                 for (int h = 0; h < 2; ++h) {
                     uint8_t *vec = codes + (o * 2 + h) * 64;
                     for (int c = 0; c < 16; ++c) {
-                        const int64_t n = p * NR + 16 * h + c;
+                        const int64_t n = p * IP + 16 * h + c;
                         const uint8_t *row = q + n * K + g * gs + o * per_vec;
                         for (int j = 0; j < 4; ++j) {
                             if (n >= N) {
@@ -188,47 +223,46 @@ int int_gemm_pack(int bits, int kind, const uint8_t *q, const float *d, const vo
     return 0;
 }
 
-/* A group's d and m for columns 0-15 and 16-31 of a panel. */
-static inline void group_header(int kind, const uint8_t *hdr,
-                                                               v16 *d0, v16 *d1, v16 *m0, v16 *m1) {
-    *d0 = load16((const float *)hdr);
-    *d1 = load16((const float *)hdr + 16);
-    if (kind == OFFSET_ZERO) {
-        *m0 = -(u8_to_f32(hdr + NR * 4) * *d0);
-        *m1 = -(u8_to_f32(hdr + NR * 4 + 16) * *d1);
-    } else {
-        *m0 = load16((const float *)(hdr + NR * 4));
-        *m1 = load16((const float *)(hdr + NR * 4) + 16);
-    }
+/* A group's d and m for the VL columns from c0 of a panel. */
+static inline __attribute__((always_inline)) void group_header(int kind, const uint8_t *hdr,
+                                                               int64_t c0, vf *d, vf *m) {
+    *d = loadv((const float *)hdr + c0);
+    if (kind == OFFSET_ZERO)
+        *m = -(u8_to_f32(hdr + IP * 4 + c0) * *d);
+    else
+        *m = loadv((const float *)(hdr + IP * 4) + c0);
 }
 
 /* The weights of k = k0 + jj (jj < 8 for 4-bit, < 4 for 8-bit) from a vector of codes. */
-static inline __attribute__((always_inline)) v16 weights_of(const i32x16 v, const int jj,
-                                                            const int bits, v16 d, v16 m) {
+static inline __attribute__((always_inline)) vf weights_of(const i32v v, const int jj,
+                                                           const int bits, vf d, vf m) {
     const int shift = bits == 8 ? 8 * jj : (jj < 4 ? 8 * jj : 8 * (jj - 4) + 4);
-    const i32x16 q = (v >> shift) & (bits == 8 ? 0xFF : 0x0F);
-    return __builtin_convertvector(q, v16) * d + m;
+    const i32v q = (v >> shift) & (bits == 8 ? 0xFF : 0x0F);
+    return __builtin_convertvector(q, vf) * d + m;
 }
 
-/* The float32 panel [K][32] of one packed panel (the exact weights). */
-static void unpack_panel(const int bits, const int kind, const uint8_t *panel, float *out,
-                         int64_t K, int64_t gs) {
+/* Columns [c0, c0 + NR) of one packed panel as float32 [K][NR] (the exact weights), so that
+ * packed_gemm.c's tile runs against them. */
+static void unpack_subpanel(const int bits, const int kind, const uint8_t *panel, float *out,
+                            int64_t K, int64_t gs, int64_t c0) {
     const int64_t gb = group_bytes(bits, kind, gs), hb = header_bytes(kind);
     const int per_vec = bits == 4 ? 8 : 4;
+    const int64_t off0 = lane_offset(c0), off1 = lane_offset(c0 + VL);
     for (int64_t g = 0; g < K / gs; ++g) {
-        v16 d0, d1, m0, m1;
-        group_header(kind, panel + g * gb, &d0, &d1, &m0, &m1);
+        vf d0, d1, m0, m1;
+        group_header(kind, panel + g * gb, c0, &d0, &m0);
+        group_header(kind, panel + g * gb, c0 + VL, &d1, &m1);
         const uint8_t *codes = panel + g * gb + hb;
         for (int64_t o = 0; o < gs / per_vec; ++o) {
-            const i32x16 v0 = load_i32x16(codes + o * 128), v1 = load_i32x16(codes + o * 128 + 64);
+            const i32v v0 = load_i32v(codes + o * 128 + off0), v1 = load_i32v(codes + o * 128 + off1);
             for (int jj = 0; jj < per_vec; ++jj) {
                 float *dst = out + (g * gs + o * per_vec + jj) * NR;
                 if (bits == 4) {
-                    store16(dst, weights_of(v0, jj, 4, d0, m0));
-                    store16(dst + 16, weights_of(v1, jj, 4, d1, m1));
+                    storev(dst, weights_of(v0, jj, 4, d0, m0));
+                    storev(dst + VL, weights_of(v1, jj, 4, d1, m1));
                 } else {
-                    store16(dst, weights_of(v0, jj, 8, d0, m0));
-                    store16(dst + 16, weights_of(v1, jj, 8, d1, m1));
+                    storev(dst, weights_of(v0, jj, 8, d0, m0));
+                    storev(dst + VL, weights_of(v1, jj, 8, d1, m1));
                 }
             }
         }
@@ -239,43 +273,55 @@ static void unpack_panel(const int bits, const int kind, const uint8_t *panel, f
 int int_gemm_unpack(int bits, int kind, const uint8_t *packed, float *w, int64_t N, int64_t K,
                     int64_t gs) {
     if (!valid(bits, kind, N, K, gs)) return 1;
-    const int64_t panels = (N + NR - 1) / NR, panel_bytes = (K / gs) * group_bytes(bits, kind, gs);
+    const int64_t panels = (N + IP - 1) / IP, panel_bytes = (K / gs) * group_bytes(bits, kind, gs);
     float *fp = (float *)malloc(sizeof(float) * K * NR);
     if (fp == NULL) return 2;
-    for (int64_t p = 0; p < panels; ++p) {
-        unpack_panel(bits, kind, packed + p * panel_bytes, fp, K, gs);
-        for (int64_t j = 0; j < NR && p * NR + j < N; ++j)
-            for (int64_t k = 0; k < K; ++k) w[(p * NR + j) * K + k] = fp[k * NR + j];
-    }
+    for (int64_t p = 0; p < panels; ++p)
+        for (int64_t t = 0; t < TILES; ++t) {
+            unpack_subpanel(bits, kind, packed + p * panel_bytes, fp, K, gs, t * NR);
+            for (int64_t j = 0; j < NR && p * IP + t * NR + j < N; ++j)
+                for (int64_t k = 0; k < K; ++k) w[(p * IP + t * NR + j) * K + k] = fp[k * NR + j];
+        }
     free(fp);
     return 0;
 }
 
-/* Exact path: mr rows of x against one panel over all of K, unpacking in registers; for
- * mr <= 4 two accumulator sets (alternate k) hide the FMA latency. */
+/* The NR columns of a tile that exist (ncols of the panel's; 0 past N). */
+static inline int64_t tile_cols(int64_t ncols, int64_t t) {
+    const int64_t left = ncols - t * NR;
+    return left < 0 ? 0 : left < NR ? left : NR;
+}
+
+/* Exact path: mr rows of x against the NR columns from c0 of one panel, over all of K,
+ * unpacking in registers; where the tile leaves room (ACC_BUDGET), two accumulator sets
+ * (alternate k) hide the FMA latency. */
 static inline __attribute__((always_inline)) void exact_tile(
-    const float *x, int64_t ldx, const uint8_t *panel, float *y, int64_t ldy, int64_t K,
-    int64_t gs, int64_t ncols, const int bits, int kind, const int mr) {
-    v16 acc[2][MRE][2];
-    for (int s = 0; s < 2; ++s)
-        for (int i = 0; i < mr; ++i) acc[s][i][0] = acc[s][i][1] = (v16){0};
+    const float *x, int64_t ldx, const uint8_t *panel, int64_t c0, float *y, int64_t ldy,
+    int64_t K, int64_t gs, int64_t ncols, const int bits, int kind, const int mr) {
+    enum { SETS = 2 };
+    const int sets = 4 * mr <= ACC_BUDGET ? 2 : 1;
+    vf acc[SETS][MRE][2];
+    for (int s = 0; s < SETS; ++s)
+        for (int i = 0; i < mr; ++i) acc[s][i][0] = acc[s][i][1] = (vf){0};
     const int64_t gb = group_bytes(bits, kind, gs), hb = header_bytes(kind);
     const int per_vec = bits == 4 ? 8 : 4;
+    const int64_t off0 = lane_offset(c0), off1 = lane_offset(c0 + VL);
     for (int64_t g = 0; g < K / gs; ++g) {
-        v16 d0, d1, m0, m1;
-        group_header(kind, panel + g * gb, &d0, &d1, &m0, &m1);
+        vf d0, d1, m0, m1;
+        group_header(kind, panel + g * gb, c0, &d0, &m0);
+        group_header(kind, panel + g * gb, c0 + VL, &d1, &m1);
         const uint8_t *codes = panel + g * gb + hb;
         for (int64_t o = 0; o < gs / per_vec; ++o) {
-            const i32x16 v0 = load_i32x16(codes + o * 128), v1 = load_i32x16(codes + o * 128 + 64);
+            const i32v v0 = load_i32v(codes + o * 128 + off0), v1 = load_i32v(codes + o * 128 + off1);
             const float *xk = x + g * gs + o * per_vec;
 #pragma GCC unroll 8
             for (int jj = 0; jj < per_vec; ++jj) {
-                const v16 w0 = weights_of(v0, jj, bits, d0, m0);
-                const v16 w1 = weights_of(v1, jj, bits, d1, m1);
-                const int s = mr <= 4 ? (jj & 1) : 0;
+                const vf w0 = weights_of(v0, jj, bits, d0, m0);
+                const vf w1 = weights_of(v1, jj, bits, d1, m1);
+                const int s = sets == 2 ? (jj & 1) : 0;
 #pragma GCC unroll 8
                 for (int i = 0; i < mr; ++i) {
-                    const v16 xi = (v16){0} + xk[i * ldx + jj];
+                    const vf xi = (vf){0} + xk[i * ldx + jj];
                     acc[s][i][0] += xi * w0;
                     acc[s][i][1] += xi * w1;
                 }
@@ -284,37 +330,32 @@ static inline __attribute__((always_inline)) void exact_tile(
     }
     for (int i = 0; i < mr; ++i) {
         float tmp[NR];
-        store16(tmp, acc[0][i][0] + acc[1][i][0]);
-        store16(tmp + 16, acc[0][i][1] + acc[1][i][1]);
+        storev(tmp, sets == 2 ? acc[0][i][0] + acc[1][i][0] : acc[0][i][0]);
+        storev(tmp + VL, sets == 2 ? acc[0][i][1] + acc[1][i][1] : acc[0][i][1]);
         memcpy(y + i * ldy, tmp, (size_t)ncols * sizeof(float));
     }
 }
 
+#define EXACT_CASE(B, R) \
+    case R: exact_tile(x, K, panel, c0, y, N, K, gs, ncols, B, kind, R); break;
 #if MRE == 8
-#define EXACT_WIDE(B)                                                                       \
-        case 8: exact_tile(x, K, panel, y, N, K, gs, ncols, B, kind, 8); break;             \
-        case 7: exact_tile(x, K, panel, y, N, K, gs, ncols, B, kind, 7); break;             \
-        case 6: exact_tile(x, K, panel, y, N, K, gs, ncols, B, kind, 6); break;             \
-        case 5: exact_tile(x, K, panel, y, N, K, gs, ncols, B, kind, 5); break;             \
-        case 4: exact_tile(x, K, panel, y, N, K, gs, ncols, B, kind, 4); break;             \
-        case 3: exact_tile(x, K, panel, y, N, K, gs, ncols, B, kind, 3); break;
+#define EXACT_WIDE(B) EXACT_CASE(B, 8) EXACT_CASE(B, 7) EXACT_CASE(B, 6) EXACT_CASE(B, 5) \
+                      EXACT_CASE(B, 4) EXACT_CASE(B, 3)
 #elif MRE == 4
-#define EXACT_WIDE(B)                                                                       \
-        case 4: exact_tile(x, K, panel, y, N, K, gs, ncols, B, kind, 4); break;             \
-        case 3: exact_tile(x, K, panel, y, N, K, gs, ncols, B, kind, 3); break;
+#define EXACT_WIDE(B) EXACT_CASE(B, 4) EXACT_CASE(B, 3)
 #else
 #define EXACT_WIDE(B)
 #endif
 #define EXACT_ROWS(B)                                                                       \
     switch (mr) {                                                                           \
         EXACT_WIDE(B)                                                                       \
-        case 2: exact_tile(x, K, panel, y, N, K, gs, ncols, B, kind, 2); break;             \
-        default: exact_tile(x, K, panel, y, N, K, gs, ncols, B, kind, 1); break;            \
+        EXACT_CASE(B, 2)                                                                    \
+        default: exact_tile(x, K, panel, c0, y, N, K, gs, ncols, B, kind, 1); break;        \
     }
 
 /* Instances per bit width and tile height; the kind of offset is a branch once per group. */
-static void exact_rows(int bits, int kind, const float *x, const uint8_t *panel, float *y,
-                       int64_t N, int64_t K, int64_t gs, int64_t ncols, int mr) {
+static void exact_rows(int bits, int kind, const float *x, const uint8_t *panel, int64_t c0,
+                       float *y, int64_t N, int64_t K, int64_t gs, int64_t ncols, int mr) {
     if (bits == 4) {
         EXACT_ROWS(4)
     } else {
@@ -327,16 +368,19 @@ static void exact_rows(int bits, int kind, const float *x, const uint8_t *panel,
 int int_gemm_exact(int bits, int kind, const float *x, const uint8_t *wp, float *y, float *xp_buf,
                    int64_t M, int64_t N, int64_t K, int64_t gs, int num_threads) {
     if (M < 1 || !valid(bits, kind, N, K, gs)) return 1;
-    const int64_t panels = (N + NR - 1) / NR, panel_bytes = (K / gs) * group_bytes(bits, kind, gs);
+    const int64_t panels = (N + IP - 1) / IP, panel_bytes = (K / gs) * group_bytes(bits, kind, gs);
+    const int64_t units = panels * TILES; /* (panel, tile) pairs: what the threads split */
     if (M < PANEL_MIN_ROWS) {
         const int64_t tiles = (M + MRE - 1) / MRE, tile = (M + tiles - 1) / tiles;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M * N * K >= 32768)
-        for (int64_t p = 0; p < panels; ++p) {
-            const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
+        for (int64_t u = 0; u < units; ++u) {
+            const int64_t p = u / TILES, c0 = (u % TILES) * NR;
+            const int64_t ncols = tile_cols(N - p * IP, u % TILES);
+            if (ncols == 0) continue;
             for (int64_t r = 0; r < M; r += tile) {
                 const int mr = (int)(M - r < tile ? M - r : tile);
-                exact_rows(bits, kind, x + r * K, wp + p * panel_bytes, y + r * N + p * NR, N, K,
-                           gs, ncols, mr);
+                exact_rows(bits, kind, x + r * K, wp + p * panel_bytes, c0, y + r * N + p * IP + c0,
+                           N, K, gs, ncols, mr);
             }
         }
         return 0;
@@ -352,10 +396,12 @@ int int_gemm_exact(int bits, int kind, const float *x, const uint8_t *wp, float 
                 failed = 2;
             } else {
 #pragma omp for schedule(static)
-                for (int64_t p = 0; p < panels; ++p) {
-                    const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
-                    unpack_panel(bits, kind, wp + p * panel_bytes, fp, K, gs);
-                    chunk_times_panel(xp_buf, fp, y + m0 * N + p * NR, mc, N, K, ncols);
+                for (int64_t u = 0; u < units; ++u) {
+                    const int64_t p = u / TILES, c0 = (u % TILES) * NR;
+                    const int64_t ncols = tile_cols(N - p * IP, u % TILES);
+                    if (ncols == 0) continue;
+                    unpack_subpanel(bits, kind, wp + p * panel_bytes, fp, K, gs, c0);
+                    chunk_times_panel(xp_buf, fp, y + m0 * N + p * IP + c0, mc, N, K, ncols);
                 }
                 free(fp);
             }
@@ -396,42 +442,58 @@ static inline int32_t load_quad(const int8_t *p) {
     return v;
 }
 
-/* int8 path: mr rows against one panel over all of K. */
+/* int8 path: mr rows against the NR columns from c0 of one panel, over all of K. */
 static inline __attribute__((always_inline)) void int8_tile(
     const int8_t *xq, const float *xs, const float *xsum, int64_t K, const uint8_t *panel,
-    float *y, int64_t ldy, int64_t gs, int64_t ncols, const int bits, int kind,
+    int64_t c0, float *y, int64_t ldy, int64_t gs, int64_t ncols, const int bits, int kind,
     const int mr) {
     const int64_t nb = K / KB, gb = group_bytes(bits, kind, gs), hb = header_bytes(kind);
-    v16 acc[MRI][2];
-    for (int i = 0; i < mr; ++i) acc[i][0] = acc[i][1] = (v16){0};
+    const int64_t off0 = lane_offset(c0), off1 = lane_offset(c0 + VL);
+    vf acc[MRI][2];
+    for (int i = 0; i < mr; ++i) acc[i][0] = acc[i][1] = (vf){0};
     for (int64_t g = 0; g < K / gs; ++g) {
-        v16 d0, d1, m0, m1;
-        group_header(kind, panel + g * gb, &d0, &d1, &m0, &m1);
         const uint8_t *codes = panel + g * gb + hb;
         for (int64_t bb = 0; bb < gs / KB; ++bb) {
             const int64_t b = g * (gs / KB) + bb, k0 = b * KB;
-            i32x16 dot[MRI][2];
-            for (int i = 0; i < mr; ++i) dot[i][0] = dot[i][1] = (i32x16){0};
+            i32v dot[MRI][2];
             if (bits == 4) {
                 const uint8_t *cb = codes + bb * (KB / 8) * 128;
+#if INT16_PARTIALS
+                i16v part[MRI][2];
+                for (int i = 0; i < mr; ++i) part[i][0] = part[i][1] = (i16v){0};
+#else
+                for (int i = 0; i < mr; ++i) dot[i][0] = dot[i][1] = (i32v){0};
+#endif
 #pragma GCC unroll 4
                 for (int o = 0; o < KB / 8; ++o) {
-                    const i32x16 v0 = load_i32x16(cb + o * 128), v1 = load_i32x16(cb + o * 128 + 64);
-                    const i32x16 lo0 = v0 & 0x0F0F0F0F, hi0 = (v0 >> 4) & 0x0F0F0F0F;
-                    const i32x16 lo1 = v1 & 0x0F0F0F0F, hi1 = (v1 >> 4) & 0x0F0F0F0F;
+                    const i32v v0 = load_i32v(cb + o * 128 + off0), v1 = load_i32v(cb + o * 128 + off1);
+                    const i32v lo0 = v0 & 0x0F0F0F0F, hi0 = (v0 >> 4) & 0x0F0F0F0F;
+                    const i32v lo1 = v1 & 0x0F0F0F0F, hi1 = (v1 >> 4) & 0x0F0F0F0F;
 #pragma GCC unroll 4
                     for (int i = 0; i < mr; ++i) {
                         const int32_t xa = load_quad(xq + i * K + k0 + o * 8);
                         const int32_t xb = load_quad(xq + i * K + k0 + o * 8 + 4);
+#if INT16_PARTIALS
+                        part[i][0] += pairs2(lo0, hi0, xa, xb);
+                        part[i][1] += pairs2(lo1, hi1, xa, xb);
+#else
                         dot[i][0] = dot4(dot4(dot[i][0], lo0, xa, 1), hi0, xb, 1);
                         dot[i][1] = dot4(dot4(dot[i][1], lo1, xa, 1), hi1, xb, 1);
+#endif
                     }
                 }
+#if INT16_PARTIALS
+                for (int i = 0; i < mr; ++i) {
+                    dot[i][0] = widen_pairs(part[i][0]);
+                    dot[i][1] = widen_pairs(part[i][1]);
+                }
+#endif
             } else {
                 const uint8_t *cb = codes + bb * (KB / 4) * 128;
+                for (int i = 0; i < mr; ++i) dot[i][0] = dot[i][1] = (i32v){0};
 #pragma GCC unroll 8
                 for (int o = 0; o < KB / 4; ++o) {
-                    const i32x16 v0 = load_i32x16(cb + o * 128), v1 = load_i32x16(cb + o * 128 + 64);
+                    const i32v v0 = load_i32v(cb + o * 128 + off0), v1 = load_i32v(cb + o * 128 + off1);
 #pragma GCC unroll 4
                     for (int i = 0; i < mr; ++i) {
                         const int32_t xa = load_quad(xq + i * K + k0 + o * 4);
@@ -440,33 +502,36 @@ static inline __attribute__((always_inline)) void int8_tile(
                     }
                 }
             }
+            vf d0, d1, m0, m1;
+            group_header(kind, panel + g * gb, c0, &d0, &m0);
+            group_header(kind, panel + g * gb, c0 + VL, &d1, &m1);
 #pragma GCC unroll 4
             for (int i = 0; i < mr; ++i) {
-                const v16 s = (v16){0} + xs[i * nb + b], sq = (v16){0} + xsum[i * nb + b];
-                acc[i][0] += __builtin_convertvector(dot[i][0], v16) * s * d0 + m0 * sq;
-                acc[i][1] += __builtin_convertvector(dot[i][1], v16) * s * d1 + m1 * sq;
+                const vf s = (vf){0} + xs[i * nb + b], sq = (vf){0} + xsum[i * nb + b];
+                acc[i][0] += __builtin_convertvector(dot[i][0], vf) * s * d0 + m0 * sq;
+                acc[i][1] += __builtin_convertvector(dot[i][1], vf) * s * d1 + m1 * sq;
             }
         }
     }
     store_rows(y, ldy, acc, mr, ncols);
 }
 
+#define INT8_CASE(B, R) \
+    case R: int8_tile(xq, xs, xsum, K, panel, c0, y, N, gs, ncols, B, kind, R); break;
 #if MRI == 4
-#define INT8_WIDE(B)                                                                            \
-        case 4: int8_tile(xq, xs, xsum, K, panel, y, N, gs, ncols, B, kind, 4); break;          \
-        case 3: int8_tile(xq, xs, xsum, K, panel, y, N, gs, ncols, B, kind, 3); break;
+#define INT8_WIDE(B) INT8_CASE(B, 4) INT8_CASE(B, 3)
 #else
 #define INT8_WIDE(B)
 #endif
 #define INT8_ROWS(B)                                                                            \
     switch (mr) {                                                                               \
         INT8_WIDE(B)                                                                            \
-        case 2: int8_tile(xq, xs, xsum, K, panel, y, N, gs, ncols, B, kind, 2); break;          \
-        default: int8_tile(xq, xs, xsum, K, panel, y, N, gs, ncols, B, kind, 1); break;         \
+        INT8_CASE(B, 2)                                                                         \
+        default: int8_tile(xq, xs, xsum, K, panel, c0, y, N, gs, ncols, B, kind, 1); break;     \
     }
 
 static void int8_rows(int bits, int kind, const int8_t *xq, const float *xs, const float *xsum,
-                      const uint8_t *panel, float *y, int64_t N, int64_t K, int64_t gs,
+                      const uint8_t *panel, int64_t c0, float *y, int64_t N, int64_t K, int64_t gs,
                       int64_t ncols, int mr) {
     if (bits == 4) {
         INT8_ROWS(4)
@@ -491,18 +556,20 @@ int int_gemm_int8(int bits, int kind, const float *x, const uint8_t *wp, float *
     float *xsum = xs + M * nb;
     int8_t *xq = (int8_t *)(xsum + M * nb);
     quantize_rows(x, xq, xs, xsum, M, K, num_threads);
-    const int64_t panels = (N + NR - 1) / NR, panel_bytes = (K / gs) * group_bytes(bits, kind, gs);
-    const int64_t chunk = 256;
+    const int64_t panels = (N + IP - 1) / IP, panel_bytes = (K / gs) * group_bytes(bits, kind, gs);
+    const int64_t units = panels * TILES, chunk = 256;
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
         const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
         const int64_t tiles = (mc + MRI - 1) / MRI, tile = (mc + tiles - 1) / tiles;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (mc * N * K >= 32768)
-        for (int64_t p = 0; p < panels; ++p) {
-            const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
+        for (int64_t u = 0; u < units; ++u) {
+            const int64_t p = u / TILES, c0 = (u % TILES) * NR;
+            const int64_t ncols = tile_cols(N - p * IP, u % TILES);
+            if (ncols == 0) continue;
             for (int64_t r = m0; r < m0 + mc; r += tile) {
                 const int mr = (int)(m0 + mc - r < tile ? m0 + mc - r : tile);
-                int8_rows(bits, kind, xq + r * K, xs + r * nb, xsum + r * nb, wp + p * panel_bytes,
-                          y + r * N + p * NR, N, K, gs, ncols, mr);
+                int8_rows(bits, kind, xq + r * K, xs + r * nb, xsum + r * nb, wp + p * panel_bytes, c0,
+                          y + r * N + p * IP + c0, N, K, gs, ncols, mr);
             }
         }
     }
@@ -520,15 +587,15 @@ int int_gemm_rows(int bits, int kind, const uint8_t *packed, const int64_t *ids,
     for (int64_t r = 0; r < n_ids; ++r)
         if (ids[r] < 0 || ids[r] >= N) return 3;
     for (int64_t r = 0; r < n_ids; ++r) {
-        const int64_t n = ids[r], c = n % NR, h = c / 16, cc = c % 16;
+        const int64_t n = ids[r], c = n % IP, h = c / 16, cc = c % 16;
         for (int64_t g = 0; g < G; ++g) {
-            const uint8_t *hdr = packed + (n / NR) * panel_bytes + g * gb;
+            const uint8_t *hdr = packed + (n / IP) * panel_bytes + g * gb;
             float d, m;
             memcpy(&d, hdr + 4 * c, 4);
             if (kind == OFFSET_ZERO)
-                m = -(d * (float)hdr[NR * 4 + c]);
+                m = -(d * (float)hdr[IP * 4 + c]);
             else
-                memcpy(&m, hdr + NR * 4 + 4 * c, 4);
+                memcpy(&m, hdr + IP * 4 + 4 * c, 4);
             const uint8_t *codes = hdr + hb;
             float *dst = out + r * K + g * gs;
             for (int64_t k = 0; k < gs; ++k) {

@@ -15,6 +15,9 @@ prepared once after loading (`prepare_weight`) and kept on the layer (`layer.pre
   2.6x at 1 row, 2.3x at 20, 1.6x at 64 and 1.1-1.2x at 512-2048 (benchmarks/NOTES.md).
 Elsewhere (other dtypes, GPU, under torch.compile, no compiler) `F.linear`.
 
+Per batch size the layer keeps the faster of that kernel and `F.linear` on this machine
+(layers/kernel_choice.py: measured once per shape and machine, at preparation).
+
 A prepared form records the weight's data pointer and version counter: if the weight changes in
 place after loading, the layer prepares it again on its next call instead of using a stale copy.
 Setting `PAGEDLLM_BLOCK_WEIGHTS=0` turns the block form off (for A/B measurements).
@@ -39,6 +42,7 @@ from torch import nn
 from pagedllm.distributed import parallel_state
 from pagedllm.distributed.sharding import LinearShard
 from pagedllm.kernels import int_gemm_kernel, packed_gemm_kernel
+from pagedllm.layers import kernel_choice
 from pagedllm.layers.block_formats import FORMAT_Q8S, find_block_encoding
 from pagedllm.layers.quantization.base import LinearMethod, Slices, logical_weight_slices
 from pagedllm.layers.quantization.int_kernel import PackedIntWeight, int_matmul, pack_int_weight
@@ -53,6 +57,7 @@ class PreparedWeight(NamedTuple):
     key: tuple[int, int, bool]  # (data pointer, version, block form allowed) it was made for
     blocks: PackedIntWeight | None  # the exact block form for int_gemm.c, when the weight has one
     packed: torch.Tensor | None  # float32 panels for packed_gemm.c, when it has none
+    paths: tuple[str, ...] = ("kernel",) * len(kernel_choice.BUCKETS)  # per batch bucket: kernel / torch
 
 
 def _key(weight: torch.Tensor) -> tuple[int, int, bool]:
@@ -78,11 +83,16 @@ def prepare_weight(weight: torch.Tensor) -> PreparedWeight | None:
         else:  # d * q + m, q 0..15
             blocks = pack_int_weight(encoding.codes, encoding.scales, encoding.offsets, 4, 32)
         prepared = PreparedWeight(key, blocks, None)
+        form = f"blocks{blocks.bits}-g{blocks.group_size}-{blocks.kind}"
     else:
         packed = torch.empty(kernel.packed_size(n, k), dtype=torch.float32)
         kernel.pack(source.data_ptr(), packed.data_ptr(), n, k)
         prepared = PreparedWeight(key, None, packed)
-    return prepared
+        form = "f32"
+    candidates = {"kernel": lambda x: _kernel_product(x, prepared, n),
+                  "torch": lambda x: F.linear(x, source)}
+    paths = kernel_choice.choose(f"linear {form} {n}x{k}", candidates, k, default="kernel", out_features=n)
+    return prepared._replace(paths=paths)
 
 
 def current_prepared(weight: torch.Tensor, prepared: PreparedWeight | None) -> PreparedWeight | None:
@@ -119,18 +129,25 @@ def linear_prepared(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             if bias is not None and bias.shape != (n,):
                 raise ValueError(f"linear: bias shape {tuple(bias.shape)} does not match the weight's {n} "
                                  "out-features")
-            if prepared.blocks is not None:
-                out = int_matmul(x, prepared.blocks, "exact")
+            if prepared.paths[kernel_choice.bucket_index(m)] == "kernel":
+                out = _kernel_product(x, prepared, n)
                 return out if bias is None else out.add_(bias)
-            x = x.contiguous()
-            out = torch.empty(m, n, dtype=torch.float32)
-            scratch = torch.empty(min(m, _X_CHUNK_ROWS) * k, dtype=torch.float32)
-            failed = _kernel().gemm(x.data_ptr(), prepared.packed.data_ptr(), out.data_ptr(), scratch.data_ptr(),
-                                    m, n, k, torch.get_num_threads())  # fmt: skip
-            if failed:
-                raise MemoryError("linear: the C GEMM kernel could not allocate its panel buffer")
-            return out if bias is None else out.add_(bias)
     return F.linear(x, weight, bias)
+
+
+def _kernel_product(x: torch.Tensor, prepared: PreparedWeight, n: int) -> torch.Tensor:
+    """`x @ W^T` by the C kernel of `prepared` (the block form's exact path, or the panels)."""
+    if prepared.blocks is not None:
+        return int_matmul(x, prepared.blocks, "exact")
+    m, k = x.shape
+    x = x.contiguous()
+    out = torch.empty(m, n, dtype=torch.float32)
+    scratch = torch.empty(min(m, _X_CHUNK_ROWS) * k, dtype=torch.float32)
+    failed = _kernel().gemm(x.data_ptr(), prepared.packed.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+                            m, n, k, torch.get_num_threads())  # fmt: skip
+    if failed:
+        raise MemoryError("linear: the C GEMM kernel could not allocate its panel buffer")
+    return out
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -333,14 +350,16 @@ class VocabEmbedding(nn.Module):
         if packed is None:  # no kernel, GPU, another dtype: the float table
             self.weight.data.copy_(blocks.dequantize())
             return
-        self.int_weight = packed
+        self.int_weight = packed  # the paths are chosen once the lm head's compute is known
         del self.weight  # the packed form is the only copy
         self.weight = None
 
     def packed_logits(self, hidden: torch.Tensor, compute: str) -> torch.Tensor:
-        from pagedllm.layers.quantization.int_kernel import int_matmul
+        from pagedllm.layers.quantization.int_kernel import int_linear, with_choice
 
-        return int_matmul(hidden.reshape(-1, hidden.shape[-1]).float(), self.int_weight, compute)
+        if self.int_weight.paths is None:  # once: the tied head's compute is known only here
+            self.int_weight = with_choice(self.int_weight, compute)
+        return int_linear(hidden.reshape(-1, hidden.shape[-1]).float(), self.int_weight, compute)
 
     def checkpoint_slices(self) -> list[tuple[int, int, int]]:
         """The rows of the checkpoint's table this rank holds (empty: all)."""

@@ -35,10 +35,11 @@ from torch import nn
 
 from pagedllm.layers.quantization.int_kernel import (
     PackedIntWeight,
-    int_matmul,
+    int_linear,
     kernel_supports,
     pack_int_weight,
     unpack_int_weight,
+    with_choice,
 )
 from pagedllm.layers.quantization.packing import dequantize
 
@@ -341,8 +342,8 @@ class PackedIntLinearMethod(LinearMethod):
         layer.int_weight = None
         if qweight.device.type == "cpu" and kernel_supports(self.bits, layer.input_size, gs):
             codes = dequantize_codes(qweight, self.bits)  # [in, out]
-            layer.int_weight = pack_int_weight(codes.T, scales.T.float(), zeros.T.to(torch.uint8),
-                                               self.bits, gs)
+            layer.int_weight = with_choice(pack_int_weight(codes.T, scales.T.float(), zeros.T.to(torch.uint8),
+                                                           self.bits, gs), self.compute)
             return  # the kernel's form is all the layer keeps
         layer.register_buffer("qweight", qweight.contiguous(), persistent=False)
         layer.register_buffer("scales", scales.contiguous(), persistent=False)
@@ -371,7 +372,7 @@ class PackedIntLinearMethod(LinearMethod):
         packed: PackedIntWeight | None = getattr(layer, "int_weight", None)
         if packed is not None and x.dtype == torch.float32 and x.device.type == "cpu":
             lead = x.shape[:-1]
-            out = int_matmul(x.reshape(-1, x.shape[-1]), packed, self.compute).view(*lead, packed.out_features)
+            out = int_linear(x.reshape(-1, x.shape[-1]), packed, self.compute).view(*lead, packed.out_features)
             return out if bias is None else out.add_(bias)
         w = self.dequantized_weight(layer)
         out = torch.matmul(x, w if x.dtype == torch.float32 else w.to(x.dtype))

@@ -20,10 +20,11 @@ from torch import nn
 from pagedllm.layers.quantization.base import LinearMethod, QuantizationConfig, Slices, logical_weight_slices
 from pagedllm.layers.quantization.int_kernel import (
     PackedIntWeight,
-    int_matmul,
+    int_linear,
     kernel_supports,
     pack_int_weight,
     unpack_int_weight,
+    with_choice,
 )
 
 GGUF_BLOCK = 32
@@ -81,8 +82,9 @@ class GGUFLinearMethod(LinearMethod):
         shards = [layer.gguf_shards[i] for i in range(len(layer.output_sizes))]
         del layer.gguf_shards
         if layer.gguf_device.type == "cpu" and layer.gguf_dtype == torch.float32 and all(map(_is_blocks, shards)):
-            layer.int_weight = pack_gguf_blocks(shards)
-            if layer.int_weight is not None:
+            packed = pack_gguf_blocks(shards)
+            if packed is not None:
+                layer.int_weight = with_choice(packed, self.compute)
                 return
         w = torch.cat([s.dequantize() if _is_blocks(s) else s.float() for s in shards])
         layer.weight = nn.Parameter(w.to(layer.gguf_dtype).to(layer.gguf_device), requires_grad=False)
@@ -108,7 +110,7 @@ class GGUFLinearMethod(LinearMethod):
         packed = layer.int_weight
         if packed is not None and x.dtype == torch.float32 and x.device.type == "cpu":
             lead = x.shape[:-1]
-            out = int_matmul(x.reshape(-1, x.shape[-1]), packed, self.compute).view(*lead, packed.out_features)
+            out = int_linear(x.reshape(-1, x.shape[-1]), packed, self.compute).view(*lead, packed.out_features)
             return out if bias is None else out.add_(bias)
         if packed is not None:  # a non-float32 input: the values, then the float product
             return torch.nn.functional.linear(x, unpack_int_weight(packed).to(x.dtype), bias)

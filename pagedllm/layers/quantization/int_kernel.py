@@ -8,6 +8,11 @@ becomes `W[n, k] = d[n, g] * q[n, k] + m[n, g]` with unsigned codes `q` of 4 or 
 - "exact": unpacked to float32 in registers, float32 FMAs: dequantize-then-matmul's products;
 - "int8": activations quantized to int8 per block of 32 k, integer dot products (VNNI).
 `int_gemm_isa()` names the instruction set the kernel was built for.
+
+`with_choice` measures, once per shape and machine (layers/kernel_choice.py), the asked path
+against `F.linear` on the float32 weight, per batch bucket; `int_linear` then runs the faster.
+Where torch wins a bucket the layer also keeps the float32 weight (at most
+`FLOAT_COPY_BUDGET` bytes of such copies per process; past it, the kernel path stays).
 """
 
 from __future__ import annotations
@@ -15,13 +20,17 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from pagedllm.kernels import int_gemm_kernel
+from pagedllm.layers import kernel_choice
 
 OFFSET_ZERO, OFFSET_MIN = 0, 1  # kernels/int_gemm.c's kinds of offset
 KBLOCK = 32  # the kernel's activation block: group sizes are multiples of it
 COMPUTE_PATHS = ("exact", "int8")
-ISA_NAMES = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2", 0: "portable"}
+ISA_NAMES = {4: "avx512", 3: "avx512-vnni", 2: "avx-vnni", 1: "avx2", 0: "portable"}
+FLOAT_COPY_BUDGET = 1 << 30  # bytes of float32 copies kept for buckets where torch is faster
+_float_copy_bytes = 0
 _X_CHUNK_ROWS = 144  # packed_gemm.c's M_CHUNK: the exact path's scratch holds one chunk
 
 
@@ -32,6 +41,8 @@ class PackedIntWeight(NamedTuple):
     out_features: int  # N
     in_features: int  # K
     group_size: int  # a multiple of 32 dividing K (per channel: K)
+    paths: tuple[str, ...] | None = None  # per batch bucket: "exact" / "int8" / "torch" (with_choice)
+    float_weight: torch.Tensor | None = None  # the float32 weight, kept only where "torch" is a path
 
 
 def int_gemm_isa() -> str | None:
@@ -129,3 +140,34 @@ def int_matmul(x: torch.Tensor, w: PackedIntWeight, compute: str = "exact") -> t
     if failed:
         raise MemoryError(f"int_gemm ({compute}) failed with code {failed}")
     return out
+
+
+@torch.compiler.disable  # measures eagerly, also when first reached inside a compiled graph
+def with_choice(w: PackedIntWeight, compute: str) -> PackedIntWeight:
+    """`w` with its per-bucket paths: `compute` ("exact" / "int8") or torch's `F.linear` on the
+    float32 weight, whichever this machine runs faster (layers/kernel_choice.py)."""
+    global _float_copy_bytes
+    if compute not in COMPUTE_PATHS:
+        raise ValueError(f"compute must be one of {list(COMPUTE_PATHS)}, got {compute!r}")
+    n, k = w.out_features, w.in_features
+    copy_bytes = 4 * n * k
+    candidates = {compute: lambda x: int_matmul(x, w, compute)}
+    dense = None
+    if _float_copy_bytes + copy_bytes <= FLOAT_COPY_BUDGET:
+        dense = unpack_int_weight(w)
+        candidates["torch"] = lambda x: F.linear(x, dense)
+    key = f"int{w.bits} g{w.group_size} kind{w.kind} {compute} {n}x{k}"
+    paths = kernel_choice.choose(key, candidates, k, default=compute, out_features=n)
+    if "torch" in paths:
+        _float_copy_bytes += copy_bytes
+        return w._replace(paths=paths, float_weight=dense)
+    return w._replace(paths=paths)
+
+
+def int_linear(x: torch.Tensor, w: PackedIntWeight, compute: str) -> torch.Tensor:
+    """`x @ W^T` for float32 CPU `x [M, K]` by the path `w` keeps for M rows (`compute` when no
+    choice was made)."""
+    path = compute if w.paths is None else w.paths[kernel_choice.bucket_index(x.shape[0])]
+    if path == "torch":
+        return F.linear(x, w.float_weight)
+    return int_matmul(x, w, path)
