@@ -103,36 +103,40 @@ def _variant(name: str | None) -> tuple[KernelVariant | None, str]:
     return variant, f"variant {name}" if variant is not None else f"unknown kernel variant {name!r}"
 
 
+def _key(source_name: str, variant: str | None) -> tuple[tuple[str, str], KernelVariant | None, str]:
+    chosen, how = _variant(variant)
+    return (source_name, chosen.name if chosen is not None else f"none: {how}"), chosen, how
+
+
 def build_library(source_name: str, variant: str | None = None) -> ctypes.CDLL | None:
     """Compile (if not cached) and load `kernels/<source_name>` for `variant` (None: the one this
     CPU runs best); None if that is impossible."""
-    chosen, how = _variant(variant)
-    key = (source_name, chosen.name if chosen is not None else f"none: {how}")
+    key = _key(source_name, variant)[0]
     with _lock:
         if key in _loaded:
             return _loaded[key]
-        _loaded[key] = lib = _build(source_name, chosen, how, key)
+        _loaded[key] = lib = _build(source_name, variant)
         return lib
 
 
 def kernel_state(source_name: str, variant: str | None = None) -> KernelState:
     """Build or load `source_name` if not tried yet, and say whether it is active and why."""
     build_library(source_name, variant)
-    chosen, how = _variant(variant)
-    key = (source_name, chosen.name if chosen is not None else f"none: {how}")
-    return _status.get(key, KernelState(False, "not built"))
+    return _status.get(_key(source_name, variant)[0], KernelState(False, "not built"))
 
 
-def _build(source_name: str, variant: KernelVariant | None, how: str, key: tuple[str, str]) -> ctypes.CDLL | None:
-    if variant is None:
+def _build(source_name: str, variant: str | None = None) -> ctypes.CDLL | None:
+    """Build or load one library now (no memo) and record its state."""
+    key, chosen, how = _key(source_name, variant)
+    if chosen is None:
         lib, reason = _fail(source_name, how)
     else:
         try:
-            lib, reason = _build_or_load(source_name, variant)
+            lib, reason = _build_or_load(source_name, chosen)
         except Exception as exc:  # never take the engine down for a kernel
             lib, reason = None, f"unexpected error while building ({type(exc).__name__}: {exc})"
             logger.warning("C kernel %s: %s; falling back to plain torch", source_name, reason)
-    _status[key] = KernelState(lib is not None, reason, variant.name if variant is not None else "")
+    _status[key] = KernelState(lib is not None, reason, chosen.name if chosen is not None else "")
     return lib
 
 

@@ -1,4 +1,7 @@
-/* What the attention kernels share: scoped flush-to-zero and a 16-float vector type.
+/* What the attention kernels share: scoped flush-to-zero, a 16-float vector type, and `vk`, the
+ * vector of the build's own register width (KVL floats: 16 with AVX-512, 8 otherwise), for loops
+ * whose working set must stay in registers (16 ymm on AVX2: a 16-float vector there is two
+ * registers, and a tile written for 32 zmm spills on every step).
  *
  * Flush-to-zero / denormals-are-zero for a kernel's own arithmetic only: softmax weights of
  * far-below-maximum scores underflow into denormals, which cost a microcode assist per
@@ -26,6 +29,19 @@ typedef float v16 __attribute__((vector_size(64)));
 
 static inline v16 load16(const float *p) {
     v16 v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+#if defined(__AVX512F__)
+#define KVL 16
+#else
+#define KVL 8
+#endif
+typedef float vk __attribute__((vector_size(KVL * 4)));
+
+static inline vk loadk(const float *p) {
+    vk v;
     memcpy(&v, p, sizeof(v));
     return v;
 }

@@ -106,6 +106,27 @@ static inline __attribute__((always_inline)) float kv_load1(const char *p, int64
     return (float)((const int8_t *)p)[i];
 }
 
+/* KVL consecutive elements at `p` as floats (kernel_common.h's register-width vector). */
+static inline __attribute__((always_inline)) vk kv_loadk(const char *p, int kind) {
+#if KVL == 16
+    return kv_load16(p, kind);
+#else
+    if (kind == KV_F32) return loadk((const float *)p);
+    vk f;
+#if defined(__AVX2__)
+    __m256 r;
+    if (kind == KV_BF16)
+        r = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    else
+        r = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    memcpy(&f, &r, sizeof(f));
+#else
+    for (int i = 0; i < KVL; ++i) f[i] = kv_load1(p, i, kind);
+#endif
+    return f;
+#endif
+}
+
 /* float32 -> bfloat16, round to nearest even, as torch's `.to(torch.bfloat16)` (NaN: 0x7FC0). */
 static inline uint16_t kv_bf16_round_portable(float f) {
     uint32_t u;

@@ -92,6 +92,7 @@ static inline void soft_cap(float *restrict s, int n, float cap) {
 #define GMAX 4 /* query heads per KV head the fast path takes */
 typedef int v16i __attribute__((vector_size(64)));
 
+#if KVL == 16
 /* R[i] = sum of the 16 lanes of P[i]. */
 static inline v16 hsum16x16(const v16 *P) {
     const v16i m1lo = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
@@ -180,6 +181,80 @@ static inline __attribute__((always_inline)) void accumulate64(const char *vb, i
             for (int i = 0; i < 4; ++i) memcpy(acc + (int64_t)(hb + g) * FAST_DIM + 16 * i, &a[g][i], sizeof(v16));
     }
 }
+
+#else
+/* The same two loops for 16-register builds (AVX2: 8-float vectors). A 64-float row is 8 vectors
+ * there, so the AVX-512 shape (the query heads' rows and 16 positions' partial sums held in
+ * registers: 4 x 12 + 16 x 3 vectors) spilled on every position (decode 2-6x slower than
+ * AVX-512's on the same machine). Here the scores loop holds one key row (8 vectors, converted
+ * once) and reads each query head's row as FMA memory operands (L1), one horizontal sum per
+ * (position, head); the sum loop runs query head by query head, its 8 output vectors in
+ * registers, re-reading the block's V rows from L1. */
+static inline float hsum8(vk v) {
+    float s[KVL];
+    memcpy(s, &v, sizeof(s));
+    return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+}
+
+static inline __attribute__((always_inline)) void scores64(const float *q0, const char *kb, int64_t row,
+                                                           int n, int h0, int h1, int group, float scale,
+                                                           float *p, const char *next, int kind,
+                                                           const float *ks) {
+    const int64_t esz = kv_elem_bytes(kind), rowb = row * esz;
+    for (int kh = h0; kh < h1; ++kh) {
+        const int hb = (kh - h0) * group;
+        const float sc = kind == KV_I8 ? scale * ks[kh] : scale;
+        for (int t = 0; t < n; ++t) {
+            if (next != NULL && kh == h0)
+                for (int64_t off = (int64_t)h0 * FAST_DIM * esz; off < (int64_t)h1 * FAST_DIM * esz; off += 64)
+                    __builtin_prefetch(next + (int64_t)t * rowb + off, 0, PF_LOC);
+            const char *k = kb + (int64_t)t * rowb + (int64_t)kh * FAST_DIM * esz;
+            vk kr[FAST_DIM / KVL];
+#pragma GCC unroll 8
+            for (int i = 0; i < FAST_DIM / KVL; ++i) kr[i] = kv_loadk(k + KVL * i * esz, kind);
+#pragma GCC unroll 4
+            for (int g = 0; g < group; ++g) {
+                const float *qg = q0 + (int64_t)(hb + g) * FAST_DIM;
+                vk a0 = kr[0] * loadk(qg), a1 = kr[1] * loadk(qg + KVL);
+#pragma GCC unroll 4
+                for (int i = 2; i < FAST_DIM / KVL; i += 2) {
+                    a0 += kr[i] * loadk(qg + KVL * i);
+                    a1 += kr[i + 1] * loadk(qg + KVL * (i + 1));
+                }
+                p[(int64_t)(hb + g) * MAX_BLOCK + t] = hsum8(a0 + a1) * sc;
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void accumulate64(const char *vb, int64_t row, int n, int h0,
+                                                               int h1, int group, const float *p, float *acc,
+                                                               const char *next, int kind, const float *vs) {
+    const int64_t esz = kv_elem_bytes(kind), rowb = row * esz;
+    for (int kh = h0; kh < h1; ++kh) {
+        const int hb = (kh - h0) * group;
+        const float sv = kind == KV_I8 ? vs[kh] : 1.0f;
+        for (int g = 0; g < group; ++g) {
+            float *ag = acc + (int64_t)(hb + g) * FAST_DIM;
+            const float *pg = p + (int64_t)(hb + g) * MAX_BLOCK;
+            vk a[FAST_DIM / KVL];
+#pragma GCC unroll 8
+            for (int i = 0; i < FAST_DIM / KVL; ++i) a[i] = loadk(ag + KVL * i);
+            for (int t = 0; t < n; ++t) {
+                if (next != NULL && kh == h0 && g == 0)
+                    for (int64_t off = (int64_t)h0 * FAST_DIM * esz; off < (int64_t)h1 * FAST_DIM * esz; off += 64)
+                        __builtin_prefetch(next + (int64_t)t * rowb + off, 0, PF_LOC);
+                const char *v = vb + (int64_t)t * rowb + (int64_t)kh * FAST_DIM * esz;
+                const float w = kind == KV_I8 ? pg[t] * sv : pg[t];
+#pragma GCC unroll 8
+                for (int i = 0; i < FAST_DIM / KVL; ++i) a[i] += w * kv_loadk(v + KVL * i * esz, kind);
+            }
+#pragma GCC unroll 8
+            for (int i = 0; i < FAST_DIM / KVL; ++i) memcpy(ag + KVL * i, &a[i], sizeof(a[i]));
+        }
+    }
+}
+#endif
 
 /* Specialised per query-head count, so that the loops over g unroll and stay in registers. */
 static inline __attribute__((always_inline)) void scores64_any(const float *q0, const char *kb, int64_t row,

@@ -50,12 +50,13 @@
 #include "kv_cache_types.h"
 
 #define QT 16 /* query rows per work item */
-#define KC 16 /* key positions per chunk: one vector of scores */
+#define KC KVL /* key positions per chunk: one register-width vector of scores */
+#define DV (64 / KVL) /* vectors of the 64 output floats kept in registers per chunk */
 #define STACK_FLOATS 8192
 
-/* cap * tanh(s / cap) of a chunk's 16 scores (Gemma's attention logit soft-capping), as one
+/* cap * tanh(s / cap) of a chunk's KC scores (Gemma's attention logit soft-capping), as one
  * vector call of libmvec's tanhf. */
-static inline v16 soft_cap16(v16 s, float cap) {
+static inline vk soft_capk(vk s, float cap) {
     float x[KC];
     memcpy(x, &s, sizeof(x));
     const float inv = 1.0f / cap;
@@ -63,6 +64,44 @@ static inline v16 soft_cap16(v16 s, float cap) {
     for (int t = 0; t < KC; ++t) x[t] = cap * tanhf(x[t] * inv);
     memcpy(&s, x, sizeof(x));
     return s;
+}
+
+/* The scores of up to SCORE_HEADS query heads (rows of `qr`, head_dim apart, pre-scaled) against
+ * a chunk's transposed keys `kt [head_dim][KC]`: each key vector is loaded once for all the heads
+ * (one load per `nh` FMAs instead of one per FMA, with the query broadcasts), and each head
+ * keeps 2 (one head: 4) independent sums against the FMA latency. */
+#define SCORE_HEADS 4
+static inline __attribute__((always_inline)) void chunk_scores(const float *qr, const float *kt, int head_dim,
+                                                               const int nh, vk *S) {
+    enum { CH = 4 };
+    const int ch = nh == 1 ? 4 : 2;
+    vk a[SCORE_HEADS][CH];
+    for (int h = 0; h < nh; ++h)
+        for (int j = 0; j < ch; ++j) a[h][j] = (vk){0};
+    int d = 0;
+    for (; d + ch <= head_dim; d += ch) {
+#pragma GCC unroll 4
+        for (int j = 0; j < ch; ++j) {
+            const vk kv = loadk(kt + (int64_t)(d + j) * KC);
+#pragma GCC unroll 4
+            for (int h = 0; h < nh; ++h) a[h][j] += qr[(int64_t)h * head_dim + d + j] * kv;
+        }
+    }
+    for (; d < head_dim; ++d) {
+        const vk kv = loadk(kt + (int64_t)d * KC);
+        for (int h = 0; h < nh; ++h) a[h][0] += qr[(int64_t)h * head_dim + d] * kv;
+    }
+    for (int h = 0; h < nh; ++h) S[h] = ch == 4 ? (a[h][0] + a[h][1]) + (a[h][2] + a[h][3]) : a[h][0] + a[h][1];
+}
+
+static inline __attribute__((always_inline)) void chunk_scores_any(const float *qr, const float *kt, int head_dim,
+                                                                   int nh, vk *S) {
+    switch (nh) {
+    case 1: chunk_scores(qr, kt, head_dim, 1, S); break;
+    case 2: chunk_scores(qr, kt, head_dim, 2, S); break;
+    case 3: chunk_scores(qr, kt, head_dim, 3, S); break;
+    default: chunk_scores(qr, kt, head_dim, 4, S); break;
+    }
 }
 
 /* Inlined into one copy per element kind (attend_tile_kind): `kind` is a constant inside. */
@@ -121,21 +160,14 @@ static inline __attribute__((always_inline)) int attend_tile(
             if (pos < t1 - 1) hi = pos - t0 + 1;
             if (window > 0 && pos - window + 1 > t0) lo = pos - window + 1 - t0;
             if (hi <= 0 || lo >= hi) continue;
-            for (int g = 0; g < group; ++g) {
+            for (int gb = 0; gb < group; gb += SCORE_HEADS) {
+              const int nh = group - gb < SCORE_HEADS ? group - gb : SCORE_HEADS;
+              vk S[SCORE_HEADS];
+              chunk_scores_any(q + ((int64_t)r * group + gb) * head_dim, kt, head_dim, nh, S);
+              for (int g = gb; g < gb + nh; ++g) {
                 const int c = r * group + g;
-                const float *qc = q + (int64_t)c * head_dim;
-                /* Four independent sums against the FMA latency, added at the end. */
-                v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-                int d = 0;
-                for (; d + 4 <= head_dim; d += 4) {
-                    s0 += qc[d] * load16(kt + (int64_t)d * KC);
-                    s1 += qc[d + 1] * load16(kt + (int64_t)(d + 1) * KC);
-                    s2 += qc[d + 2] * load16(kt + (int64_t)(d + 2) * KC);
-                    s3 += qc[d + 3] * load16(kt + (int64_t)(d + 3) * KC);
-                }
-                for (; d < head_dim; ++d) s0 += qc[d] * load16(kt + (int64_t)d * KC);
-                v16 s = (s0 + s1) + (s2 + s3);
-                if (softcap > 0.0f) s = soft_cap16(s, softcap);
+                vk s = S[g - gb];
+                if (softcap > 0.0f) s = soft_capk(s, softcap);
                 float m = mx[c];
                 for (int t = (int)lo; t < (int)hi; ++t) m = s[t] > m ? s[t] : m;
                 const float corr = expf(mx[c] - m);
@@ -153,23 +185,21 @@ static inline __attribute__((always_inline)) int attend_tile(
 #pragma omp simd
                     for (int d = 0; d < head_dim; ++d) ac[d] *= corr;
                 }
-                /* acc += w @ V: 64 output floats in registers across the chunk's keys. */
+                /* acc += w @ V: 64 output floats in registers across the chunk's keys, as DV
+                 * vectors of the build's width (8 ymm on AVX2, 4 zmm on AVX-512). */
                 int d0 = 0;
                 for (; d0 + 64 <= head_dim; d0 += 64) {
-                    v16 a0 = load16(ac + d0), a1 = load16(ac + d0 + 16);
-                    v16 a2 = load16(ac + d0 + 32), a3 = load16(ac + d0 + 48);
+                    vk a[DV];
+#pragma GCC unroll 8
+                    for (int i = 0; i < DV; ++i) a[i] = loadk(ac + d0 + KVL * i);
                     for (int t = (int)lo; t < (int)hi; ++t) {
                         const float wt = wv[t];
                         const char *vt = vb + t * rowb + d0 * esz;
-                        a0 += wt * kv_load16(vt, kind);
-                        a1 += wt * kv_load16(vt + 16 * esz, kind);
-                        a2 += wt * kv_load16(vt + 32 * esz, kind);
-                        a3 += wt * kv_load16(vt + 48 * esz, kind);
+#pragma GCC unroll 8
+                        for (int i = 0; i < DV; ++i) a[i] += wt * kv_loadk(vt + KVL * i * esz, kind);
                     }
-                    memcpy(ac + d0, &a0, sizeof(a0));
-                    memcpy(ac + d0 + 16, &a1, sizeof(a1));
-                    memcpy(ac + d0 + 32, &a2, sizeof(a2));
-                    memcpy(ac + d0 + 48, &a3, sizeof(a3));
+#pragma GCC unroll 8
+                    for (int i = 0; i < DV; ++i) memcpy(ac + d0 + KVL * i, &a[i], sizeof(a[i]));
                 }
                 for (int t = (int)lo; t < (int)hi; ++t) {
                     const float wt = wv[t];
@@ -177,6 +207,7 @@ static inline __attribute__((always_inline)) int attend_tile(
 #pragma omp simd
                     for (int d = d0; d < head_dim; ++d) ac[d] += wt * kv_load1(vt, d, kind);
                 }
+              }
             }
         }
         t0 = t1;
