@@ -298,11 +298,9 @@ static inline int64_t tile_cols(int64_t ncols, int64_t t) {
 static inline __attribute__((always_inline)) void exact_tile(
     const float *x, int64_t ldx, const uint8_t *panel, int64_t c0, float *y, int64_t ldy,
     int64_t K, int64_t gs, int64_t ncols, const int bits, int kind, const int mr) {
-    enum { SETS = 2 };
     const int sets = 4 * mr <= ACC_BUDGET ? 2 : 1;
-    vf acc[SETS][MRE][2];
-    for (int s = 0; s < SETS; ++s)
-        for (int i = 0; i < mr; ++i) acc[s][i][0] = acc[s][i][1] = (vf){0};
+    vf a0[MRE][2], a1[MRE][2]; /* the two accumulator sets (a1 unused when sets == 1) */
+    for (int i = 0; i < mr; ++i) a0[i][0] = a0[i][1] = a1[i][0] = a1[i][1] = (vf){0};
     const int64_t gb = group_bytes(bits, kind, gs), hb = header_bytes(kind);
     const int per_vec = bits == 4 ? 8 : 4;
     const int64_t off0 = lane_offset(c0), off1 = lane_offset(c0 + VL);
@@ -314,24 +312,34 @@ static inline __attribute__((always_inline)) void exact_tile(
         for (int64_t o = 0; o < gs / per_vec; ++o) {
             const i32v v0 = load_i32v(codes + o * 128 + off0), v1 = load_i32v(codes + o * 128 + off1);
             const float *xk = x + g * gs + o * per_vec;
-#pragma GCC unroll 8
-            for (int jj = 0; jj < per_vec; ++jj) {
-                const vf w0 = weights_of(v0, jj, bits, d0, m0);
-                const vf w1 = weights_of(v1, jj, bits, d1, m1);
-                const int s = sets == 2 ? (jj & 1) : 0;
+#pragma GCC unroll 4
+            for (int jj = 0; jj < per_vec; jj += 2) {
+                const vf w0 = weights_of(v0, jj, bits, d0, m0), w1 = weights_of(v1, jj, bits, d1, m1);
 #pragma GCC unroll 8
                 for (int i = 0; i < mr; ++i) {
                     const vf xi = (vf){0} + xk[i * ldx + jj];
-                    acc[s][i][0] += xi * w0;
-                    acc[s][i][1] += xi * w1;
+                    a0[i][0] += xi * w0;
+                    a0[i][1] += xi * w1;
+                }
+                const vf u0 = weights_of(v0, jj + 1, bits, d0, m0), u1 = weights_of(v1, jj + 1, bits, d1, m1);
+#pragma GCC unroll 8
+                for (int i = 0; i < mr; ++i) {
+                    const vf xi = (vf){0} + xk[i * ldx + jj + 1];
+                    if (sets == 2) {
+                        a1[i][0] += xi * u0;
+                        a1[i][1] += xi * u1;
+                    } else {
+                        a0[i][0] += xi * u0;
+                        a0[i][1] += xi * u1;
+                    }
                 }
             }
         }
     }
     for (int i = 0; i < mr; ++i) {
         float tmp[NR];
-        storev(tmp, sets == 2 ? acc[0][i][0] + acc[1][i][0] : acc[0][i][0]);
-        storev(tmp + VL, sets == 2 ? acc[0][i][1] + acc[1][i][1] : acc[0][i][1]);
+        storev(tmp, sets == 2 ? a0[i][0] + a1[i][0] : a0[i][0]);
+        storev(tmp + VL, sets == 2 ? a0[i][1] + a1[i][1] : a0[i][1]);
         memcpy(y + i * ldy, tmp, (size_t)ncols * sizeof(float));
     }
 }

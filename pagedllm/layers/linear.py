@@ -45,7 +45,7 @@ from pagedllm.kernels import int_gemm_kernel, packed_gemm_kernel
 from pagedllm.layers import kernel_choice
 from pagedllm.layers.block_formats import FORMAT_Q8S, find_block_encoding
 from pagedllm.layers.quantization.base import LinearMethod, Slices, logical_weight_slices
-from pagedllm.layers.quantization.int_kernel import PackedIntWeight, int_matmul, pack_int_weight
+from pagedllm.layers.quantization.int_kernel import PackedIntWeight, _int_matmul, pack_int_weight
 
 USE_BLOCK_WEIGHTS = os.environ.get("PAGEDLLM_BLOCK_WEIGHTS", "1") not in ("0", "")  # read once
 _kernel = packed_gemm_kernel
@@ -138,7 +138,7 @@ def linear_prepared(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def _kernel_product(x: torch.Tensor, prepared: PreparedWeight, n: int) -> torch.Tensor:
     """`x @ W^T` by the C kernel of `prepared` (the block form's exact path, or the panels)."""
     if prepared.blocks is not None:
-        return int_matmul(x, prepared.blocks, "exact")
+        return _int_matmul(x, prepared.blocks, "exact")  # eager only (_kernel_input)
     m, k = x.shape
     x = x.contiguous()
     out = torch.empty(m, n, dtype=torch.float32)

@@ -32,6 +32,7 @@ ISA_NAMES = {4: "avx512", 3: "avx512-vnni", 2: "avx-vnni", 1: "avx2", 0: "portab
 FLOAT_COPY_BUDGET = 1 << 30  # bytes of float32 copies kept for buckets where torch is faster
 _float_copy_bytes = 0
 _X_CHUNK_ROWS = 144  # packed_gemm.c's M_CHUNK: the exact path's scratch holds one chunk
+_PANEL_MIN_ROWS = 17  # int_gemm.c's PANEL_MIN_ROWS: fewer rows need no scratch
 
 
 class PackedIntWeight(NamedTuple):
@@ -112,8 +113,7 @@ def int_weight_rows(w: PackedIntWeight, ids: torch.Tensor) -> torch.Tensor:
     return out.view(*ids.shape, w.in_features)
 
 
-@torch.compiler.disable  # a ctypes call: runs eagerly inside compiled graphs
-def int_matmul(x: torch.Tensor, w: PackedIntWeight, compute: str = "exact") -> torch.Tensor:
+def _int_matmul(x: torch.Tensor, w: PackedIntWeight, compute: str = "exact") -> torch.Tensor:
     """`x @ W^T` for float32 CPU `x [M, K]`."""
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"int_matmul takes a 2-D float32 CPU input, got {tuple(x.shape)} {x.dtype} on {x.device}")
@@ -130,9 +130,10 @@ def int_matmul(x: torch.Tensor, w: PackedIntWeight, compute: str = "exact") -> t
     x = x.contiguous()
     threads = torch.get_num_threads()
     if compute == "exact":
-        scratch = torch.empty(min(m, _X_CHUNK_ROWS) * k, dtype=torch.float32)
+        # the scratch holds packed rows from _PANEL_MIN_ROWS on (int_gemm.c's PANEL_MIN_ROWS)
+        scratch = torch.empty(min(m, _X_CHUNK_ROWS) * k, dtype=torch.float32) if m >= _PANEL_MIN_ROWS else None
         failed = kernel.exact(w.bits, w.kind, x.data_ptr(), w.data.data_ptr(), out.data_ptr(),
-                              scratch.data_ptr(), m, n, k, w.group_size, threads)
+                              0 if scratch is None else scratch.data_ptr(), m, n, k, w.group_size, threads)
     else:
         scratch = torch.empty(kernel.int8_scratch(m, k), dtype=torch.uint8)
         failed = kernel.int8(w.bits, w.kind, x.data_ptr(), w.data.data_ptr(), out.data_ptr(),
@@ -140,6 +141,11 @@ def int_matmul(x: torch.Tensor, w: PackedIntWeight, compute: str = "exact") -> t
     if failed:
         raise MemoryError(f"int_gemm ({compute}) failed with code {failed}")
     return out
+
+
+# A ctypes call: runs eagerly inside compiled graphs. Eager callers on the hot path use
+# `_int_matmul` directly (the disable wrapper costs about 2 us a call).
+int_matmul = torch.compiler.disable(_int_matmul)
 
 
 @torch.compiler.disable  # measures eagerly, also when first reached inside a compiled graph
@@ -170,4 +176,4 @@ def int_linear(x: torch.Tensor, w: PackedIntWeight, compute: str) -> torch.Tenso
     path = compute if w.paths is None else w.paths[kernel_choice.bucket_index(x.shape[0])]
     if path == "torch":
         return F.linear(x, w.float_weight)
-    return int_matmul(x, w, path)
+    return int_matmul(x, w, path) if torch.compiler.is_compiling() else _int_matmul(x, w, path)
