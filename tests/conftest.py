@@ -7,6 +7,10 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite pins which path runs: the C kernels wherever they apply (tests that check them must
+# not depend on a timing). The engine's default, `measure` (layers/kernel_choice.py), has its
+# own tests (tests/unit/test_kernel_choice.py, tests/integration/test_kernel_choice_engine.py).
+os.environ.setdefault("PAGEDLLM_KERNEL_CHOICE", "kernel")
 
 import pytest
 

@@ -467,11 +467,37 @@ static inline __attribute__((always_inline)) void int8_tile(
             if (bits == 4) {
                 const uint8_t *cb = codes + bb * (KB / 8) * 128;
 #if INT16_PARTIALS
-                i16v part[MRI][2];
-                for (int i = 0; i < mr; ++i) part[i][0] = part[i][1] = (i16v){0};
+                /* Without VNNI: the block's nibbles split once (4 x 4 vectors, in L1 when they
+                 * do not fit the registers), then row by row two int16 partial sums (see
+                 * pairs2): few live registers, where a row-parallel form spilled its partials. */
+                i32v nib[KB / 8][4];
+#pragma GCC unroll 4
+                for (int o = 0; o < KB / 8; ++o) {
+                    const i32v v0 = load_i32v(cb + o * 128 + off0), v1 = load_i32v(cb + o * 128 + off1);
+                    nib[o][0] = v0 & 0x0F0F0F0F;
+                    nib[o][1] = (v0 >> 4) & 0x0F0F0F0F;
+                    nib[o][2] = v1 & 0x0F0F0F0F;
+                    nib[o][3] = (v1 >> 4) & 0x0F0F0F0F;
+                }
+                vf d0, d1, m0, m1;
+                group_header(kind, panel + g * gb, c0, &d0, &m0);
+                group_header(kind, panel + g * gb, c0 + VL, &d1, &m1);
+                for (int i = 0; i < mr; ++i) { /* each row's block, then its float epilogue */
+                    i16v p0 = {0}, p1 = {0};
+#pragma GCC unroll 4
+                    for (int o = 0; o < KB / 8; ++o) {
+                        const int32_t xa = load_quad(xq + i * K + k0 + o * 8);
+                        const int32_t xb = load_quad(xq + i * K + k0 + o * 8 + 4);
+                        p0 += pairs2(nib[o][0], nib[o][1], xa, xb);
+                        p1 += pairs2(nib[o][2], nib[o][3], xa, xb);
+                    }
+                    const vf sd = (vf){0} + xs[i * nb + b], sq = (vf){0} + xsum[i * nb + b];
+                    acc[i][0] += __builtin_convertvector(widen_pairs(p0), vf) * sd * d0 + m0 * sq;
+                    acc[i][1] += __builtin_convertvector(widen_pairs(p1), vf) * sd * d1 + m1 * sq;
+                }
+                continue; /* the block is summed */
 #else
                 for (int i = 0; i < mr; ++i) dot[i][0] = dot[i][1] = (i32v){0};
-#endif
 #pragma GCC unroll 4
                 for (int o = 0; o < KB / 8; ++o) {
                     const i32v v0 = load_i32v(cb + o * 128 + off0), v1 = load_i32v(cb + o * 128 + off1);
@@ -481,19 +507,9 @@ static inline __attribute__((always_inline)) void int8_tile(
                     for (int i = 0; i < mr; ++i) {
                         const int32_t xa = load_quad(xq + i * K + k0 + o * 8);
                         const int32_t xb = load_quad(xq + i * K + k0 + o * 8 + 4);
-#if INT16_PARTIALS
-                        part[i][0] += pairs2(lo0, hi0, xa, xb);
-                        part[i][1] += pairs2(lo1, hi1, xa, xb);
-#else
                         dot[i][0] = dot4(dot4(dot[i][0], lo0, xa, 1), hi0, xb, 1);
                         dot[i][1] = dot4(dot4(dot[i][1], lo1, xa, 1), hi1, xb, 1);
-#endif
                     }
-                }
-#if INT16_PARTIALS
-                for (int i = 0; i < mr; ++i) {
-                    dot[i][0] = widen_pairs(part[i][0]);
-                    dot[i][1] = widen_pairs(part[i][1]);
                 }
 #endif
             } else {

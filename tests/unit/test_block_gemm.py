@@ -83,6 +83,6 @@ def test_block_form_replaces_the_float32_panels_unless_disabled(monkeypatch):
     prepared = prepare_weight(w)
     assert prepared.blocks is not None and prepared.packed is None  # no float32 copy kept
     monkeypatch.setattr(linear_mod, "USE_BLOCK_WEIGHTS", False)  # PAGEDLLM_BLOCK_WEIGHTS=0
-    monkeypatch.setattr(linear_mod, "int_matmul", lambda *a: pytest.fail("block form used"))
+    monkeypatch.setattr(linear_mod, "_int_matmul", lambda *a: pytest.fail("block form used"))
     torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
     assert prepare_weight(w).packed is not None
