@@ -1,5 +1,5 @@
-"""Which path runs: the C kernels that are active (and why one is not) and the CPU features
-they are compiled for (`-march=native`).
+"""Which path runs: the C kernels that are active (and why one is not), the instruction-set
+variant they were built for and why that one (kernels/isa.py), and the CPU's features.
 
 Reported in three places, so that a user without a compiler (a slim image, macOS) sees that
 they are on the slow torch path: one line at engine start-up (`log_kernel_status`),
@@ -13,13 +13,14 @@ import platform
 from typing import NamedTuple
 
 from pagedllm.kernels.build import DISABLE_ENV, KernelState, kernel_sources, kernel_state
+from pagedllm.kernels.isa import select_variant
 
 logger = logging.getLogger(__name__)
 
 # The instruction-set extensions the kernels' code generation can use, as /proc/cpuinfo names them.
 _ISA_FLAGS = (
-    "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl",
-    "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",  # x86-64
+    "sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512dq", "avx512bw", "avx512vl",
+    "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",  # x86-64
     "asimd", "asimddp", "sve", "sve2", "bf16", "i8mm",  # aarch64 ("Features")
 )
 
@@ -37,6 +38,8 @@ def cpu_features() -> tuple[str, ...]:
 class KernelReport(NamedTuple):
     kernels: dict[str, KernelState]  # by library name: paged_decode_attention, packed_gemm, ...
     cpu_features: tuple[str, ...]
+    variant: str = ""  # the instruction-set variant chosen (kernels/isa.py); "" when none can run
+    variant_reason: str = ""  # "chosen from the CPU's features", "forced by PAGEDLLM_KERNEL_MARCH=..."
 
     @property
     def active_names(self) -> list[str]:
@@ -59,7 +62,7 @@ class KernelReport(NamedTuple):
         if not self.any_active:
             why = reasons[0] if len(reasons) == 1 else "; ".join(f"{n}: {r}" for n, r in off.items())
             return f"C kernels: none active, the plain torch path runs (slower): {why}"
-        line = f"C kernels active: {', '.join(self.active_names)}"
+        line = f"C kernels active ({self.variant} variant, {self.variant_reason}): {', '.join(self.active_names)}"
         if off:
             line += "; on the torch path: " + "; ".join(f"{n} ({r})" for n, r in off.items())
         return line
@@ -70,6 +73,7 @@ class KernelReport(NamedTuple):
         for name, state in self.kernels.items():
             lines.append(f"  {name}: {'active' if state.active else 'off'} ({state.reason})")
         lines.append(f"CPU features: {' '.join(self.cpu_features) or 'unknown'} ({platform.machine()})")
+        lines.append(f"kernel variant: {self.variant or 'none'} ({self.variant_reason})")
         isa = int_gemm_isa_name()
         if isa is not None:
             lines.append(f"int_gemm instruction set: {isa}")
@@ -83,12 +87,15 @@ class KernelReport(NamedTuple):
             "kernels": ",".join(self.active_names),
             "inactive": ",".join(off),
             "cpu_features": ",".join(self.cpu_features),
+            "variant": self.variant,
         }
 
 
 def kernel_status() -> KernelReport:
     """Build or load every kernel library not tried yet, and report each."""
-    return KernelReport({src[:-2]: kernel_state(src) for src in kernel_sources()}, cpu_features())
+    choice = select_variant()
+    return KernelReport({src[:-2]: kernel_state(src) for src in kernel_sources()}, cpu_features(),
+                        choice.variant.name if choice.variant is not None else "", choice.how)
 
 
 def log_kernel_status(device: object = "cpu") -> None:

@@ -137,6 +137,13 @@ def choose(key: str, candidates: dict[str, Callable[[torch.Tensor], object]], in
     """The fastest candidate per bucket for shape `key` (measured once per machine). Each
     candidate is `fn(x)` for `x [M, in_features]` float32. `default` wins where nothing is
     measured (budget spent, or `PAGEDLLM_KERNEL_CHOICE=kernel`)."""
+    paths = _choose(key, candidates, in_features, default, out_features)
+    _used[key] = paths
+    return paths
+
+
+def _choose(key: str, candidates: dict[str, Callable[[torch.Tensor], object]], in_features: int,
+            default: str, out_features: int) -> tuple[str, ...]:
     global _spent_s, _new_entries
     chosen_mode = mode()
     if chosen_mode == "kernel" or len(candidates) == 1:
@@ -171,7 +178,20 @@ def spent_seconds() -> float:
     return _spent_s
 
 
-def summary() -> dict[str, tuple[str, ...]]:
-    """Every shape this process knows a choice for (for the start-up log)."""
-    with _lock:
-        return dict(_load())
+_used: dict[str, tuple[str, ...]] = {}  # the shapes this process's layers asked for
+
+
+def log_summary() -> None:
+    """One start-up line: how long the measurement took and where torch's op was kept."""
+    if not _used:
+        return
+    torch_kept = {k: [b for b, w in zip(BUCKETS, v) if w == "torch"] for k, v in _used.items()}
+    torch_kept = {k: v for k, v in torch_kept.items() if v}
+    logger.info("Kernel choice (%s): %d shapes, %.2f s measured%s", mode(), len(_used), _spent_s,
+                "; torch's op kept for " + "; ".join(f"{k} at {v} rows" for k, v in torch_kept.items())
+                if torch_kept else "; the C kernels win every bucket")
+
+
+def used() -> dict[str, tuple[str, ...]]:
+    """The choice of every shape this process's layers asked for."""
+    return dict(_used)

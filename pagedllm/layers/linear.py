@@ -354,11 +354,16 @@ class VocabEmbedding(nn.Module):
         del self.weight  # the packed form is the only copy
         self.weight = None
 
-    def packed_logits(self, hidden: torch.Tensor, compute: str) -> torch.Tensor:
-        from pagedllm.layers.quantization.int_kernel import int_linear, with_choice
+    def choose_logit_paths(self, compute: str) -> None:
+        """Once, by the model after loading (the tied head's compute is known there): the packed
+        table's per-batch paths as an LM head (layers/kernel_choice.py)."""
+        from pagedllm.layers.quantization.int_kernel import with_choice
 
-        if self.int_weight.paths is None:  # once: the tied head's compute is known only here
-            self.int_weight = with_choice(self.int_weight, compute)
+        self.int_weight = with_choice(self.int_weight, compute)
+
+    def packed_logits(self, hidden: torch.Tensor, compute: str) -> torch.Tensor:
+        from pagedllm.layers.quantization.int_kernel import int_linear
+
         return int_linear(hidden.reshape(-1, hidden.shape[-1]).float(), self.int_weight, compute)
 
     def checkpoint_slices(self) -> list[tuple[int, int, int]]:

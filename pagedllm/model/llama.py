@@ -29,6 +29,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup, gather_logits
 from pagedllm.distributed.sharding import column_shard, head_shard, row_shard, shard_range, vocab_shard
+from pagedllm.layers import kernel_choice
 from pagedllm.layers.activation import get_act_and_mul
 from pagedllm.layers.attention import Attention, AttentionMetadata
 from pagedllm.layers.linear import (
@@ -383,8 +384,13 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
-        if self.lm_head is None and self.model.embed_tokens.weight is not None:
-            self.head_prepared = prepare_weight(self.model.embed_tokens.weight)
+        embed = self.model.embed_tokens
+        if self.lm_head is None and embed.weight is not None:
+            self.head_prepared = prepare_weight(embed.weight)
+        elif self.lm_head is None and embed.int_weight is not None:  # tied to a packed GGUF table
+            embed.choose_logit_paths(self.quant_config.compute if self.quant_config is not None else "exact")
+        kernel_choice.save()  # this process's measurements, for the next start
+        kernel_choice.log_summary()
 
     # ---- weights -------------------------------------------------------------------------
     def checkpoint_slices(self, name: str, shape: tuple[int, ...] | None = None) -> list[tuple[int, int, int]]:
