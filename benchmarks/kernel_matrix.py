@@ -14,6 +14,7 @@ decode over 256 cached tokens per sequence, prefill of `batch` new tokens in one
 Medians of 3 timed loops (each at least 30 ms), after a warm-up.
 
     python -m benchmarks.kernel_matrix [--variants avx2,avx512-vnni-bf16] [--batches 1,8,20,128,512]
+    python -m benchmarks.kernel_matrix --summary rows.jsonl   # compact per-variant ratio ranges
 """
 
 from __future__ import annotations
@@ -172,6 +173,28 @@ def _print_variant(head: dict, rows: list[dict], cpu: str) -> None:
                   + (f"{c:.0f} | {r['torch_us'] / c:.2f}x |" if c else "off | - |"))
 
 
+def summary(path: str) -> None:
+    """Per variant and batch: the range over the four shapes of each column's ratio to torch,
+    and the attention kernels' speed-up over the torch path (from a `--json` file)."""
+    rows = [r for r in (json.loads(ln) for ln in open(path) if ln.strip()) if "kind" in r]
+    for name in dict.fromkeys(r["variant"] for r in rows):
+        mine = [r for r in rows if r["variant"] == name]
+        print(f"\n`{name}` on {mine[0].get('cpu', '?')}: ratio to torch (min-max over the 4 shapes)\n")
+        print("| batch | torch GFLOP/s | " + " | ".join(LINEAR_COLUMNS[1:]) + " | decode attn | prefill attn |")
+        print("|---|---|" + "---|" * (len(LINEAR_COLUMNS) + 1))
+        for b in sorted({r["batch"] for r in mine if r.get("kind") == "linear"}):
+            lin = [r for r in mine if r.get("kind") == "linear" and r["batch"] == b]
+            torch_gf = f"{min(r['torch'] for r in lin):.0f}-{max(r['torch'] for r in lin):.0f}"
+            cells = []
+            for c in LINEAR_COLUMNS[1:]:
+                ratios = [r[c] / r["torch"] for r in lin]
+                cells.append(f"{min(ratios):.2f}-{max(ratios):.2f}x")
+            for kind in ("decode attention", "prefill attention"):
+                att = [r for r in mine if r.get("kind") == kind and r["batch"] == b and r.get("c_us")]
+                cells.append(f"{att[0]['torch_us'] / att[0]['c_us']:.2f}x" if att else "-")
+            print(f"| {b} | {torch_gf} | " + " | ".join(cells) + " |")
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -190,7 +213,11 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,20,128,512")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", default="", help="also write every row as JSON lines to this file")
+    p.add_argument("--summary", default="", help="print the compact tables of a --json file and exit")
     args = p.parse_args()
+    if args.summary:
+        summary(args.summary)
+        return
     batches = [int(b) for b in args.batches.split(",")]
     if args.child:
         _child(batches)
@@ -212,7 +239,7 @@ def main() -> None:
         lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if out:
             for ln in lines:
-                out.write(json.dumps({"variant": name, "cpu": cpu, **ln}) + "\n")
+                out.write(json.dumps({**ln, "variant": name, "cpu": cpu}) + "\n")
         _print_variant(lines[0], lines[1:], cpu)
     if out:
         out.close()

@@ -48,7 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from pagedllm.kernels.isa import MARCH_ENV, KernelVariant, by_name, select_variant
+from pagedllm.kernels.isa import KernelVariant, by_name, select_variant
 from pagedllm.model_source import CACHE_DIR_ENV, cache_dir
 
 logger = logging.getLogger(__name__)

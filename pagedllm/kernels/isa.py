@@ -30,6 +30,7 @@ torch (layers/kernel_choice.py) keeps that wherever it is faster.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from typing import NamedTuple
@@ -65,8 +66,9 @@ def is_x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
-    """Every flag /proc/cpuinfo lists for this CPU (empty where it cannot be read)."""
+    """Every flag /proc/cpuinfo lists for this CPU (empty where it cannot be read); read once."""
     try:
         with open("/proc/cpuinfo") as f:
             return frozenset(w for ln in f if ln.startswith(("flags", "Features"))

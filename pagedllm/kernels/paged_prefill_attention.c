@@ -50,57 +50,69 @@
 #include "kv_cache_types.h"
 
 #define QT 16 /* query rows per work item */
-#define KC KVL /* key positions per chunk: one register-width vector of scores */
+#define KC 16 /* key positions per chunk: one 16-float vector of scores, KH register vectors */
+#define KH (KC / KVL) /* 1 on AVX-512, 2 on 8-float builds */
 #define DV (64 / KVL) /* vectors of the 64 output floats kept in registers per chunk */
 #define STACK_FLOATS 8192
 
-/* cap * tanh(s / cap) of a chunk's KC scores (Gemma's attention logit soft-capping), as one
- * vector call of libmvec's tanhf. */
-static inline vk soft_capk(vk s, float cap) {
-    float x[KC];
-    memcpy(x, &s, sizeof(x));
+/* x[0..KC) = cap * tanh(x / cap): a chunk's scores soft-capped (Gemma's attention logit
+ * soft-capping), vectorised through libmvec's tanhf. */
+static inline void soft_cap_chunk(float *x, float cap) {
     const float inv = 1.0f / cap;
 #pragma omp simd
     for (int t = 0; t < KC; ++t) x[t] = cap * tanhf(x[t] * inv);
-    memcpy(&s, x, sizeof(x));
-    return s;
 }
 
 /* The scores of up to SCORE_HEADS query heads (rows of `qr`, head_dim apart, pre-scaled) against
- * a chunk's transposed keys `kt [head_dim][KC]`: each key vector is loaded once for all the heads
- * (one load per `nh` FMAs instead of one per FMA, with the query broadcasts), and each head
- * keeps 2 (one head: 4) independent sums against the FMA latency. */
-#define SCORE_HEADS 4
+ * a chunk's transposed keys `kt [head_dim][KC]`, into `S [nh][KC]`: each key vector is loaded
+ * once for all the heads (one load per `nh` FMAs, with the query broadcasts), and each head
+ * keeps independent sums against the FMA latency (4 for one head, else 2, per register vector
+ * of the chunk: at most 8 accumulators on 16-register builds). */
+#define SCORE_HEADS (4 / KH)
 static inline __attribute__((always_inline)) void chunk_scores(const float *qr, const float *kt, int head_dim,
-                                                               const int nh, vk *S) {
+                                                               const int nh, float *S) {
     enum { CH = 4 };
-    const int ch = nh == 1 ? 4 : 2;
-    vk a[SCORE_HEADS][CH];
+    const int ch = nh == 1 ? 4 / KH : 2;
+    vk a[SCORE_HEADS][KH][CH];
     for (int h = 0; h < nh; ++h)
-        for (int j = 0; j < ch; ++j) a[h][j] = (vk){0};
+        for (int f = 0; f < KH; ++f)
+            for (int j = 0; j < ch; ++j) a[h][f][j] = (vk){0};
     int d = 0;
     for (; d + ch <= head_dim; d += ch) {
 #pragma GCC unroll 4
-        for (int j = 0; j < ch; ++j) {
-            const vk kv = loadk(kt + (int64_t)(d + j) * KC);
+        for (int j = 0; j < ch; ++j)
+#pragma GCC unroll 2
+            for (int f = 0; f < KH; ++f) {
+                const vk kv = loadk(kt + (int64_t)(d + j) * KC + f * KVL);
 #pragma GCC unroll 4
-            for (int h = 0; h < nh; ++h) a[h][j] += qr[(int64_t)h * head_dim + d + j] * kv;
+                for (int h = 0; h < nh; ++h) a[h][f][j] += qr[(int64_t)h * head_dim + d + j] * kv;
+            }
+    }
+    for (; d < head_dim; ++d)
+        for (int f = 0; f < KH; ++f) {
+            const vk kv = loadk(kt + (int64_t)d * KC + f * KVL);
+            for (int h = 0; h < nh; ++h) a[h][f][0] += qr[(int64_t)h * head_dim + d] * kv;
         }
-    }
-    for (; d < head_dim; ++d) {
-        const vk kv = loadk(kt + (int64_t)d * KC);
-        for (int h = 0; h < nh; ++h) a[h][0] += qr[(int64_t)h * head_dim + d] * kv;
-    }
-    for (int h = 0; h < nh; ++h) S[h] = ch == 4 ? (a[h][0] + a[h][1]) + (a[h][2] + a[h][3]) : a[h][0] + a[h][1];
+    for (int h = 0; h < nh; ++h)
+        for (int f = 0; f < KH; ++f) {
+            vk t = a[h][f][0];
+            for (int j = 1; j < ch; ++j) t += a[h][f][j];
+            memcpy(S + (int64_t)h * KC + f * KVL, &t, sizeof(t));
+        }
 }
 
 static inline __attribute__((always_inline)) void chunk_scores_any(const float *qr, const float *kt, int head_dim,
-                                                                   int nh, vk *S) {
+                                                                   int nh, float *S) {
     switch (nh) {
     case 1: chunk_scores(qr, kt, head_dim, 1, S); break;
+#if SCORE_HEADS >= 2
     case 2: chunk_scores(qr, kt, head_dim, 2, S); break;
+#endif
+#if SCORE_HEADS >= 4
     case 3: chunk_scores(qr, kt, head_dim, 3, S); break;
-    default: chunk_scores(qr, kt, head_dim, 4, S); break;
+    case 4: chunk_scores(qr, kt, head_dim, 4, S); break;
+#endif
+    default: break;
     }
 }
 
@@ -162,12 +174,12 @@ static inline __attribute__((always_inline)) int attend_tile(
             if (hi <= 0 || lo >= hi) continue;
             for (int gb = 0; gb < group; gb += SCORE_HEADS) {
               const int nh = group - gb < SCORE_HEADS ? group - gb : SCORE_HEADS;
-              vk S[SCORE_HEADS];
+              float S[SCORE_HEADS * KC];
               chunk_scores_any(q + ((int64_t)r * group + gb) * head_dim, kt, head_dim, nh, S);
               for (int g = gb; g < gb + nh; ++g) {
                 const int c = r * group + g;
-                vk s = S[g - gb];
-                if (softcap > 0.0f) s = soft_capk(s, softcap);
+                float *s = S + (int64_t)(g - gb) * KC;
+                if (softcap > 0.0f) soft_cap_chunk(s, softcap);
                 float m = mx[c];
                 for (int t = (int)lo; t < (int)hi; ++t) m = s[t] > m ? s[t] : m;
                 const float corr = expf(mx[c] - m);
