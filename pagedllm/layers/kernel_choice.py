@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import statistics
 import threading
@@ -54,10 +55,14 @@ def mode() -> str:
 
 
 def _budget_s() -> float:
+    raw = os.environ.get(BUDGET_ENV, "1.0")
     try:
-        return float(os.environ.get(BUDGET_ENV, "1.0"))
+        value = float(raw)
     except ValueError:
-        return 1.0
+        value = float("nan")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{BUDGET_ENV} must be a number of seconds >= 0, got {raw!r}")
+    return value
 
 
 def bucket_index(m: int) -> int:

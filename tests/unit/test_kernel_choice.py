@@ -124,3 +124,10 @@ def test_an_int_layer_keeps_the_float_weight_only_where_torch_won(fresh, monkeyp
     monkeypatch.setattr(int_kernel, "_int_matmul", lambda *a: pytest.fail("kernel used for 40 rows"))
     x = torch.randn(40, 64, generator=g)
     torch.testing.assert_close(int_kernel.int_linear(x, chosen, "exact"), F.linear(x, chosen.float_weight))
+
+
+@pytest.mark.parametrize("budget", ["abc", "nan", "-1", "inf"])
+def test_a_bad_budget_is_a_value_error_naming_it(fresh, monkeypatch, budget):
+    monkeypatch.setenv(kc.BUDGET_ENV, budget)
+    with pytest.raises(ValueError, match="PAGEDLLM_KERNEL_CHOICE_BUDGET must be a number of seconds"):
+        kc.choose("t bad", {"kernel": lambda x: x, "torch": lambda x: x}, 4, default="kernel", out_features=4)

@@ -1,0 +1,62 @@
+"""The engine's default kernel choice (layers/kernel_choice.py, `PAGEDLLM_KERNEL_CHOICE=measure`)
+on the default model: every projection shape measured within the budget and cached, and greedy
+output equal to transformers' whichever path each batch bucket takes (the exact kernel and
+torch's op on the dequantized weights are both exact)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers import kernel_choice
+from tests.integration.test_engine_parity import hf_greedy
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "List three colours:"]
+
+
+@pytest.fixture
+def measuring(monkeypatch, tmp_path, smollm2_gguf):
+    import shutil
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    shutil.copy(smollm2_gguf, cache)  # the kernel cache folder is the model cache folder
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(cache))
+    monkeypatch.setenv(kernel_choice.MODE_ENV, "measure")
+    monkeypatch.setattr(kernel_choice, "_table", None)
+    monkeypatch.setattr(kernel_choice, "_spent_s", 0.0)
+    monkeypatch.setattr(kernel_choice, "_used", {})
+    from pagedllm.layers.quantization import int_kernel
+
+    monkeypatch.setattr(int_kernel, "_float_copy_bytes", 0)  # the process-wide copy budget, afresh
+    return cache
+
+
+def _greedy_equals_hf(llm, hf_model) -> None:
+    tok = llm.get_tokenizer()
+    ids = [tok.encode(p) for p in PROMPTS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids], SamplingParams(temperature=0.0, max_tokens=24),
+                        use_tqdm=False)
+    for p, out in zip(ids, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, p, 24)
+
+
+def test_measured_choice_is_bounded_cached_and_keeps_parity(measuring, smollm2_gguf, hf_smollm2):
+    llm = LLM(smollm2_gguf, kv_cache_space=0.25, max_model_len=512)
+    used = kernel_choice.used()
+    # qkv, o, gate_up, down and the tied LM head: one measurement each
+    assert len(used) == 5 and all(len(v) == len(kernel_choice.BUCKETS) for v in used.values()), used
+    assert kernel_choice.spent_seconds() <= 1.0 + 0.5  # the budget, plus the last shape begun within it
+    (cached,) = (measuring / "kernels").glob("choices-*.json")
+    assert cached.stat().st_size > 0
+    _greedy_equals_hf(llm, hf_smollm2)
+
+
+def test_greedy_parity_when_torch_takes_some_buckets(measuring, monkeypatch, smollm2_gguf, hf_smollm2):
+    """Torch's op at 2-64 rows, the exact kernel elsewhere: prefill and decode both cross paths."""
+    monkeypatch.setattr(kernel_choice, "_choose",
+                        lambda key, cands, *a, **k: tuple(("torch" if b in (1, 2) else next(iter(cands)))
+                                                          for b in range(len(kernel_choice.BUCKETS))))
+    llm = LLM(smollm2_gguf, kv_cache_space=0.25, max_model_len=512)
+    assert all(v[1] == "torch" and v[0] == "exact" for v in kernel_choice.used().values())
+    _greedy_equals_hf(llm, hf_smollm2)
