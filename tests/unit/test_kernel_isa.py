@@ -28,6 +28,10 @@ V4 = V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 @pytest.fixture(autouse=True)
 def _no_forcing(monkeypatch):
     monkeypatch.delenv(isa.MARCH_ENV, raising=False)
+    # another test may have left a compiler marked broken (tests of a missing CC): not ours
+    monkeypatch.setattr(kernel_build, "_broken_compiler", None)
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.delenv(kernel_build.DISABLE_ENV, raising=False)
 
 
 @needs_x86
