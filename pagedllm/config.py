@@ -74,6 +74,9 @@ class EngineConfig:
     distributed_executor_backend: str = "mp"
     # Server: engine cores behind one API server, each a full replica (engine/router.py).
     data_parallel_size: int = 1
+    # Ray replicas: the address the API server binds the cores' (CURVE-authenticated) TCP
+    # sockets on; None: this node's IP as Ray reports it.
+    data_parallel_address: str | None = None
     quantization: str | None = None
     quant_compute: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -102,6 +105,9 @@ class EngineConfig:
     # vLLM's --max-logprobs: most logprobs (and prompt logprobs) a request may ask for per
     # token; a request's -1 means the whole vocabulary, allowed only when this is -1 too.
     max_logprobs: int = 20
+    # Seconds a structured-output constraint may take to compile (in its own process,
+    # structured_output/compiler_process.py); past it the request fails with a 400.
+    structured_outputs_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -192,6 +198,11 @@ class EngineConfig:
                 or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1 (-1: the whole vocabulary), "
                              f"got {self.max_logprobs!r}.")
+        timeout = self.structured_outputs_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+                or not 0 < timeout < float("inf"):
+            raise ValueError(f"structured_outputs_timeout must be a positive number of seconds, "
+                             f"got {timeout!r}.")
 
     def _validate_model_source(self) -> None:
         """What can be checked before looking at disk or the Hub (model_source.py does the rest)."""

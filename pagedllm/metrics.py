@@ -36,7 +36,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM v1's FinishReason strings
 
 
 def request_tokens_buckets(max_model_len: int) -> list[int]:
@@ -289,6 +289,13 @@ class EngineMetrics:
         self._seen.pop(request_id, None)
         self.request_success[engine]["abort"].inc()
         self.v_success[engine]["abort"].inc()
+
+    def record_error(self, request_id: str, engine: int = 0) -> None:
+        """A request that failed (refused by the core, a step or its core died): finished
+        with vLLM's "error" reason, and forgotten."""
+        self._seen.pop(request_id, None)
+        self.request_success[engine]["error"].inc()
+        self.v_success[engine]["error"].inc()
 
     def update_from_stats(self, stats: "CoreStats", engine: int = 0) -> None:
         """The gauges, the core's cumulative counters (as increments), the steps' tokens."""

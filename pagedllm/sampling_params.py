@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 
 _SAMPLING_EPS = 1e-5  # temperature below this means greedy
 _MAX_TEMP = 1e-2  # smallest non-zero temperature used (avoids inf/nan in logits / T)
+_SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # vLLM's bounds: torch.long
+# OpenAI's documented range for a logit bias; vLLM clamps to it (a larger one gives inf/nan)
+_LOGIT_BIAS_MAX = 100.0
 
 
 class SamplingType(enum.IntEnum):
@@ -178,6 +181,7 @@ class SamplingParams:
         top_k: keep the k most likely tokens; 0 (or -1) = off.
         min_p: drop tokens whose probability is below min_p × the top probability; 0 = off.
         seed: per-request seed; the sampled tokens then depend only on it and the logits.
+            A 64-bit integer, in [-2**63, 2**63 - 1]; -1 = none.
         stop: strings that stop generation; not included in the output text unless
             `include_stop_str_in_output`.
         stop_token_ids: token ids that stop generation (the token stays in `token_ids`).
@@ -185,12 +189,13 @@ class SamplingParams:
         max_tokens: most tokens to generate; None = up to the model's context length.
         min_tokens: EOS and stop_token_ids are blocked until this many tokens are generated.
         logprobs: number of top log-probabilities returned per generated token (plus the sampled
-            token's own). None = none.
+            token's own). None = none; -1 = the whole vocabulary (up to --max-logprobs).
         prompt_logprobs: the same for each prompt token.
         detokenize: produce output text (needed for stop strings).
         skip_special_tokens / spaces_between_special_tokens: detokenization options.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
-        logit_bias: token id -> value added to its logit before sampling.
+        logit_bias: token id -> value added to its logit before sampling, clamped to
+            [-100, 100] (OpenAI's range; vLLM clamps too).
         output_kind: CUMULATIVE, DELTA or FINAL_ONLY RequestOutputs while streaming.
         use_beam_search: run beam search with beam width `n` (greedy; no sampling knobs).
         length_penalty: beam scores are divided by length ** length_penalty.
@@ -351,7 +356,8 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be token ids (int), got {token!r}.")
             if token_id < 0:
                 raise ValueError(f"logit_bias keys must be non-negative token ids, got {token_id}.")
-            out[token_id] = _as_float(f"logit_bias[{token_id}]", bias)
+            value = _as_float(f"logit_bias[{token_id}]", bias)
+            out[token_id] = min(max(value, -_LOGIT_BIAS_MAX), _LOGIT_BIAS_MAX)
         return out
 
     def _normalize_token_constraints(self) -> None:
@@ -388,6 +394,11 @@ class SamplingParams:
             self.bad_words = list(words) or None
         if self.use_beam_search and (self.allowed_token_ids or self.bad_words):
             raise ValueError("allowed_token_ids and bad_words are not supported with beam search.")
+
+    def verify(self) -> None:
+        """Check every rule again (after the engine filled a default such as `max_tokens`):
+        what decoding the request in the core would check."""
+        self._verify_args()
 
     def _verify_args(self) -> None:
         if self.n < 1:
@@ -426,10 +437,15 @@ class SamplingParams:
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                 f"got {self.min_tokens}."
             )
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
+        # -1: the whole vocabulary (vLLM); the engine resolves it (InputProcessor.validate)
+        if self.logprobs is not None and self.logprobs < -1:
+            raise ValueError(f"logprobs must be non-negative or -1, got {self.logprobs}.")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            raise ValueError(
+                f"prompt_logprobs must be non-negative or -1, got {self.prompt_logprobs}.")
+        if self.seed is not None and not _SEED_MIN <= self.seed <= _SEED_MAX:
+            raise ValueError(
+                f"seed must be in [{_SEED_MIN}, {_SEED_MAX}] (a 64-bit integer), got {self.seed}.")
         if not all(_is_int(t) for t in self.stop_token_ids):
             raise ValueError(
                 f"stop_token_ids must contain only integers, got {self.stop_token_ids}."
@@ -462,13 +478,10 @@ class SamplingParams:
                 raise ValueError(
                     f"allowed_token_ids {invalid} are out of vocabulary (size {vocab_size})."
                 )
-        if self.structured_outputs is not None:
-            # The constraint's own syntax, without a tokenizer (the front end has none to
-            # spare): a bad schema / regex / grammar is the client's 400 before it reaches the
-            # core, which compiles it (pagedllm.structured_output).
-            from pagedllm.structured_output import check_constraint
-
-            check_constraint(self.structured_outputs)
+        # A constraint's syntax is checked where it is compiled, in the core's grammar
+        # compiler process, within a time limit (a bad one is the client's 400 from there):
+        # parsing it here would run on the server's event loop (0.65 s for a 100,000-item
+        # enum), where every stream waits.
 
     def update_from_generation_config(
         self, generation_config: dict[str, Any], model_eos_token_id: int | None = None

@@ -82,6 +82,7 @@ class EngineInfo:
     kernel_info: dict[str, str]
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
+    max_num_seqs: int = 256  # bounds n / best_of / the beam width of a request
     # generation_config.json's sampling defaults (engine/generation_defaults.py)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     # every --served-model-name (model_name is the first); empty: model_name only
@@ -142,6 +143,7 @@ class AsyncLLMEngine:
             functools.partial(_check_fits, num_blocks=info.num_blocks,
                               block_size=info.block_size),
             max_logprobs=info.max_logprobs, scheduling_policy=info.scheduling_policy,
+            max_num_seqs=info.max_num_seqs,
         )
         self.output_processor = OutputProcessor(tokenizer)
         self.router = Router(len(clients), info.block_size)
@@ -153,6 +155,8 @@ class AsyncLLMEngine:
         self._stopping = False
         self.dead_error: BaseException | None = None
         self.dead_engines: dict[int, str] = {}
+        self._fatal_reported = False
+        self._constraint_checker = None  # a thread pool of one, on the first constraint
         # Why the engine is unhealthy (a scheduler stall), or None; /health answers 503 with it.
         self.health_error: str | None = None
 
@@ -229,6 +233,7 @@ class AsyncLLMEngine:
             kernel_info=ready.kernel_info,
             scheduling_policy=config.scheduling_policy,
             max_logprobs=config.max_logprobs,
+            max_num_seqs=config.max_num_seqs,
             generation_defaults=load_generation_defaults(config.generation_config, source.path,
                                                          bool(source.gguf_file)),
             served_model_names=config.served_model_names,
@@ -267,14 +272,15 @@ class AsyncLLMEngine:
         for fut in self._utility_calls.values():
             if not fut.done():
                 fut.set_exception(error)
+        if self._constraint_checker is not None:
+            self._constraint_checker.shutdown(wait=False)
         await asyncio.gather(*(asyncio.to_thread(c.shutdown, timeout) for c in self.clients))
         if getattr(self, "ray_replicas", None) is not None:
             self.ray_replicas.remove()
 
     @property
     def is_running(self) -> bool:
-        return (self._started and not self._stopping
-                and any(c.alive for c in self.clients))
+        return self._started and not self._stopping and bool(self._live_engines())
 
     @property
     def num_open_streams(self) -> int:
@@ -302,7 +308,27 @@ class AsyncLLMEngine:
         priority: int = 0,
     ) -> RequestStream:
         """Check a request and send it to a core. Raises ValueError when it is rejected."""
+        await self._check_constraint(params)
         return self._add(request_id, prompt, params, arrival_time, priority)
+
+    async def _check_constraint(self, params: SamplingParams) -> None:
+        """A structured-output constraint's syntax (xgrammar's parser, no tokenizer), so that
+        a bad one is a 400 before a stream starts. On a thread of its own: a large one
+        (0.65 s for a 100,000-item enum) must not stop the event loop, where every stream
+        is served, nor the tokenizer thread. Its compilation, in the core's compiler
+        process, has a time limit."""
+        so = getattr(params, "structured_outputs", None)
+        if so is None:
+            return
+        from pagedllm.structured_output import check_constraint
+
+        if self._constraint_checker is None:
+            import concurrent.futures
+
+            self._constraint_checker = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="pagedllm-constraint-check")
+        await asyncio.get_running_loop().run_in_executor(self._constraint_checker,
+                                                         check_constraint, so)
 
     def _add(self, request_id: str, prompt: "PromptType", params: SamplingParams,
              arrival_time: float | None = None, priority: int = 0) -> RequestStream:
@@ -315,17 +341,29 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, next(self._serials))
         prompt_text, request = prepare_request(self.inputs, stream.core_id, prompt, params,
                                                arrival_time, priority=priority)
-        live = [i for i, c in enumerate(self.clients) if c.alive]
+        live = self._live_engines()
+        if not live:
+            raise EngineDeadError("The engine is not running.") from self.dead_error
         stream.engine_index = self.router.choose(request, live, request.cache_salt)
-        self.output_processor.add_request(
-            stream.core_id, prompt_text, request.prompt_token_ids, request.sampling_params,
-            request.arrival_time, is_beam=request.beam_params is not None,
-            external_id=request_id,
-        )
-        self._streams[stream.core_id] = stream
-        self.router.started(stream.engine_index)
-        self.clients[stream.engine_index].add_request(request)
+        try:
+            self.output_processor.add_request(
+                stream.core_id, prompt_text, request.prompt_token_ids, request.sampling_params,
+                request.arrival_time, is_beam=request.beam_params is not None,
+                external_id=request_id,
+            )
+            self._streams[stream.core_id] = stream
+            self.router.started(stream.engine_index)
+            self.clients[stream.engine_index].add_request(request)
+        except BaseException:
+            # Nothing of a request that was never sent may stay behind.
+            if self._streams.pop(stream.core_id, None) is not None:
+                self.router.finished(stream.engine_index)
+            self.output_processor.abort_request(stream.core_id)
+            raise
         return stream
+
+    def _live_engines(self) -> list[int]:
+        return [i for i, c in enumerate(self.clients) if c.alive and i not in self.dead_engines]
 
     async def add_requests(
         self, requests: list[tuple[str, "PromptType"]], params: SamplingParams,
@@ -333,6 +371,7 @@ class AsyncLLMEngine:
     ) -> list[RequestStream]:
         """Add several requests at once; if any is rejected, the others are aborted and its
         error is raised."""
+        await self._check_constraint(params)
         streams: list[RequestStream] = []
         try:
             for rid, prompt in requests:
@@ -407,6 +446,19 @@ class AsyncLLMEngine:
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         if self._stopping:
             return
+        try:
+            self._deliver(outputs)
+        except Exception as exc:
+            # A bug on this side (detokenizing, a stop string, metrics): the requests of this
+            # message fail with a 500 and leave the core; the others go on.
+            logger.exception("Could not process engine core %d's outputs", outputs.engine_index)
+            self._fail_requests([o.request_id for o in outputs.outputs], outputs.engine_index,
+                                RuntimeError(f"The server could not process this request's "
+                                             f"output: {exc!r}"))
+        if outputs.fatal_error is not None:
+            self._on_death(outputs.engine_index, outputs.fatal_error)
+
+    def _deliver(self, outputs: EngineCoreOutputs) -> None:
         if outputs.utility_result is not None:
             call_id, result, ok = outputs.utility_result
             fut = self._utility_calls.get(call_id)
@@ -437,16 +489,40 @@ class AsyncLLMEngine:
                 continue
             self.router.finished(stream.engine_index)
             stream.fail(_request_error(stream.request_id, message, kind))
+            if self.metrics is not None:
+                self.metrics.record_error(stream.request_id, stream.engine_index)
         if self.metrics is not None:
             self.metrics.record_step([out for _, out in processed.request_outputs], now,
                                      outputs.engine_index)
             if outputs.stats is not None:
                 self.metrics.update_from_stats(outputs.stats, outputs.engine_index)
 
+    def _fail_requests(self, core_ids: list[str], engine_index: int,
+                       error: BaseException) -> None:
+        """Fail these requests here and drop them in the core (each at most once)."""
+        failed = []
+        for core_id in core_ids:
+            stream = self._streams.pop(core_id, None)
+            try:
+                self.output_processor.abort_request(core_id)
+            except Exception:
+                logger.exception("Could not drop request %s's output state", core_id)
+            if stream is None:
+                continue
+            failed.append(core_id)
+            self.router.finished(stream.engine_index)
+            stream.fail(error)
+            if self.metrics is not None:
+                self.metrics.record_error(stream.request_id, stream.engine_index)
+        client = self.clients[engine_index]
+        if failed and client.alive:
+            client.abort_requests(failed)
+
     def _on_death(self, engine_index: int, how: str) -> None:
         if self._stopping:
             return
-        self.dead_engines[engine_index] = how
+        first = self.dead_engines.get(engine_index)
+        self.dead_engines[engine_index] = how if first is None or first == how else f"{first}; {how}"
         error = EngineDeadError(f"The engine core {engine_index} died ({how}); "
                                 "the server must be restarted.")
         self.dead_error = error
@@ -455,8 +531,11 @@ class AsyncLLMEngine:
                 del self._streams[core_id]
                 self.output_processor.abort_request(core_id)
                 stream.fail(error)
+                if self.metrics is not None:
+                    self.metrics.record_error(stream.request_id, engine_index)
         self.router.reset(engine_index)
-        if not any(c.alive for c in self.clients) and self.on_fatal is not None:
+        if not self._live_engines() and self.on_fatal is not None and not self._fatal_reported:
+            self._fatal_reported = True
             self.on_fatal(str(error))
 
 
@@ -468,6 +547,8 @@ def _check_fits(num_tokens: int, num_lockstep_seqs: int = 1, *, num_blocks: int,
 def _request_error(request_id: str, message: str, kind: str) -> BaseException:
     if kind == "invalid":
         return ValueError(message)
+    if kind == "fatal":
+        return EngineDeadError(message)
     if kind == "stall":
         return SchedulerStallError([request_id], STALL_STEPS,
                                    "the request was aborted; the server reports itself "

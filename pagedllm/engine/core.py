@@ -17,6 +17,7 @@ import itertools
 import json
 import logging
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -34,7 +35,7 @@ from pagedllm.engine.core_messages import (
     EngineCoreRequest,
     SampleDelta,
 )
-from pagedllm.engine.errors import STALL_STEPS, SchedulerStallError
+from pagedllm.engine.errors import STALL_STEPS, EngineFatalError, SchedulerStallError
 from pagedllm.engine.input_processing import InputProcessor
 from pagedllm.engine.kv_stats import KVCacheStats, KVCacheStatsTracker
 from pagedllm.engine.request_state import RequestState, SeqState, sample_seed
@@ -117,11 +118,13 @@ class EngineCore:
         self.inputs = InputProcessor(None, self.vocab_size, self.max_model_len,
                                      self.scheduler.check_request_fits,
                                      max_logprobs=config.max_logprobs,
-                                     scheduling_policy=config.scheduling_policy)
+                                     scheduling_policy=config.scheduling_policy,
+                                     max_num_seqs=config.max_num_seqs)
         self.updater = SequenceUpdater(self.eos_token_ids, self.max_model_len)
         # Grammars, allowed_token_ids, bad_words: the tokenizer is loaded on first use.
-        self.structured = StructuredOutputManager(self._load_tokenizer, self.vocab_size,
-                                                  sorted(self.eos_token_ids))
+        self.structured = StructuredOutputManager(
+            self._load_tokenizer, self.vocab_size, sorted(self.eos_token_ids),
+            compile_timeout_s=config.structured_outputs_timeout)
         self.requests: dict[str, RequestState] = {}
         self._seq_counter = itertools.count()
         self._idle_steps = 0  # the watchdog's count (see `stall_steps`)
@@ -240,21 +243,34 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        """Validate and queue a tokenized request; one that can never run is a ValueError."""
-        request_id = request.request_id
-        if request_id in self.requests:
-            raise ValueError(f"Request id {request_id!r} is already in use.")
-        params = request.sampling_params
+    def check_request(self, request: EngineCoreRequest) -> list[int]:
+        """Validate a tokenized request (a ValueError: it can never run); its prompt ids."""
+        if request.request_id in self.requests:
+            raise ValueError(f"Request id {request.request_id!r} is already in use.")
         check_priority(request.priority, self.config.scheduling_policy)
         prompt_ids = self.inputs.check_token_ids(request.prompt_token_ids)
-        self.inputs.validate(prompt_ids, params)
+        self.inputs.validate(prompt_ids, request.sampling_params)
+        return prompt_ids
+
+    def start_compile(self, request: EngineCoreRequest) -> "Future[Any] | None":
+        """Validate the request and start compiling its grammar off this thread (the busy
+        loop's path): None when it has none; else a future of the compiled grammar, to pass
+        to `add_request` once done."""
+        self.check_request(request)
+        return self.structured.submit_compile(request.sampling_params)
+
+    def add_request(self, request: EngineCoreRequest, grammar: Any = None) -> None:
+        """Validate and queue a tokenized request; one that can never run is a ValueError.
+        `grammar`: its compiled grammar from `start_compile`; else it is compiled here."""
+        request_id = request.request_id
+        params = request.sampling_params
+        prompt_ids = self.check_request(request)
         beam_params = request.beam_params
         if params.use_beam_search and beam_params is None:
             from pagedllm.engine.beam_search import beam_params_from_sampling
 
             beam_params = beam_params_from_sampling(params, params.max_tokens)
-        constraint = self.structured.constraint_for(params)  # a bad grammar: ValueError here
+        constraint = self.structured.constraint_for(params, grammar)  # a bad grammar: ValueError
         state = RequestState(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -273,8 +289,13 @@ class EngineCore:
         if params.prompt_logprobs is not None:
             seq.skip_prefix_cache = True
         state.seqs.append(seq)
+        # The commit: up to here nothing was held; a failure from here on is fatal.
         self.requests[request_id] = state
-        self.scheduler.add_sequence(seq, lockstep=beam_params is not None)
+        try:
+            self.scheduler.add_sequence(seq, lockstep=beam_params is not None)
+        except BaseException as exc:
+            raise EngineFatalError(f"adding request {request_id} to the scheduler failed: "
+                                   f"{exc!r}") from exc
 
     def _new_beam_sequence(
         self, state: RequestState, cache_salt: str | None, output_token_ids: list[int]
@@ -561,7 +582,9 @@ class EngineCore:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers now (they would also leave with this process)."""
+        """Stop the tensor-parallel workers and the grammar compiler now (they would also
+        leave with this process)."""
+        self.structured.shutdown()
         self.executor.shutdown()
 
     def utility(self, name: str, args: list[Any]) -> Any:

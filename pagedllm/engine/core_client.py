@@ -33,6 +33,7 @@ from typing import Any
 
 import zmq
 
+from pagedllm.engine.core_channel import ChannelGuard
 from pagedllm.engine.core_loop import CoreBusyLoop
 from pagedllm.engine.core_messages import (
     CoreReady,
@@ -171,6 +172,7 @@ class MPCoreClient:
         """Bind input (PUSH), output (PULL) and the hand-shake (PULL); a `tcp://host:0` address
         gets a free port, and `self.addresses` holds what the core must connect to."""
         self._ctx = zmq.Context()
+        self._guard = ChannelGuard(self._ctx)  # CURVE: only this launch's core connects
         self._input = self._ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.SNDHWM, 0)
         self._input.setsockopt(zmq.LINGER, 1000)
@@ -180,12 +182,14 @@ class MPCoreClient:
         bound = []
         for sock, addr in ((self._input, input_addr), (self._output, output_addr),
                            (ready_sock, ready_addr)):
+            self._guard.secure(sock)
             sock.bind(addr)
             bound.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
-        self.addresses = CoreAddresses(*bound)
+        self.addresses = CoreAddresses(*bound, keys=self._guard.core_keys)
         self._delivery = _LoopDelivery()
         self._stopping = False
         self._reader: threading.Thread | None = None
+        self._reader_failed: str | None = None
         self._closed = False
         self.alive = False
         return ready_sock
@@ -238,15 +242,32 @@ class MPCoreClient:
                          name=f"pagedllm-core{self.engine_index}-watch").start()
 
     def _read_outputs(self, on_outputs: OnOutputs) -> None:
+        """Each frame on its own: one that does not decode is dropped and logged. If the
+        thread fails anyway, the core is stopped and reported dead (503, then the server
+        exits): never a live core whose outputs nobody reads."""
         sock = self._output
-        while not self._stopping:
-            try:
-                if not sock.poll(100):
+        try:
+            while not self._stopping:
+                try:
+                    if not sock.poll(100):
+                        continue
+                    data = sock.recv(copy=False)
+                except zmq.ZMQError:
+                    return  # closed at shutdown
+                try:
+                    outputs = decode_outputs(data.buffer)
+                except Exception as exc:
+                    logger.error("Engine core %d: dropped an output frame that does not decode "
+                                 "(%d bytes): %s", self.engine_index, len(data.buffer), exc)
                     continue
-                data = sock.recv(copy=False)
-            except zmq.ZMQError:
-                return  # closed at shutdown
-            self._delivery.call(on_outputs, decode_outputs(data.buffer))
+                self._delivery.call(on_outputs, outputs)
+        except BaseException as exc:
+            if self._stopping:
+                return
+            logger.exception("Engine core %d: the output reader failed; stopping the core",
+                             self.engine_index)
+            self._reader_failed = f"its output reader failed: {exc!r}"
+            self._kill()  # the process watcher then reports the death
 
     def _watch_process(self, on_death: OnDeath) -> None:
         multiprocessing.connection.wait([self.process.sentinel])
@@ -255,6 +276,8 @@ class MPCoreClient:
         if not self._stopping:
             code = self.process.exitcode
             how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            if self._reader_failed:
+                how = f"{self._reader_failed}; {how}"
             logger.error("Engine core %d (pid %d) died: %s", self.engine_index,
                          self.process.pid, how)
             self._delivery.call(on_death, self.engine_index, how)
@@ -312,6 +335,7 @@ class MPCoreClient:
             self._reader.join(2)  # it polls every 0.1 s; a socket is closed by one thread
         for sock in (self._input, self._output):
             sock.close(0)
+        self._guard.stop()
         self._ctx.term()
         if self._own_dir:
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -384,7 +408,8 @@ class RayCoreClient(MPCoreClient):
         self.engine_index = engine_index
         self._own_dir = False
         self._ray = ray
-        host = ray.util.get_node_ip_address()
+        # CURVE-authenticated and encrypted (engine/core_channel.py), like the ipc sockets
+        host = getattr(config, "data_parallel_address", None) or ray.util.get_node_ip_address()
         ready_sock = self._bind_sockets(f"tcp://{host}:0", f"tcp://{host}:0", f"tcp://{host}:0")
         strategy = PlacementGroupSchedulingStrategy(placement_group=replicas.group,
                                                     placement_group_bundle_index=engine_index)

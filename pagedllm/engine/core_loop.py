@@ -6,11 +6,18 @@ core process, or the event loop of an in-process server); each step's `EngineCor
 out through `send`. It never waits for the front end while it has work: it blocks on the queue
 only when no request is unfinished.
 
-Failures stay inside the request they belong to: a rejected add is an error output for that
-request (kind "invalid": the client's 400); a scheduler stall (the watchdog) fails and drops
-the named requests and flags the core unhealthy (`health_error`), and the loop goes on; any
-other exception in a step fails the requests in flight (kind "internal") and the loop goes on
-with the next ones.
+Which failures are fatal is decided here, in one place (docs/processes.md has the table):
+
+- a message that fails, one at a time: an add the core refuses (`ValueError`) is an error
+  output for that request (kind "invalid": the client's 400); an add that fails otherwise
+  before the request was committed is that request's 500 ("internal"); a message the input
+  thread could not decode is answered for its request id when one can be read (`reject`);
+- a scheduler stall (the watchdog) fails and drops the named requests, flags the core
+  unhealthy (`health_error`), and the loop goes on;
+- anything else raised by a step, an abort, or the commit of an add (worker or executor
+  failure, device error, out of memory, a bug) leaves the shared state unknown: every request
+  in flight fails with kind "fatal" (a 503), the outputs carry `fatal_error`, and `run` raises
+  `EngineFatalError`, so the core process exits non-zero and the server follows.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from pagedllm.engine.core_messages import (
     EngineCoreRequest,
     EngineCoreRequestType,
 )
-from pagedllm.engine.errors import SchedulerStallError
+from pagedllm.engine.errors import EngineFatalError, SchedulerStallError
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +49,22 @@ class CoreBusyLoop:
         self.inputs: queue.SimpleQueue[tuple[EngineCoreRequestType, Any]] = queue.SimpleQueue()
         self._stopped = False
         self._last_stats = None
+        # requests whose grammar is compiling: request id -> (request, future of the grammar)
+        self._compiling: dict[str, tuple[EngineCoreRequest, Any]] = {}
 
     def put(self, kind: EngineCoreRequestType, payload: Any) -> None:
         self.inputs.put((kind, payload))
+
+    def reject(self, request_id: str, message: str) -> None:
+        """Answer a request whose message could not be read (from the input thread)."""
+        self.inputs.put((_REJECT, (request_id, message)))
 
     def run(self) -> None:
         """Until a SHUTDOWN message."""
         core = self.core
         while not self._stopped:
+            if self._compiling:
+                self._add_compiled()
             if not core.has_unfinished_requests():
                 self._handle(*self.inputs.get())  # idle: wait for the front end
             while not self._stopped:
@@ -67,19 +82,60 @@ class CoreBusyLoop:
 
     # ---- messages -------------------------------------------------------------------------
 
-    def _handle(self, kind: EngineCoreRequestType, payload: Any) -> None:
+    def _handle(self, kind: EngineCoreRequestType | str, payload: Any) -> None:
+        """One message; a failure that is not fatal stays inside it."""
+        try:
+            self._apply(kind, payload)
+        except EngineFatalError:
+            raise
+        except Exception as exc:
+            logger.exception("The engine core could not apply a %s message", _kind_name(kind))
+            self._fatal(f"applying a {_kind_name(kind)} message failed: {exc!r}")
+
+    def _apply(self, kind: EngineCoreRequestType | str, payload: Any) -> None:
         core = self.core
-        if kind == EngineCoreRequestType.ADD:
-            request: EngineCoreRequest = payload
+        if kind == _REJECT:
+            request_id, message = payload
+            self._send_errors([(request_id, message, "invalid")])
+        elif kind == _COMPILED:
+            pass  # a wake-up: `_add_compiled` runs each turn of the loop
+        elif kind == _ADD_COMPILED:
+            request, fut = payload
             try:
-                core.add_request(request)
+                core.add_request(request, fut.result())
             except ValueError as exc:
                 self._send_errors([(request.request_id, str(exc), "invalid")])
-            except Exception as exc:
+            except EngineFatalError:
+                raise
+            except Exception as exc:  # the compiler process failed: this request's 500
+                logger.exception("add_request(%s) failed", request.request_id)
+                self._send_errors([(request.request_id, f"The engine could not add the "
+                                    f"request: {exc!r}", "internal")])
+        elif kind == EngineCoreRequestType.ADD:
+            request: EngineCoreRequest = payload
+            try:
+                pending = core.start_compile(request) if hasattr(core, "start_compile") else None
+                if pending is not None and not pending.done():
+                    # its grammar compiles in another process: added when done, meanwhile
+                    # the others step
+                    self._compiling[request.request_id] = (request, pending)
+                    pending.add_done_callback(lambda _: self.inputs.put((_COMPILED, None)))
+                    return
+                if pending is None:
+                    core.add_request(request)
+                else:
+                    core.add_request(request, pending.result())
+            except ValueError as exc:
+                self._send_errors([(request.request_id, str(exc), "invalid")])
+            except EngineFatalError:
+                raise
+            except Exception as exc:  # before the commit: nothing of it is held
                 logger.exception("add_request(%s) failed", request.request_id)
                 self._send_errors([(request.request_id, f"The engine could not add the "
                                     f"request: {exc!r}", "internal")])
         elif kind == EngineCoreRequestType.ABORT:
+            for rid in payload:
+                self._compiling.pop(rid, None)
             core.abort_requests(payload)
         elif kind == EngineCoreRequestType.FINISH_SAMPLES:
             core.finish_samples([(rid, int(index)) for rid, index in payload])
@@ -102,6 +158,14 @@ class CoreBusyLoop:
         else:
             logger.error("Unknown message kind %r from the front end", kind)
 
+    def _add_compiled(self) -> None:
+        """Add the requests whose grammar finished compiling (or fail them: a 400)."""
+        for rid, (request, fut) in list(self._compiling.items()):
+            if not fut.done():
+                continue
+            del self._compiling[rid]
+            self._handle(_ADD_COMPILED, (request, fut))
+
     # ---- the step -------------------------------------------------------------------------
 
     def _step(self) -> None:
@@ -121,27 +185,37 @@ class CoreBusyLoop:
                               health_error=str(exc))
             return
         except Exception as exc:
-            # A bug, not a request's fault: fail the requests that were in flight, drop them
-            # so that their blocks return, and go on serving the next ones.
-            logger.exception("The engine step failed; aborting the requests in flight")
-            rids = list(core.requests)
-            core.abort_requests(rids)
-            self._send_errors([(rid, f"The engine failed while running this request: {exc}",
-                                "internal") for rid in rids])
-            return
+            # Workers, device, memory or a bug: what the step changed is unknown.
+            logger.exception("The engine step failed; the engine core stops")
+            self._fatal(f"the engine step failed: {exc!r}")
         outputs.stats = self._stats_if_changed()
         if outputs.outputs or outputs.stats is not None:
             self.send(outputs)
         if not outputs.outputs and time.perf_counter() - t0 < 1e-3:
             time.sleep(1e-3)  # nothing could be scheduled: do not spin
 
+    def _fatal(self, why: str) -> None:
+        """Fail every request in flight (503), tell the front end, and stop the loop."""
+        message = (f"The engine core {self.engine_index} stopped after a fatal error ({why}); "
+                   "the server must be restarted.")
+        try:
+            rids = list(self.core.requests)
+        except Exception:
+            rids = []
+        rids += list(self._compiling)
+        self._send_errors([(rid, message, "fatal") for rid in rids], fatal_error=message,
+                          with_stats=False)
+        self._stopped = True
+        raise EngineFatalError(message)
+
     def _send_errors(self, failures: list[tuple[str, str, str]],
-                     health_error: str | None = None) -> None:
+                     health_error: str | None = None, fatal_error: str | None = None,
+                     with_stats: bool = True) -> None:
         self.send(EngineCoreOutputs(
             [EngineCoreOutput(rid, [], finished=True, error=msg, error_kind=kind)
              for rid, msg, kind in failures],
-            stats=self._stats_if_changed(), timestamp=time.time(),
-            engine_index=self.engine_index, health_error=health_error,
+            stats=self._stats_if_changed() if with_stats else None, timestamp=time.time(),
+            engine_index=self.engine_index, health_error=health_error, fatal_error=fatal_error,
         ))
 
     def _stats_if_changed(self):
@@ -156,6 +230,16 @@ class CoreBusyLoop:
         if stats is not None:
             self.send(EngineCoreOutputs(stats=stats, timestamp=time.time(),
                                         engine_index=self.engine_index))
+
+
+# internal message kinds
+_REJECT = "reject"  # (request id, why its message was unreadable)
+_COMPILED = "compiled"  # a grammar finished compiling: wake the loop up
+_ADD_COMPILED = "add-compiled"  # (request, its grammar's future)
+
+
+def _kind_name(kind: EngineCoreRequestType | str) -> str:
+    return kind.name if isinstance(kind, EngineCoreRequestType) else str(kind)
 
 
 def _plain(value: Any) -> Any:

@@ -79,7 +79,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     first_scheduled_time: float | None = None  # likewise
     beam_completions: list[BeamCompletion] | None = None
     error: str | None = None  # the core rejected or failed the request (ValueError text)
-    error_kind: str | None = None  # "invalid" (the client's fault: 400) / "stall" / "internal"
+    # "invalid" (the client's fault: 400) / "stall" / "internal" (500) / "fatal" (503)
+    error_kind: str | None = None
 
 
 class CoreStats(msgspec.Struct, array_like=True):
@@ -107,6 +108,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     engine_index: int = 0  # the data-parallel replica that sent it
     utility_result: tuple[int, str, bool] | None = None  # (call id, repr result, ok)
     health_error: str | None = None  # a scheduler stall was seen: /health turns 503
+    fatal_error: str | None = None  # the core stops (engine/core_loop.py): 503, then exit
 
 
 class CoreReady(msgspec.Struct):
@@ -151,3 +153,15 @@ def decode_ready(data: bytes) -> CoreReady:
 
 def decode_any(data: bytes) -> object:
     return msgspec.msgpack.decode(data)
+
+
+def request_id_of(data: bytes) -> str | None:
+    """The request id of an ADD payload that failed to decode into an `EngineCoreRequest`
+    (its first array item), so that the core can answer that request; None if unreadable."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except Exception:
+        return None
+    if isinstance(raw, list) and raw and isinstance(raw[0], str):
+        return raw[0]
+    return None

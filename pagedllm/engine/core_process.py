@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from pagedllm.engine.core_channel import CoreKeys, secure_client
 from pagedllm.engine.core_messages import (
     CoreReady,
     EngineCoreOutputs,
@@ -35,6 +36,7 @@ from pagedllm.engine.core_messages import (
     decode_any,
     decode_request,
     encode,
+    request_id_of,
 )
 
 logger = logging.getLogger(__name__)
@@ -42,9 +44,20 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CoreAddresses:
+    """Where the core connects, and the keys it authenticates with (engine/core_channel.py)."""
+
     input: str
     output: str
     ready: str
+    keys: CoreKeys | None = None
+
+
+def connect(ctx: zmq.Context, kind: int, address: str, keys: CoreKeys | None) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    if keys is not None:
+        secure_client(sock, keys)
+    sock.connect(address)
+    return sock
 
 
 def run_engine_core(config, engine_index: int, addresses: CoreAddresses,
@@ -63,6 +76,8 @@ def run_engine_core(config, engine_index: int, addresses: CoreAddresses,
     ctx = zmq.Context()
     ready = ctx.socket(zmq.PUSH)
     ready.setsockopt(zmq.LINGER, 5000)
+    if addresses.keys is not None:
+        secure_client(ready, addresses.keys)
     ready.connect(addresses.ready)
     try:
         from pagedllm.engine.core import EngineCore
@@ -83,9 +98,10 @@ def run_engine_core(config, engine_index: int, addresses: CoreAddresses,
     from pagedllm.engine.core_loop import CoreBusyLoop
 
     loop = CoreBusyLoop(core, out_q.put, engine_index)
-    threading.Thread(target=_input_thread, args=(ctx, addresses.input, loop),
+    threading.Thread(target=_exit_if_it_fails, args=(_input_thread, ctx, addresses, loop),
                      name="pagedllm-core-input", daemon=True).start()
-    sender = threading.Thread(target=_output_thread, args=(ctx, addresses.output, out_q),
+    sender = threading.Thread(target=_exit_if_it_fails,
+                              args=(_output_thread, ctx, addresses, out_q, loop),
                               name="pagedllm-core-output", daemon=True)
     sender.start()
     ready.send(encode(CoreReady(
@@ -134,32 +150,87 @@ def _bind_replica(config, engine_index: int) -> None:
     cpu_binding.apply(binding, engine_index, role="data-parallel replica")
 
 
-def _input_thread(ctx: zmq.Context, address: str, loop) -> None:
-    sock = ctx.socket(zmq.PULL)
-    sock.connect(address)
+def _exit_if_it_fails(target, *args) -> None:
+    """A socket thread that dies leaves a process that no longer listens (or speaks): exit
+    instead, so that the front end sees the core end and answers 503 (never a deaf core)."""
+    try:
+        target(*args)
+    except BaseException:
+        logger.exception("The engine core's %s thread died; the core exits",
+                         threading.current_thread().name)
+        os._exit(1)
+
+
+def _input_thread(ctx: zmq.Context, addresses: CoreAddresses, loop) -> None:
+    """Each message on its own: one that cannot be read is answered (its request fails with
+    a 400) or dropped and logged, and the thread goes on."""
+    sock = connect(ctx, zmq.PULL, addresses.input, addresses.keys)
     while True:
-        kind_frame, payload = sock.recv_multipart(copy=False)
-        kind = EngineCoreRequestType(int(bytes(kind_frame.buffer)[0]))
-        data = payload.buffer
-        if kind == EngineCoreRequestType.ADD:
-            loop.put(kind, decode_request(data))
-        else:
-            loop.put(kind, decode_any(data))
+        frames = sock.recv_multipart(copy=False)
+        try:
+            kind, payload = _read_message(frames)
+        except Exception as exc:
+            _reject_message(frames, exc, loop)
+            continue
+        loop.put(kind, payload)
         if kind == EngineCoreRequestType.SHUTDOWN:
             return
 
 
-def _output_thread(ctx: zmq.Context, address: str, out_q: queue.SimpleQueue) -> None:
+def _read_message(frames) -> tuple[EngineCoreRequestType, object]:
+    if len(frames) != 2 or len(frames[0].buffer) != 1:
+        raise ValueError(f"expected 2 frames (kind, payload), got {len(frames)}")
+    kind = EngineCoreRequestType(bytes(frames[0].buffer)[0])
+    data = frames[1].buffer
+    if kind == EngineCoreRequestType.ADD:
+        return kind, decode_request(data)
+    return kind, decode_any(data)
+
+
+def _reject_message(frames, exc: Exception, loop) -> None:
+    request_id = request_id_of(frames[-1].buffer) if frames else None
+    reason = str(exc) or type(exc).__name__
+    if request_id is None:
+        logger.error("Dropped a message the engine core could not read: %s", reason)
+        return
+    logger.warning("Request %s: its message could not be read: %s", request_id, reason)
+    loop.reject(request_id, f"The engine core could not read this request: {reason}")
+
+
+def _output_thread(ctx: zmq.Context, addresses: CoreAddresses, out_q: queue.SimpleQueue,
+                   loop) -> None:
+    """Encodes and sends; outputs that cannot be encoded fail their requests instead (and
+    the loop aborts them), so that no client waits for outputs that never come."""
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.LINGER, 2000)
-    sock.connect(address)
+    if addresses.keys is not None:
+        secure_client(sock, addresses.keys)
+    sock.connect(addresses.output)
     while True:
         outputs = out_q.get()
         if outputs is None:
             sock.close()
             return
-        sock.send(encode(outputs), copy=False)
+        try:
+            frame = encode(outputs)
+        except Exception as exc:
+            logger.exception("Could not encode the engine core's outputs")
+            frame = encode(_unencodable(outputs, exc))
+            loop.put(EngineCoreRequestType.ABORT, [o.request_id for o in outputs.outputs])
+        sock.send(frame, copy=False)
+
+
+def _unencodable(outputs: EngineCoreOutputs, exc: Exception) -> EngineCoreOutputs:
+    from pagedllm.engine.core_messages import EngineCoreOutput
+
+    message = f"The engine core could not send this request's output: {exc!r}"
+    return EngineCoreOutputs(
+        [EngineCoreOutput(o.request_id, [], finished=True, error=message,
+                          error_kind="internal") for o in outputs.outputs],
+        timestamp=outputs.timestamp, engine_index=outputs.engine_index,
+        utility_result=outputs.utility_result, health_error=outputs.health_error,
+        fatal_error=outputs.fatal_error)
 
 
 def _exit_with_parent(parent_pid: int) -> None:

@@ -78,7 +78,8 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenizer, core.vocab_size, core.max_model_len,
                                      core.scheduler.check_request_fits,
                                      max_logprobs=config.max_logprobs,
-                                     scheduling_policy=config.scheduling_policy)
+                                     scheduling_policy=config.scheduling_policy,
+                                     max_num_seqs=config.max_num_seqs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_seconds = core.startup_seconds
         # generation_config.json's sampling defaults (EngineConfig.generation_config)

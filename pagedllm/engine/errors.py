@@ -24,3 +24,10 @@ class SchedulerStallError(RuntimeError):
             f"{len(self.request_ids)} unfinished request(s): {shown}"
         )
         super().__init__(message + (f" ({detail})" if detail else ""))
+
+
+class EngineFatalError(RuntimeError):
+    """The engine core cannot go on: its shared state (scheduler, KV blocks, workers, device)
+    is unknown after a failure. The core reports it and exits non-zero; the server answers 503
+    and exits so that its supervisor restarts it (docs/processes.md, "Which errors are fatal")."""
+

@@ -11,26 +11,45 @@ from typing import Any, Iterable
 
 from pagedllm.engine.beam_search import beam_params_from_sampling
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import max_chars_per_token
 
 PromptType = str | list[int] | dict[str, Any]
+
+# ----------------------------------------------------------- prompt length before tokenizing
+
+
+def check_prompt_chars(text: str, max_model_len: int, chars_per_token: int | None) -> None:
+    """Refuse a prompt that can never fit, without tokenizing it: more characters than
+    `max_model_len` tokens of at most `chars_per_token` characters each (`max_chars_per_token`;
+    None: no bound) can stand for. Tokenizing megabytes took seconds, and every request behind
+    it in the tokenizer thread waited."""
+    if chars_per_token is not None and len(text) > max_model_len * chars_per_token:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, the "
+            f"prompt has {len(text)} characters, more than {max_model_len} tokens can hold "
+            f"(at most {chars_per_token} characters each). Please reduce the length of the "
+            "prompt."
+        )
 
 
 class InputProcessor:
     def __init__(
         self, tokenizer, vocab_size: int, max_model_len: int,
         check_fits: Callable[[int, int], None], max_logprobs: int = 20,
-        scheduling_policy: str = "fcfs",
+        scheduling_policy: str = "fcfs", max_num_seqs: int = 256,
     ) -> None:
         """`check_fits(num_tokens, num_lockstep_seqs)` is the scheduler's pool-size rule
         (`Scheduler.check_request_fits`): one rule for what the engine can always finish.
         `max_logprobs` is vLLM's --max-logprobs (-1: the vocabulary size); `scheduling_policy`
-        decides whether a non-zero priority is allowed."""
+        decides whether a non-zero priority is allowed; `max_num_seqs` bounds `n`, `best_of`
+        and the beam width (a request's samples run in one batch)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.check_fits = check_fits
         self.max_logprobs = max_logprobs
         self.scheduling_policy = scheduling_policy
+        self.max_num_seqs = max_num_seqs
 
     @property
     def logprobs_limit(self) -> int:
@@ -51,8 +70,10 @@ class InputProcessor:
         return value
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids) of a string, a token id list or a prompt dict."""
+        """(prompt text or None, token ids) of a string, a token id list or a prompt dict. A
+        string too long to ever fit is refused before it is tokenized (`check_prompt_chars`)."""
         if isinstance(prompt, str):
+            check_prompt_chars(prompt, self.max_model_len, max_chars_per_token(self.tokenizer))
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -85,12 +106,18 @@ class InputProcessor:
         return ids
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Check the limits; fills `params.max_tokens` when it is None (what is left)."""
+        """Check the limits once the defaults are filled in; fills `params.max_tokens` when it
+        is None (what is left of the context) and resolves `logprobs=-1`.
+
+        This is the one validation, offline and in the server, and the core runs it again on
+        what it decodes: a request that passes here always decodes and is accepted there."""
         n_prompt = len(prompt_ids)
         if n_prompt == 0:
             raise ValueError("The prompt is empty: at least one token is needed.")
-        self.resolve_num_logprobs(params.logprobs, "logprobs")
-        self.resolve_num_logprobs(params.prompt_logprobs, "prompt_logprobs")
+        params.logprobs = self.resolve_num_logprobs(params.logprobs, "logprobs")
+        params.prompt_logprobs = self.resolve_num_logprobs(params.prompt_logprobs,
+                                                           "prompt_logprobs")
+        self.check_num_samples(params)
         # Token ids inside the params (logit_bias, stop ids) must exist in this vocabulary,
         # or the sampler would fail for every request batched with this one.
         params.verify_token_ids(self.vocab_size)
@@ -106,6 +133,7 @@ class InputProcessor:
                     f"This model's maximum context length is {self.max_model_len} tokens. "
                     f"However, the prompt has {n_prompt} tokens, which leaves no room to generate."
                 )
+            params.verify()  # the rules that depend on max_tokens (min_tokens <= max_tokens)
         total = n_prompt + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -116,3 +144,14 @@ class InputProcessor:
         if params.use_beam_search:
             beam_params_from_sampling(params, params.max_tokens)  # rejects unsupported knobs
         self.check_fits(total, params.n if params.use_beam_search else 1)
+
+    def check_num_samples(self, params: SamplingParams) -> None:
+        """n, best_of (and the beam width, n with beam search) at most --max-num-seqs: a
+        request's samples are forked at its first token and run in one batch (vLLM's bound)."""
+        limit = self.max_num_seqs
+        for name, value in (("best_of", params.best_of), ("n", params.n)):
+            if value is not None and value > limit:
+                raise ValueError(
+                    f"{name}={value}: must be less than or equal to {limit} (the engine's "
+                    f"--max-num-seqs: a request's samples run in one batch)."
+                )

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.structured_output.compiler_process import DEFAULT_TIMEOUT_S, CompilerProcess
 
 if TYPE_CHECKING:
     import xgrammar
@@ -75,6 +76,22 @@ def _structural_tag(so: StructuredOutputsParams) -> str:
     return tag if isinstance(tag, str) else json.dumps(tag)
 
 
+def _compile_key(so: StructuredOutputsParams) -> tuple[str, str, bool]:
+    """(compiler kind, text, any_whitespace): what the compiler process compiles; equal
+    constraints have equal keys (choice and json_object become a grammar and a schema)."""
+    kind = so.kind
+    any_ws = not so.disable_any_whitespace
+    if kind in ("json", "json_object"):
+        return "json", _json_schema(so), any_ws
+    if kind == "regex":
+        return "regex", so.regex, any_ws
+    if kind == "choice":
+        return "grammar", choice_grammar(so.choice), any_ws
+    if kind == "grammar":
+        return "grammar", so.grammar, any_ws
+    return "structural_tag", _structural_tag(so), any_ws
+
+
 def check_constraint(so: StructuredOutputsParams) -> None:
     """Parse the constraint without a tokenizer (cheap; the front end's check): a ValueError
     naming the constraint and xgrammar's reason when it is invalid."""
@@ -110,50 +127,76 @@ class RequestConstraint:
 
 
 class StructuredOutputManager:
-    """Per engine core: the tokenizer's xgrammar vocabulary and compiler (built on the first
-    constrained request) and the per-request constraints."""
+    """Per engine core: the per-request constraints, and the grammar compiler process
+    (structured_output/compiler_process.py: the tokenizer's xgrammar vocabulary is built and
+    grammars are compiled off the busy loop, each within `compile_timeout_s`)."""
 
     def __init__(
-        self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: Sequence[int]
+        self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: Sequence[int],
+        compile_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size  # the model's (padded) vocabulary: the logits' width
         self.bitmask_width = (vocab_size + 31) // 32
         self.stop_token_ids = sorted(stop_token_ids)
         self._tokenizer = None
-        self._compiler = None
-        self._lock = threading.Lock()
+        self._tokenizer_lock = threading.Lock()
+        self._compiler = CompilerProcess(self._tokenizer_info, compile_timeout_s)
         self._pool: ThreadPoolExecutor | None = None
 
     @property
     def tokenizer(self):
-        if self._tokenizer is None:
-            self._tokenizer = self._load_tokenizer()
-        return self._tokenizer
+        with self._tokenizer_lock:  # the compiler's service thread may load it first
+            if self._tokenizer is None:
+                self._tokenizer = self._load_tokenizer()
+            return self._tokenizer
 
-    @property
-    def compiler(self) -> "xgrammar.GrammarCompiler":
-        if self._compiler is None:
-            xgr = _xgrammar()
-            info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size,
-                stop_token_ids=self.stop_token_ids or None,
-            )
-            # The compiler's own cache: a constraint seen before is not compiled again.
-            self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
-        return self._compiler
+    def _tokenizer_info(self) -> "xgrammar.TokenizerInfo":
+        return _xgrammar().TokenizerInfo.from_huggingface(
+            self.tokenizer, vocab_size=self.vocab_size,
+            stop_token_ids=self.stop_token_ids or None,
+        )
 
     # ---- per request ----------------------------------------------------------------------
 
-    def constraint_for(self, params: SamplingParams) -> RequestConstraint | None:
-        """The request's compiled constraint, or None when it has none. Raises ValueError (the
-        client's 400) for a constraint that does not compile; nothing is kept then."""
+    def submit_compile(self, params: SamplingParams) -> "Future[Any] | None":
+        """Start compiling the request's grammar (None: it has none). The future's result is
+        the compiled grammar; its exception a ValueError (the client's 400) for a constraint
+        that does not compile or takes too long. Never blocks."""
+        so = params.structured_outputs
+        if so is None:
+            return None
+        _xgrammar()  # not installed: a ValueError now, naming the extra
+        compiled = self._compiler.submit(_compile_key(so))
+        if compiled.done() and compiled.exception() is None:
+            return compiled
+        out: Future = Future()
+
+        def done(f: Future) -> None:
+            exc = f.exception()
+            if exc is None:
+                out.set_result(f.result())
+            elif isinstance(exc, ValueError):
+                out.set_exception(ValueError(f"Invalid structured_outputs.{so.kind}: "
+                                             f"{_clean(exc)}"))
+            else:
+                out.set_exception(exc)
+
+        compiled.add_done_callback(done)
+        return out
+
+    def constraint_for(self, params: SamplingParams,
+                       grammar: Any = None) -> RequestConstraint | None:
+        """The request's constraint, or None when it has none. `grammar`: its compiled grammar
+        when the caller compiled it already (`submit_compile`); else it is compiled here,
+        blocking. Raises ValueError (the client's 400) for a constraint that does not compile;
+        nothing is kept then."""
         so = params.structured_outputs
         if so is None and not params.allowed_token_ids and not params.bad_words:
             return None
         out = RequestConstraint()
         if so is not None:
-            out.grammar = self.compile(so)
+            out.grammar = grammar if grammar is not None else self.compile(so)
         if params.allowed_token_ids:
             out.allowed_row = pack_token_ids(params.allowed_token_ids, self.vocab_size)
         if params.bad_words:
@@ -161,22 +204,12 @@ class StructuredOutputManager:
         return out
 
     def compile(self, so: StructuredOutputsParams) -> "xgrammar.CompiledGrammar":
-        kind = so.kind
-        compiler = self.compiler
-        any_ws = not so.disable_any_whitespace
+        """Compile, blocking (the time limit holds)."""
+        _xgrammar()
         try:
-            with self._lock:
-                if kind in ("json", "json_object"):
-                    return compiler.compile_json_schema(_json_schema(so), any_whitespace=any_ws)
-                if kind == "regex":
-                    return compiler.compile_regex(so.regex)
-                if kind == "choice":
-                    return compiler.compile_grammar(choice_grammar(so.choice))
-                if kind == "grammar":
-                    return compiler.compile_grammar(so.grammar)
-                return compiler.compile_structural_tag(_structural_tag(so))
-        except (RuntimeError, ValueError, TypeError) as exc:
-            raise ValueError(f"Invalid structured_outputs.{kind}: {_clean(exc)}") from None
+            return self._compiler.compile(_compile_key(so))
+        except ValueError as exc:
+            raise ValueError(f"Invalid structured_outputs.{so.kind}: {_clean(exc)}") from None
 
     def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
         """Each word's token ids, and those of its space-prefixed form where that is a different
@@ -221,6 +254,7 @@ class StructuredOutputManager:
         return {key: bitmask[i] for i, (key, *_rest) in enumerate(entries)}
 
     def shutdown(self) -> None:
+        self._compiler.shutdown()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None

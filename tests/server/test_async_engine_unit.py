@@ -228,20 +228,27 @@ def test_rejected_add_raises_and_keeps_nothing(with_engine):
     with_engine(body)
 
 
-def test_failed_step_fails_requests_in_flight_then_serves_again(with_engine):
+def test_failed_step_is_fatal_fails_requests_503_and_reports_the_engine_dead(with_engine):
+    """A step that raises leaves the core's state unknown: its requests fail with
+    EngineDeadError (503), /health's reason names it, on_fatal runs once, new requests are
+    refused; never a live engine that fails every step (the zombie core)."""
     async def body(fake, engine):
+        fatal: list[str] = []
+        engine.on_fatal = fatal.append
         fake.step_gate = threading.Event()
         gen = engine.generate("p", SamplingParams(max_tokens=5), "doomed")
         task = asyncio.ensure_future(gen.__anext__())
         await _until(lambda: fake.requests)
         fake.fail_next_step = True
         fake.step_gate.set()
-        with pytest.raises(RuntimeError, match="kernel exploded"):
+        with pytest.raises(EngineDeadError, match="fatal error.*kernel exploded"):
             await task
-        fake.step_gate = None
-        outs = [o async for o in engine.generate("p", SamplingParams(max_tokens=2), "next")]
-        assert outs[-1].finished
-        assert engine.is_running
+        await _until(lambda: fatal)
+        assert len(fatal) == 1 and "kernel exploded" in fatal[0]
+        assert "kernel exploded" in engine.health_problem()
+        assert not engine.is_running and engine.num_open_streams == 0
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("next", "p", SamplingParams(max_tokens=2))
 
     with_engine(body)
 

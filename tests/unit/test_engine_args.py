@@ -42,6 +42,8 @@ NON_DEFAULT = {
     "scheduling_policy": (["--scheduling-policy", "priority"], "priority"),
     "generation_config": (["--generation-config", "vllm"], "vllm"),
     "max_logprobs": (["--max-logprobs", "-1"], -1),
+    "structured_outputs_timeout": (["--structured-outputs-timeout", "2.5"], 2.5),
+    "data_parallel_address": (["--data-parallel-address", "10.0.0.5"], "10.0.0.5"),
 }
 
 

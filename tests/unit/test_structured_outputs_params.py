@@ -86,15 +86,17 @@ def test_allowed_token_ids_checked(ids, match):
         SamplingParams(allowed_token_ids=ids)
 
 
-def test_verify_token_ids_checks_vocab_and_grammar():
+def test_verify_token_ids_checks_vocab_and_check_constraint_the_grammar():
+    """verify_token_ids no longer parses grammars (that ran on the event loop): the server
+    checks them on a thread of their own (AsyncLLMEngine._check_constraint) and the core's
+    compiler process compiles them within a time limit."""
     with pytest.raises(ValueError, match="out of vocabulary"):
         SamplingParams(allowed_token_ids=[1, 100]).verify_token_ids(50)
+    SamplingParams(structured_outputs=StructuredOutputsParams(regex="(ab")).verify_token_ids(50)
     with pytest.raises(ValueError, match=r"Invalid structured_outputs\.regex.*parenthesis"):
-        SamplingParams(structured_outputs=StructuredOutputsParams(regex="(ab")).verify_token_ids(50)
+        check_constraint(StructuredOutputsParams(regex="(ab"))
     with pytest.raises(ValueError, match=r"Invalid structured_outputs\.json.*foo"):
-        SamplingParams(
-            structured_outputs=StructuredOutputsParams(json={"type": "foo"})
-        ).verify_token_ids(50)
+        check_constraint(StructuredOutputsParams(json={"type": "foo"}))
     with pytest.raises(ValueError, match=r"Invalid structured_outputs\.grammar.*nope"):
         check_constraint(StructuredOutputsParams(grammar="root ::= nope"))
 
