@@ -52,6 +52,31 @@ OnOutputs = Callable[[EngineCoreOutputs], None]
 OnDeath = Callable[[int, str], None]
 
 
+SOCKET_DIR_PREFIX = "pagedllm-core-"
+
+
+def sweep_stale_socket_dirs() -> list[str]:
+    """Remove the socket folders of servers that are gone (a SIGKILLed server cannot remove
+    its own): `pagedllm-core-<pid>-*` of this user whose pid no longer runs."""
+    removed = []
+    base = tempfile.gettempdir()
+    for name in os.listdir(base):
+        if not name.startswith(SOCKET_DIR_PREFIX):
+            continue
+        pid_text = name[len(SOCKET_DIR_PREFIX):].split("-", 1)[0]
+        path = os.path.join(base, name)
+        try:
+            if not pid_text.isdigit() or os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
 class EngineCoreStartError(RuntimeError):
     """The engine core failed while loading (its message or traceback is attached)."""
 
@@ -154,7 +179,9 @@ class MPCoreClient:
                  socket_dir: str | None = None) -> None:
         self.engine_index = engine_index
         self._own_dir = socket_dir is None
-        self._dir = socket_dir or tempfile.mkdtemp(prefix="pagedllm-core-")
+        if socket_dir is None:
+            sweep_stale_socket_dirs()
+        self._dir = socket_dir or tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
         base = f"ipc://{self._dir}/core{engine_index}"
         ready_sock = self._bind_sockets(f"{base}-input", f"{base}-output", f"{base}-ready")
         # spawn: a fresh interpreter, no threads or CUDA state inherited. Not a daemon: the core
