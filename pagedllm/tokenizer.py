@@ -18,12 +18,15 @@ Streaming text, the engine's way (per sequence):
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import shutil
+import sys
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +155,129 @@ def apply_chat_template(
         tokenize=False,
         **kwargs,
     )
+
+
+class TemplateTimeoutError(TimeoutError):
+    """A chat template's rendering ran past its time limit and was stopped."""
+
+
+class _Deadline(BaseException):
+    """Raised by the tracer inside the rendering; a BaseException, so that no `except
+    Exception` in jinja or transformers (constant folding catches everything) swallows it."""
+
+
+@contextlib.contextmanager
+def render_time_limit(seconds: float) -> Iterator[None]:
+    """Stop the Python code run inside the block (in this thread) once it has taken longer
+    than `seconds`: a `sys.settrace` line tracer raises at the next line past the deadline,
+    and the block raises TemplateTimeoutError. For request-supplied chat templates: jinja
+    compiles a template to Python code, so its loops are lines the tracer sees; the tracer
+    slows rendering down, so the server's own (trusted, fast) template runs without it. One
+    C-level operation (a huge `str * n`) is not interrupted until it returns."""
+    deadline = time.monotonic() + seconds
+    count = 0
+
+    def tracer(frame, event, arg):
+        nonlocal count
+        count += 1
+        if count & 63 == 0 and time.monotonic() > deadline:
+            raise _Deadline
+        return tracer
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        yield
+    except _Deadline:
+        raise TemplateTimeoutError(
+            f"The chat template took longer than {seconds:g} s to render; it was stopped."
+        ) from None
+    finally:
+        sys.settrace(previous)
+
+
+# ----------------------------------------------------------- characters a token stands for
+
+# Input characters that at most become one character of the normalized text: NFC / NFKC
+# compose a character from up to 4 code points (the longest canonical decomposition).
+_NORMALIZER_SHRINK = {"NFC": 4, "NFKC": 4, "NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1}
+# pre-tokenizers that keep every character (Whitespace, BertPreTokenizer... drop spaces)
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation",
+                           "UnicodeScripts"}
+_MAX_TOKEN_CHARS: "weakref.WeakKeyDictionary[Any, int | None]" = weakref.WeakKeyDictionary()
+
+
+def _components(state: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
+    if state is None:
+        return []
+    if state.get("type") == "Sequence":
+        return [c for sub in state.get(key, []) for c in _components(sub, key)]
+    return [state]
+
+
+def _state(component: Any) -> dict[str, Any] | None:
+    return None if component is None else json.loads(component.__getstate__())
+
+
+def _normalizer_shrink(normalizer: dict[str, Any] | None) -> int | None:
+    """How many input characters one normalized character may come from, or None when the
+    normalizer may drop characters (Strip, StripAccents, BertNormalizer, Precompiled...)."""
+    factor = 1
+    for n in _components(normalizer, "normalizers"):
+        kind = n.get("type")
+        if kind == "Replace":
+            pattern, content = n.get("pattern", {}).get("String"), n.get("content", "")
+            if not pattern or not content:
+                return None  # a regex, or replaced by nothing
+            factor *= max(1, -(-len(pattern) // len(content)))
+        elif kind in _NORMALIZER_SHRINK:
+            factor *= _NORMALIZER_SHRINK[kind]
+        else:
+            return None
+    return factor
+
+
+def _compute_max_token_chars(tokenizer: Any) -> int | None:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    model = getattr(backend, "model", None)
+    if model is None or type(model).__name__ != "BPE":
+        return None  # WordPiece / Unigram / slow tokenizers: an unknown token may fuse text
+    pre = _components(_state(backend.pre_tokenizer), "pretokenizers")
+    if any(p.get("type") not in _KEEPING_PRE_TOKENIZERS or p.get("behavior") == "Removed"
+           for p in pre):
+        return None
+    byte_level = any(p.get("type") == "ByteLevel" for p in pre)
+    if not (byte_level or getattr(model, "byte_fallback", False)):
+        return None  # a character outside the vocabulary may be dropped or fused into <unk>
+    if any(t.lstrip or t.rstrip for t in tokenizer.added_tokens_decoder.values()):
+        return None  # such an added token swallows any run of spaces next to it
+    shrink = _normalizer_shrink(_state(backend.normalizer))
+    if shrink is None:
+        return None
+    # a byte-level piece's length is its bytes (each stands for one), an upper bound on its
+    # characters; a Metaspace piece's is its characters ("▁" for a space); added tokens match
+    # their content
+    longest = max((len(piece) for piece in tokenizer.get_vocab()), default=0)
+    return longest * shrink if longest else None
+
+
+def max_chars_per_token(tokenizer: Any) -> int | None:
+    """An upper bound on how many prompt characters one token can stand for, or None when this
+    tokenizer has none (it may drop characters: whitespace splitting, a fused <unk>, a
+    stripping normalizer). Read once per tokenizer from its vocabulary and pipeline."""
+    try:
+        return _MAX_TOKEN_CHARS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    try:
+        value = _compute_max_token_chars(tokenizer)
+    except (AttributeError, TypeError, ValueError):  # not a transformers fast tokenizer
+        value = None
+    try:
+        _MAX_TOKEN_CHARS[tokenizer] = value
+    except TypeError:  # not weak-referenceable: not cached
+        pass
+    return value
 
 
 def convert_ids_list_to_tokens(
