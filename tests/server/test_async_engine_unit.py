@@ -436,3 +436,53 @@ def test_detokenize_false_gives_token_ids_without_text(with_engine):
         assert last.token_ids == toks(3) and last.text == ""
 
     with_engine(body)
+
+
+def test_a_send_that_fails_leaves_nothing_behind(with_engine):
+    """The add path used to register the stream, the output state and the router load before
+    sending: a send (or encode) failure leaked all three."""
+    async def body(fake, engine):
+        client = engine.clients[0]
+        real = client.add_request
+
+        def broken(request):
+            raise RuntimeError("the socket is gone")
+
+        client.add_request = broken
+        with pytest.raises(RuntimeError, match="socket is gone"):
+            await engine.add_request("leak", "p", SamplingParams(max_tokens=2))
+        client.add_request = real
+        assert engine.num_open_streams == 0
+        assert not engine.output_processor.requests
+        assert engine.router.load == [0]
+        outs = [o async for o in engine.generate("p", SamplingParams(max_tokens=2), "leak")]
+        assert outs[-1].finished  # the id is free again
+
+    with_engine(body)
+
+
+def test_failed_requests_count_as_finished_with_reason_error(tokenizer):
+    from prometheus_client import CollectorRegistry
+
+    from pagedllm.metrics import EngineMetrics
+
+    async def main():
+        fake = FakeCore()
+        engine = make_engine(fake, tokenizer)
+        engine.metrics = EngineMetrics("fake", registry=CollectorRegistry(),
+                                       kernel_info={"variant": "test"})
+        engine.start()
+        try:
+            bad = [REJECTED_TOKEN]
+            with pytest.raises(ValueError, match="refuses"):
+                [o async for o in engine.generate({"prompt_token_ids": bad},
+                                                  SamplingParams(max_tokens=2), "refused")]
+            text = engine.metrics.render().decode()
+            line = next(ln for ln in text.splitlines() if ln.startswith(
+                "vllm:request_success_total") and 'finished_reason="error"' in ln)
+            assert line.endswith(" 1.0"), line
+            assert "refused" not in engine.metrics._seen
+        finally:
+            await engine.shutdown()
+
+    run(main())

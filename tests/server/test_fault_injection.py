@@ -121,3 +121,16 @@ def test_sigkill_of_a_tensor_parallel_worker_mid_step_is_fatal(fault):
         assert isinstance(r, httpx.TransportError) or r.status_code == 503, r
         gone, alive = psutil.wait_procs(family, timeout=30)
         assert not alive, [p.cmdline() for p in alive]
+
+
+def test_an_exception_in_a_tensor_parallel_workers_forward_is_fatal(monkeypatch):
+    """Rank 1 raises in its first step (worker_proc's own test hook): the request gets a 503
+    naming the worker's error, and the server exits non-zero within 5 s."""
+    monkeypatch.setenv("PAGEDLLM_TEST_WORKER_FAULT", "1:step")
+    with serving([*SERVE, "-tp", "3"]) as srv:
+        t0 = time.monotonic()
+        r = _post(srv, PLAIN, timeout=30)
+        assert r.status_code == 503, r.text
+        assert "fault injected" in r.json()["error"]["message"]
+        code = srv.proc.wait(timeout=5.0)
+        assert code != 0 and time.monotonic() - t0 < 5.0 + 2.0, srv.log_tail()
