@@ -106,6 +106,8 @@ class StructuredOutputsParams:
                     parsed = _json.loads(self.json)
                 except ValueError as exc:
                     raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+                except RecursionError:  # json's C parser stops at Python's recursion limit
+                    raise ValueError("structured_outputs.json is nested too deeply.") from None
                 if not isinstance(parsed, (dict, bool)):
                     raise ValueError("structured_outputs.json must be a JSON schema object.")
             elif not isinstance(self.json, dict):

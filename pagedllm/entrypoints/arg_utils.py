@@ -165,6 +165,21 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds that in-flight requests may take to finish after SIGTERM "
                         "(new ones get 503 meanwhile); then the server exits 0")
+    g.add_argument("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
+                   help="largest request body taken; a larger one gets a 413 before it is "
+                        "parsed (default 8 MiB)")
+    g.add_argument("--request-header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's head; then it "
+                        "is closed (default 10)")
+    g.add_argument("--request-body-timeout", type=float, default=30.0,
+                   help="seconds a request's body may take to arrive after its head; then "
+                        "it gets a 408 (default 30)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat template sent with a request (chat_template); "
+                        "without this flag such a request gets a 400")
+    g.add_argument("--chat-template-render-timeout", type=float, default=5.0,
+                   help="seconds a request's own chat template may take to render; then it "
+                        "is stopped and the request gets a 400 (default 5)")
 
 
 def validate_server_args(args: argparse.Namespace) -> None:
@@ -174,6 +189,16 @@ def validate_server_args(args: argparse.Namespace) -> None:
         raise ValueError("host must not be empty.")
     if getattr(args, "drain_timeout", 0) < 0:
         raise ValueError(f"drain_timeout must be at least 0 seconds, got {args.drain_timeout}.")
+    max_body = getattr(args, "max_request_body_bytes", 1)
+    if max_body <= 0:
+        raise ValueError(f"--max-request-body-bytes must be a positive number of bytes, got "
+                         f"{max_body}.")
+    for name in ("request_header_timeout", "request_body_timeout",
+                 "chat_template_render_timeout"):
+        value = getattr(args, name, 1.0)
+        if not value > 0:  # nan too
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number of "
+                             f"seconds, got {value}.")
     for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
         value = getattr(args, name, ["*"])
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):

@@ -108,6 +108,8 @@ def check_constraint(so: StructuredOutputsParams) -> None:
             xgr.Grammar.from_ebnf(so.grammar)
         else:
             xgr.Grammar.from_structural_tag(_structural_tag(so))
+    except RecursionError:  # json.dumps of a deep dict (before RuntimeError: a subclass)
+        raise ValueError(f"Invalid structured_outputs.{kind}: it is nested too deeply.") from None
     except (RuntimeError, ValueError, TypeError) as exc:
         raise ValueError(f"Invalid structured_outputs.{kind}: {_clean(exc)}") from None
 

@@ -3,7 +3,7 @@
     pagedllm serve [MODEL] [--host 127.0.0.1 --port 8000 --api-key KEY ...]
     python -m pagedllm.entrypoints.openai.api_server --model MODEL [flags]
 
-Endpoints: GET /health, /version, /v1/models, /metrics; POST /v1/completions,
+Endpoints: GET (and HEAD) /health, GET /version, /v1/models, /metrics; POST /v1/completions,
 /v1/chat/completions, /tokenize, /detokenize. Start-up: the flags are validated, the port is
 bound (a busy port fails before the model loads), the engine core process(es) load the model
 while this process loads the tokenizer, then uvicorn serves (engine/async_engine.py).
@@ -12,6 +12,10 @@ Life cycle: SIGTERM drains (new requests get 503, in-flight ones may finish for
 --drain-timeout seconds, then exit 0); a second SIGTERM or SIGINT stops at once. If the engine
 core dies, its requests fail (503), /health answers 503 and the server exits 1, so that a
 supervisor restarts it.
+
+Limits (http_limits.py): a body over --max-request-body-bytes is a 413, a head slower than
+--request-header-timeout closes the connection (408), a body slower than --request-body-timeout
+is a 408; a request's own chat template needs --trust-request-chat-template (chat.py).
 """
 
 from __future__ import annotations
@@ -36,13 +40,19 @@ from starlette.datastructures import Headers
 
 import pagedllm
 from pagedllm.engine.async_engine import AsyncLLMEngine
-from pagedllm.entrypoints.openai.chat import ChatServer
+from pagedllm.engine.input_processing import check_prompt_chars
+from pagedllm.entrypoints.openai.chat import DEFAULT_RENDER_TIMEOUT_S, ChatServer, RequestTemplates
 from pagedllm.entrypoints.openai.completions import CompletionServer
 from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
     as_openai_error,
     error_response,
     install_error_handlers,
+)
+from pagedllm.entrypoints.openai.http_limits import (
+    HTTPLimits,
+    RequestBodyMiddleware,
+    limited_h11_protocol,
 )
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -56,6 +66,7 @@ from pagedllm.entrypoints.openai.request_fields import IGNORED_FIELDS_HEADER, RE
 from pagedllm.entrypoints.openai.serving import ServerOptions, ServingContext, with_cancellation
 from pagedllm.entrypoints.openai.tool_calling import ToolConfig
 from pagedllm.entrypoints.openai.tokenization import TokenizationServer
+from pagedllm.tokenizer import max_chars_per_token
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -126,7 +137,8 @@ class InFlightMiddleware:
 
 @dataclass
 class HTTPOptions:
-    """The HTTP layer's deployment flags (vLLM's names): CORS, root path, docs."""
+    """The HTTP layer's deployment flags (vLLM's names): CORS, root path, docs; the request
+    limits (http_limits.py) and what a request's own chat template may do (chat.py)."""
 
     allowed_origins: list[str] = field(default_factory=lambda: ["*"])
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
@@ -134,6 +146,8 @@ class HTTPOptions:
     allow_credentials: bool = False
     root_path: str | None = None
     disable_fastapi_docs: bool = False
+    limits: HTTPLimits = field(default_factory=HTTPLimits)
+    templates: RequestTemplates = field(default_factory=RequestTemplates)
 
 
 def build_app(ctx: ServingContext, api_key: str | list[str] | None = None,
@@ -141,9 +155,12 @@ def build_app(ctx: ServingContext, api_key: str | list[str] | None = None,
               http_options: HTTPOptions | None = None) -> FastAPI:
     engine = ctx.async_engine
     lifecycle = lifecycle if lifecycle is not None else Lifecycle()
+    opts = http_options or HTTPOptions()
     completions = CompletionServer(ctx)
-    chat = ChatServer(ctx)
-    tokenization = TokenizationServer(ctx)
+    chat = ChatServer(ctx, opts.templates)
+    tokenization = TokenizationServer(ctx, opts.templates)
+    # read here, before the tokenizer thread owns ctx.tokenizer: the event loop reads a number
+    chars_per_token = max_chars_per_token(ctx.tokenizer)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -154,7 +171,6 @@ def build_app(ctx: ServingContext, api_key: str | list[str] | None = None,
             await engine.shutdown()
             ctx.close()
 
-    opts = http_options or HTTPOptions()
     docs = {} if not opts.disable_fastapi_docs else dict(docs_url=None, redoc_url=None,
                                                          openapi_url=None)
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__,
@@ -170,6 +186,9 @@ def build_app(ctx: ServingContext, api_key: str | list[str] | None = None,
         err = as_openai_error(exc)
         return error_response(err.message, err.status, err.param)
 
+    # innermost: a request's whole body is in, within its size and time limits, before the
+    # app reads it; after the key check (no body read for a 401) and inside CORS (its headers)
+    app.add_middleware(RequestBodyMiddleware, limits=opts.limits)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     # CORS outside the key check: a browser's preflight (OPTIONS) carries no key
@@ -179,7 +198,7 @@ def build_app(ctx: ServingContext, api_key: str | list[str] | None = None,
                        expose_headers=[REQUEST_ID_HEADER, IGNORED_FIELDS_HEADER])
     app.add_middleware(InFlightMiddleware, lifecycle=lifecycle)  # outermost: sees every request
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         """200, or 503 with an OpenAI error body: an engine core is gone, or the scheduler
         stalled once (a bug: unhealthy until restart, though requests are still served)."""
@@ -209,6 +228,11 @@ def build_app(ctx: ServingContext, api_key: str | list[str] | None = None,
     @app.post("/v1/completions")
     @with_cancellation
     async def create_completion(request: CompletionRequest, raw_request: Request):
+        prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+        if request.truncate_prompt_tokens is None:  # a cut prompt may be any length
+            for prompt in prompts or ():
+                if isinstance(prompt, str):
+                    check_prompt_chars(prompt, ctx.max_model_len, chars_per_token)
         return await completions.create_completion(request, raw_request)
 
     @app.post("/v1/chat/completions")
@@ -296,6 +320,15 @@ def run_server(args: argparse.Namespace) -> int:
 
     try:
         validate_server_args(args)
+        limits = HTTPLimits(
+            max_body_bytes=getattr(args, "max_request_body_bytes", HTTPLimits.max_body_bytes),
+            header_timeout_s=getattr(args, "request_header_timeout",
+                                     HTTPLimits.header_timeout_s),
+            body_timeout_s=getattr(args, "request_body_timeout", HTTPLimits.body_timeout_s))
+        templates = RequestTemplates(
+            trusted=bool(getattr(args, "trust_request_chat_template", False)),
+            render_timeout_s=getattr(args, "chat_template_render_timeout",
+                                     DEFAULT_RENDER_TIMEOUT_S))
         config = engine_config_from_args(args)
         tool_config = ToolConfig(
             enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
@@ -330,6 +363,7 @@ def run_server(args: argparse.Namespace) -> int:
         allow_credentials=bool(getattr(args, "allow_credentials", False)),
         root_path=getattr(args, "root_path", None),
         disable_fastapi_docs=bool(getattr(args, "disable_fastapi_docs", False)),
+        limits=limits, templates=templates,
     ))
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
@@ -344,7 +378,8 @@ def run_server(args: argparse.Namespace) -> int:
                           ssl_ca_certs=getattr(args, "ssl_ca_certs", None),
                           ssl_cert_reqs=getattr(args, "ssl_cert_reqs", 0))
     server = _Server(uvicorn.Config(
-        app, log_level=args.uvicorn_log_level, timeout_keep_alive=5,
+        app, http=limited_h11_protocol(limits), log_level=args.uvicorn_log_level,
+        timeout_keep_alive=5,
         timeout_graceful_shutdown=5,
         access_log=not getattr(args, "disable_uvicorn_access_log", False),
         **ssl_kwargs,

@@ -1,8 +1,12 @@
 """POST /v1/chat/completions: messages -> the model's chat template -> one engine request with
 `n` samples.
 
-The conversation is rendered with the model's template (or `--chat-template`, or the request's
-`chat_template`) and tokenized without adding special tokens again (the template has them).
+The conversation is rendered with the model's template (or `--chat-template`) and tokenized
+without adding special tokens again (the template has them). A template sent with the request
+(`chat_template`, or `chat_template_kwargs.chat_template`) is refused unless the server runs with
+`--trust-request-chat-template` (vLLM's rule: a template is code the front end runs); a trusted
+one is stopped past `--chat-template-render-timeout` seconds (`RequestTemplates`). A rendered
+prompt longer than the context can hold in characters is refused before it is tokenized.
 `max_completion_tokens` (or the older `max_tokens`) defaults to what is left of the context.
 A stream starts with one chunk per choice carrying `{"role": "assistant", "content": ""}`.
 `tools` / `tool_choice` and the server's reasoning parser shape the message (tool_calling.py):
@@ -12,13 +16,16 @@ A stream starts with one chunk per choice carrying `{"role": "assistant", "conte
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from pagedllm.engine.async_engine import RequestStream
-from pagedllm.entrypoints.openai.errors import as_openai_error, sse_error
+from pagedllm.engine.input_processing import check_prompt_chars
+from pagedllm.entrypoints.openai.errors import OpenAIError, as_openai_error, sse_error
 from pagedllm.entrypoints.openai.logprobs import chat_logprobs
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -44,8 +51,55 @@ from pagedllm.entrypoints.openai.serving import ServingContext
 from pagedllm.entrypoints.openai.streaming import DONE, SSE_HEADERS, ChoiceStream, sse
 from pagedllm.entrypoints.openai.tool_calling import ToolPlan, finish_reason, plan_tools
 from pagedllm.outputs import RequestOutput
+from pagedllm.tokenizer import TemplateTimeoutError, max_chars_per_token, render_time_limit
 
 ROLE = "assistant"
+DEFAULT_RENDER_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class RequestTemplates:
+    """What a request may do with a chat template of its own (chat and /tokenize).
+
+    `trusted` (--trust-request-chat-template): without it a request's template is a 400, as
+    in vLLM: rendering a template runs code in the front end (a loop of 10^10 steps held every
+    later request). A trusted one renders under `render_time_limit` and is stopped past
+    `render_timeout_s` (--chat-template-render-timeout) with a 400."""
+
+    trusted: bool = False
+    render_timeout_s: float = DEFAULT_RENDER_TIMEOUT_S
+
+    def resolve(self, chat_template: str | None,
+                template_kwargs: dict[str, Any] | None) -> tuple[str | None, dict[str, Any]]:
+        """(the request's own template or None, the other template kwargs)."""
+        kwargs = dict(template_kwargs or {})
+        from_kwargs = kwargs.pop("chat_template", None)
+        template = chat_template if chat_template is not None else from_kwargs
+        if template is not None and not self.trusted:
+            field = ("chat_template" if chat_template is not None
+                     else "chat_template_kwargs.chat_template")
+            raise OpenAIError(
+                f"`{field}`: a chat template sent with the request is refused; this server "
+                "renders its own chat template unless it runs with "
+                "--trust-request-chat-template.", 400, param=field)
+        return template, kwargs
+
+    def render(self, ctx: ServingContext, conversation: list[dict[str, Any]],
+               template: str | None, kwargs: dict[str, Any], request: Any) -> str:
+        """The prompt text (in the tokenizer thread); `request`: a chat or tokenize request."""
+        def run() -> str:
+            return ctx.render_chat(conversation, template, request.add_generation_prompt,
+                                   request.continue_final_message, kwargs,
+                                   tools=request.template_tools())
+
+        if template is None:  # the server's own template: trusted, rendered as is
+            return run()
+        try:
+            with render_time_limit(self.render_timeout_s):
+                return run()
+        except TemplateTimeoutError as exc:
+            raise OpenAIError(f"{exc} (--chat-template-render-timeout)", 400,
+                              param="chat_template") from None
 
 
 def _token_text(token_id: int) -> str:
@@ -53,12 +107,14 @@ def _token_text(token_id: int) -> str:
 
 
 class ChatServer:
-    def __init__(self, ctx: ServingContext) -> None:
+    def __init__(self, ctx: ServingContext, templates: RequestTemplates | None = None) -> None:
         self.ctx = ctx
+        self.templates = templates or RequestTemplates()
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
         ctx = self.ctx
         ctx.check_model(request.model)
+        template = self.templates.resolve(request.chat_template, request.chat_template_kwargs)
         conversation = request.conversation()  # ValueError (non-text parts) -> 400
         resolve_logprob_fields(ctx, request)  # -1 and --max-logprobs, before SamplingParams
         params = request.to_sampling_params(ctx.generation_defaults)
@@ -68,7 +124,8 @@ class ChatServer:
         # vLLM's request fields (request_fields.py): id, priority, best_of, logprob limits
         fields = plan_fields(ctx, request, raw_request, params)
         params = fields.params
-        prompt_text, prompt_ids = await ctx.run_tokenizer(self._render, request, conversation)
+        prompt_text, prompt_ids = await ctx.run_tokenizer(self._render, request, conversation,
+                                                          template)
         fit_default_max_tokens(ctx, params, len(prompt_ids))
         request_id = f"chatcmpl-{fields.request_id}"
         created = now_seconds()
@@ -98,12 +155,16 @@ class ChatServer:
             self._response(request, request_id, created, final, plan).model_dump(),
             headers=fields.headers)
 
-    def _render(self, request: ChatCompletionRequest, conversation) -> tuple[str, list[int]]:
-        text = self.ctx.render_chat(
-            conversation, request.chat_template, request.add_generation_prompt,
-            request.continue_final_message, request.chat_template_kwargs,
-            tools=request.template_tools(),
-        )
+    def _render(self, request: ChatCompletionRequest, conversation,
+                template: tuple[str | None, dict[str, Any]] | None = None
+                ) -> tuple[str, list[int]]:
+        """(prompt text, token ids); `template`: `RequestTemplates.resolve`'s answer."""
+        if template is None:
+            template = self.templates.resolve(request.chat_template, request.chat_template_kwargs)
+        text = self.templates.render(self.ctx, conversation, *template, request)
+        if request.truncate_prompt_tokens is None:  # a cut prompt may be any length
+            check_prompt_chars(text, self.ctx.max_model_len,
+                               max_chars_per_token(self.ctx.tokenizer))
         # add_special_tokens (vLLM's, default false: the template has them); truncation keeps
         # the last truncate_prompt_tokens tokens
         ids = self.ctx.encode(text, add_special_tokens=request.add_special_tokens)

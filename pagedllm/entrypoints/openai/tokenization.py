@@ -2,12 +2,16 @@
 
 /tokenize takes a `prompt` (tokenized as /v1/completions does, special tokens added by
 default) or chat `messages` (rendered with the chat template as /v1/chat/completions does, no
-special tokens added on top); it answers `{count, max_model_len, tokens, token_strs}`.
+special tokens added on top; a request's own `chat_template` follows chat's rule, chat.py
+`RequestTemplates`); it answers `{count, max_model_len, tokens, token_strs}`.
 /detokenize takes `tokens` and answers `{prompt}`.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from pagedllm.entrypoints.openai.chat import RequestTemplates
 from pagedllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -18,24 +22,26 @@ from pagedllm.entrypoints.openai.serving import ServingContext
 
 
 class TokenizationServer:
-    def __init__(self, ctx: ServingContext) -> None:
+    def __init__(self, ctx: ServingContext, templates: RequestTemplates | None = None) -> None:
         self.ctx = ctx
+        self.templates = templates or RequestTemplates()
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         self.ctx.check_model(request.model)
+        template, kwargs = self.templates.resolve(request.chat_template,
+                                                  request.chat_template_kwargs)
         if request.messages is not None:
             conversation = [m.template_message() for m in request.messages]
         else:
             conversation = None
-        return await self.ctx.run_tokenizer(self._tokenize, request, conversation)
+        return await self.ctx.run_tokenizer(self._tokenize, request, conversation, template,
+                                            kwargs)
 
-    def _tokenize(self, request: TokenizeRequest, conversation) -> TokenizeResponse:
+    def _tokenize(self, request: TokenizeRequest, conversation, template: str | None,
+                  kwargs: dict[str, Any]) -> TokenizeResponse:
         ctx = self.ctx
         if conversation is not None:
-            text = ctx.render_chat(conversation, request.chat_template,
-                                   request.add_generation_prompt,
-                                   request.continue_final_message, request.chat_template_kwargs,
-                                   tools=request.template_tools())
+            text = self.templates.render(ctx, conversation, template, kwargs, request)
             add_special = bool(request.add_special_tokens)
         else:
             text = request.prompt or ""
