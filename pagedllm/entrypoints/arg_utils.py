@@ -58,6 +58,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         "or Ray actors on a Ray cluster (ray; pip install pagedllm[ray])")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="server: engine cores (full replicas) behind one API server")
+    g.add_argument("--data-parallel-address", default=None,
+                   help="Ray replicas: the address the API server binds the cores' "
+                        "authenticated TCP sockets on (default: this node's IP)")
     g.add_argument("--quantization", "-q", default=None)
     g.add_argument("--quant-compute", default="auto", choices=SUPPORTED_QUANT_COMPUTE,
                    help="integer-weight layers: exact float32 arithmetic or int8 activations "
@@ -90,6 +93,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                    help="most logprobs / prompt_logprobs per token a request may ask for "
                         "(-1: the whole vocabulary)")
     g.add_argument("--chat-template", default=None, help="a Jinja template, or a file holding one")
+    g.add_argument("--structured-outputs-timeout", type=float, default=10.0,
+                   help="seconds a request's structured-output constraint may take to compile "
+                        "(in its own process); past it the request fails with a 400 (default 10)")
 
 
 MODEL_SOURCE_GROUP = "model source (Hugging Face Hub)"
@@ -224,10 +230,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "tokenizer", "dtype", "device", "seed", "max_model_len", "block_size", "kv_cache_space",
         "gpu_memory_utilization", "num_kv_blocks", "swap_space", "max_num_seqs",
         "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill",
-        "preemption_mode", "tensor_parallel_size", "distributed_executor_backend", "data_parallel_size", "quantization", "quant_compute", "kv_cache_dtype",
+        "preemption_mode", "tensor_parallel_size", "distributed_executor_backend", "data_parallel_size", "data_parallel_address", "quantization", "quant_compute", "kv_cache_dtype",
         "attention_backend", "enforce_eager", "cuda_graph_sizes",
         "compile_batch_sizes", "num_threads", "served_model_name", "chat_template",
-        "scheduling_policy", "generation_config", "max_logprobs",
+        "scheduling_policy", "generation_config", "max_logprobs", "structured_outputs_timeout",
         "revision", "tokenizer_revision", "download_dir", "gguf_file",
     ):
         kwargs[name] = getattr(args, name)
