@@ -93,6 +93,27 @@ def server():
 
 
 @pytest.fixture(scope="session")
+def trusted_server():
+    """A server that takes chat templates sent in requests (--trust-request-chat-template);
+    the shared one refuses them, as vLLM does by default."""
+    with serving(["-m", "pagedllm.entrypoints.cli", "serve", "--kv-cache-space", "0.25",
+                  "--max-model-len", str(MAX_MODEL_LEN), "--trust-request-chat-template"]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def trusted(trusted_server):
+    """(openai client, httpx client) of the trusted server."""
+    import httpx
+    import openai
+
+    with httpx.Client(base_url=trusted_server.url, headers=trusted_server.headers,
+                      timeout=120.0) as http:
+        yield openai.OpenAI(base_url=f"{trusted_server.url}/v1",
+                            api_key=trusted_server.api_key, max_retries=0, timeout=120.0), http
+
+
+@pytest.fixture(scope="session")
 def client(server):
     """The official openai client (no retries: each status must be seen as it is)."""
     import openai

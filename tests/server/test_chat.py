@@ -147,7 +147,10 @@ def test_chat_stream_logprobs_and_usage(http):
     assert all(c["usage"] is None for c in [first, *deltas])
 
 
-def test_request_chat_template(client, http):
+def test_request_chat_template(trusted):
+    """With --trust-request-chat-template (the shared server refuses them:
+    tests/server/test_request_limits.py)."""
+    client, http = trusted
     template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] "
                 "+ '<|im_end|>\\n' }}{% endfor %}{{ '<|im_start|>assistant\\n' }}")
     r = http.post("/tokenize", json={"messages": MESSAGES, "chat_template": template})

@@ -108,10 +108,11 @@ def test_stream_delta_shape(http):
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
-def test_tool_result_round_trip(client, http):
+def test_tool_result_round_trip(trusted):
     """The call goes back in as an assistant message with tool_calls, the result as a tool
     message; the template receives both (checked on the rendered prompt) and the model
-    answers."""
+    answers. The request sends its own template: the trusted server."""
+    client, http = trusted
     first = create(client, tools=TOOLS, tool_choice={"type": "function",
                                                       "function": {"name": "get_weather"}})
     call = first.choices[0].message.tool_calls[0]
