@@ -211,3 +211,27 @@ def test_sampler_honours_bitmask(temperature):
     out = Sampler()(logits, md)
     assert out.sampled_token_ids[0] == 10 and out.sampled_token_ids[2] == 10
     assert out.sampled_token_ids[1] in (20, 21) and out.sampled_token_ids[3] == 33
+
+
+def _deep_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def test_a_schema_nested_too_deeply_is_refused_before_xgrammar_parses_it():
+    """xgrammar's parse is about cubic in the depth (900 levels: 35 s on the server's
+    constraint-check thread); a depth bound refuses such a schema at once, as a dict or as a
+    JSON string (a 5,000-deep string used to be a 500 RecursionError)."""
+    import json
+
+    ok = StructuredOutputsParams(json=_deep_schema(60))  # 121 levels of objects
+    check_constraint(ok)
+    with pytest.raises(ValueError, match="nested too deeply: 129 levels.*at most 128"):
+        StructuredOutputsParams(json=_deep_schema(64))
+    text = "{" + '"a":{' * 4999 + "}" * 5000
+    with pytest.raises(ValueError, match="nested too deeply"):
+        StructuredOutputsParams(json=text)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        StructuredOutputsParams(json=json.dumps(_deep_schema(300)))
