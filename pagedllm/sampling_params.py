@@ -27,6 +27,16 @@ _MAX_TEMP = 1e-2  # smallest non-zero temperature used (avoids inf/nan in logits
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # vLLM's bounds: torch.long
 # OpenAI's documented range for a logit bias; vLLM clamps to it (a larger one gives inf/nan)
 _LOGIT_BIAS_MAX = 100.0
+# Beam scores divide by length ** length_penalty: beyond this, any real length over- or
+# underflows a float (transformers sets no bound; typical values are 0.5-2).
+_LENGTH_PENALTY_MAX = 50.0
+_TOP_K_MAX = 2**31 - 1  # the server's bound too (protocol.py); larger is "all" anyway
+
+
+def _check_length_penalty(value: float) -> None:
+    if not -_LENGTH_PENALTY_MAX <= value <= _LENGTH_PENALTY_MAX:
+        raise ValueError(f"length_penalty must be in [-{_LENGTH_PENALTY_MAX:g}, "
+                         f"{_LENGTH_PENALTY_MAX:g}], got {value}.")
 
 
 class SamplingType(enum.IntEnum):
@@ -231,7 +241,7 @@ class SamplingParams:
             [-100, 100] (OpenAI's range; vLLM clamps too).
         output_kind: CUMULATIVE, DELTA or FINAL_ONLY RequestOutputs while streaming.
         use_beam_search: run beam search with beam width `n` (greedy; no sampling knobs).
-        length_penalty: beam scores are divided by length ** length_penalty.
+        length_penalty: beam scores are divided by length ** length_penalty; in [-50, 50].
         structured_outputs: a grammar constraint on the output (StructuredOutputsParams, or a
             dict of its fields); not with beam search.
         allowed_token_ids: only these token ids may be sampled.
@@ -290,6 +300,7 @@ class SamplingParams:
         _check_int("top_k", self.top_k)
         self.min_p = _as_float("min_p", self.min_p)
         self.length_penalty = _as_float("length_penalty", self.length_penalty)
+        _check_length_penalty(self.length_penalty)
         _check_int("seed", self.seed, allow_none=True)
         _check_int("max_tokens", self.max_tokens, allow_none=True)
         _check_int("min_tokens", self.min_tokens)
@@ -457,6 +468,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < 0:
             raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
+        if self.top_k > _TOP_K_MAX:
+            raise ValueError(f"top_k must be at most {_TOP_K_MAX} (a 32-bit integer), got "
+                             f"{self.top_k}.")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -583,6 +597,7 @@ class BeamSearchParams:
         _check_int("max_tokens", self.max_tokens)
         self.temperature = _as_float("temperature", self.temperature)
         self.length_penalty = _as_float("length_penalty", self.length_penalty)
+        _check_length_penalty(self.length_penalty)
         if self.beam_width < 1:
             raise ValueError(f"beam_width must be at least 1, got {self.beam_width}.")
         if self.max_tokens < 1:

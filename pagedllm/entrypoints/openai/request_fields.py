@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,17 @@ class FieldPlan:
     headers: dict[str, str] = field(default_factory=dict)
 
 
+def header_value(text: str) -> str:
+    """`text` as a legal HTTP header value: printable ASCII stays, anything else (control
+    characters, CR/LF, spaces, non-ASCII) is percent-encoded. A request id or an unknown field
+    name is the client's text: put raw in a header, h11 refused it and the connection dropped
+    with no answer (or a header injection, were it accepted)."""
+    return urllib.parse.quote(text, safe=_HEADER_SAFE)
+
+
+_HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
+
+
 def resolve_logprob_fields(ctx: "ServingContext", request: "_SamplingFields") -> None:
     """Before the SamplingParams are built: `-1` (vLLM's "the whole vocabulary") becomes the
     vocabulary size, and a count over --max-logprobs is a 400 naming the field."""
@@ -73,12 +85,12 @@ def plan_fields(ctx: "ServingContext", request: "_SamplingFields", raw_request: 
         raise OpenAIError(str(exc), 400, param="priority") from exc
     header_id = raw_request.headers.get(REQUEST_ID_HEADER)
     request_id = request.request_id or header_id or random_uuid()
-    headers = {REQUEST_ID_HEADER: request_id}
+    headers = {REQUEST_ID_HEADER: header_value(request_id)}
     ignored = request.ignored_fields()
     if ignored:
         logger.warning("The following fields were present in the request but ignored: %s "
                        "(request %s)", ignored, request_id)
-        headers[IGNORED_FIELDS_HEADER] = ",".join(ignored)
+        headers[IGNORED_FIELDS_HEADER] = ",".join(header_value(name) for name in ignored)
     inputs = ctx.async_engine.inputs
     # chat names the count top_logprobs; -1 = the whole vocabulary (vLLM)
     lp_name = "top_logprobs" if hasattr(request, "top_logprobs") else "logprobs"
