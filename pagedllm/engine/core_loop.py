@@ -101,38 +101,9 @@ class CoreBusyLoop:
             pass  # a wake-up: `_add_compiled` runs each turn of the loop
         elif kind == _ADD_COMPILED:
             request, fut = payload
-            try:
-                core.add_request(request, fut.result())
-            except ValueError as exc:
-                self._send_errors([(request.request_id, str(exc), "invalid")])
-            except EngineFatalError:
-                raise
-            except Exception as exc:  # the compiler process failed: this request's 500
-                logger.exception("add_request(%s) failed", request.request_id)
-                self._send_errors([(request.request_id, f"The engine could not add the "
-                                    f"request: {exc!r}", "internal")])
+            self._add(request, lambda: core.add_request(request, fut.result()))
         elif kind == EngineCoreRequestType.ADD:
-            request: EngineCoreRequest = payload
-            try:
-                pending = core.start_compile(request) if hasattr(core, "start_compile") else None
-                if pending is not None and not pending.done():
-                    # its grammar compiles in another process: added when done, meanwhile
-                    # the others step
-                    self._compiling[request.request_id] = (request, pending)
-                    pending.add_done_callback(lambda _: self.inputs.put((_COMPILED, None)))
-                    return
-                if pending is None:
-                    core.add_request(request)
-                else:
-                    core.add_request(request, pending.result())
-            except ValueError as exc:
-                self._send_errors([(request.request_id, str(exc), "invalid")])
-            except EngineFatalError:
-                raise
-            except Exception as exc:  # before the commit: nothing of it is held
-                logger.exception("add_request(%s) failed", request.request_id)
-                self._send_errors([(request.request_id, f"The engine could not add the "
-                                    f"request: {exc!r}", "internal")])
+            self._add(payload, lambda: self._start_add(payload))
         elif kind == EngineCoreRequestType.ABORT:
             for rid in payload:
                 self._compiling.pop(rid, None)
@@ -157,6 +128,33 @@ class CoreBusyLoop:
                     logger.exception("The engine core's shutdown failed")
         else:
             logger.error("Unknown message kind %r from the front end", kind)
+
+    def _add(self, request: EngineCoreRequest, add: Callable[[], None]) -> None:
+        """Run an add; its failure before the commit is that request's error output: 400 for
+        a ValueError, else 500 (nothing of it is held). A fatal error goes on up."""
+        try:
+            add()
+        except ValueError as exc:
+            self._send_errors([(request.request_id, str(exc), "invalid")])
+        except EngineFatalError:
+            raise
+        except Exception as exc:
+            logger.exception("add_request(%s) failed", request.request_id)
+            self._send_errors([(request.request_id, f"The engine could not add the "
+                                f"request: {exc!r}", "internal")])
+
+    def _start_add(self, request: EngineCoreRequest) -> None:
+        """Add now, or park the request while its grammar compiles in another process (it is
+        added when done; meanwhile the others step)."""
+        core = self.core
+        pending = core.start_compile(request) if hasattr(core, "start_compile") else None
+        if pending is None:
+            core.add_request(request)
+        elif pending.done():
+            core.add_request(request, pending.result())
+        else:
+            self._compiling[request.request_id] = (request, pending)
+            pending.add_done_callback(lambda _: self.inputs.put((_COMPILED, None)))
 
     def _add_compiled(self) -> None:
         """Add the requests whose grammar finished compiling (or fail them: a 400)."""
