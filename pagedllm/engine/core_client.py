@@ -53,6 +53,11 @@ OnDeath = Callable[[int, str], None]
 
 
 SOCKET_DIR_PREFIX = "pagedllm-core-"
+# After the core's process ended: what it sent before is already in our socket's buffers (or
+# the kernel's); the reader takes it until none came for DRAIN_QUIET_MS, for at most
+# DRAIN_TIMEOUT_S, and only then is the death reported.
+DRAIN_QUIET_MS = 200
+DRAIN_TIMEOUT_S = 2.0
 
 
 def sweep_stale_socket_dirs() -> list[str]:
@@ -217,6 +222,7 @@ class MPCoreClient:
         self._stopping = False
         self._reader: threading.Thread | None = None
         self._reader_failed: str | None = None
+        self._core_ended = threading.Event()  # set by the watcher: the reader drains, then stops
         self._closed = False
         self.alive = False
         return ready_sock
@@ -276,7 +282,9 @@ class MPCoreClient:
         try:
             while not self._stopping:
                 try:
-                    if not sock.poll(100):
+                    if not sock.poll(DRAIN_QUIET_MS if self._core_ended.is_set() else 100):
+                        if self._core_ended.is_set():
+                            return  # the core is gone and what it sent has been read
                         continue
                     data = sock.recv(copy=False)
                 except zmq.ZMQError:
@@ -299,15 +307,26 @@ class MPCoreClient:
     def _watch_process(self, on_death: OnDeath) -> None:
         multiprocessing.connection.wait([self.process.sentinel])
         self.process.join(1)  # reaps it: exitcode is set
+        code = self.process.exitcode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        self._report_end(on_death, f"Engine core {self.engine_index} (pid {self.process.pid})",
+                         how)
+
+    def _report_end(self, on_death: OnDeath, who: str, how: str) -> None:
+        """The core's last outputs first, then its death: a core that stops after a fatal
+        error sends that error (each request's 503 names it) and exits, and its exit must not
+        overtake the message. The reader drains the socket until it is quiet, then stops; the
+        loop runs what both scheduled in order."""
         self.alive = False
-        if not self._stopping:
-            code = self.process.exitcode
-            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            if self._reader_failed:
-                how = f"{self._reader_failed}; {how}"
-            logger.error("Engine core %d (pid %d) died: %s", self.engine_index,
-                         self.process.pid, how)
-            self._delivery.call(on_death, self.engine_index, how)
+        self._core_ended.set()
+        if self._reader is not None:
+            self._reader.join(DRAIN_TIMEOUT_S)
+        if self._stopping:
+            return
+        if self._reader_failed:
+            how = f"{self._reader_failed}; {how}"
+        logger.error("%s died: %s", who, how)
+        self._delivery.call(on_death, self.engine_index, how)
 
     def _send(self, kind: EngineCoreRequestType, payload: Any) -> None:
         if self._stopping:
@@ -472,10 +491,7 @@ class RayCoreClient(MPCoreClient):
     def _watch_process(self, on_death: OnDeath) -> None:
         while self._process_exitcode() is None:
             self._ray.wait([self._run_ref], timeout=1.0)
-        self.alive = False
-        if not self._stopping:
-            logger.error("Engine core %d (Ray actor) died: %s", self.engine_index, self._ended)
-            self._delivery.call(on_death, self.engine_index, self._ended)
+        self._report_end(on_death, f"Engine core {self.engine_index} (Ray actor)", self._ended)
 
     def _join(self, timeout: float) -> None:
         if self._run_ref is not None:

@@ -101,7 +101,7 @@ def run_engine_core(config, engine_index: int, addresses: CoreAddresses,
     threading.Thread(target=_exit_if_it_fails, args=(_input_thread, ctx, addresses, loop),
                      name="pagedllm-core-input", daemon=True).start()
     sender = threading.Thread(target=_exit_if_it_fails,
-                              args=(_output_thread, ctx, addresses, out_q, loop),
+                              args=(_output_thread, addresses, out_q, loop),
                               name="pagedllm-core-output", daemon=True)
     sender.start()
     ready.send(encode(CoreReady(
@@ -197,11 +197,16 @@ def _reject_message(frames, exc: Exception, loop) -> None:
     loop.reject(request_id, f"The engine core could not read this request: {reason}")
 
 
-def _output_thread(ctx: zmq.Context, addresses: CoreAddresses, out_q: queue.SimpleQueue,
+def _output_thread(addresses: CoreAddresses, out_q: queue.SimpleQueue,
                    loop) -> None:
     """Encodes and sends; outputs that cannot be encoded fail their requests instead (and
-    the loop aborts them), so that no client waits for outputs that never come."""
-    sock = ctx.socket(zmq.PUSH)
+    the loop aborts them), so that no client waits for outputs that never come.
+
+    The socket has a context of its own: at the end, terminating it waits (up to the linger)
+    until the last outputs have left, a fatal error's above all, before the process exits
+    (`os._exit` would otherwise kill ZeroMQ's I/O thread with them still queued)."""
+    own_ctx = zmq.Context()
+    sock = own_ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.LINGER, 2000)
     if addresses.keys is not None:
@@ -211,6 +216,7 @@ def _output_thread(ctx: zmq.Context, addresses: CoreAddresses, out_q: queue.Simp
         outputs = out_q.get()
         if outputs is None:
             sock.close()
+            own_ctx.term()
             return
         try:
             frame = encode(outputs)

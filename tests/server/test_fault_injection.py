@@ -131,6 +131,6 @@ def test_an_exception_in_a_tensor_parallel_workers_forward_is_fatal(monkeypatch)
         t0 = time.monotonic()
         r = _post(srv, PLAIN, timeout=30)
         assert r.status_code == 503, r.text
-        assert "fault injected" in r.json()["error"]["message"]
+        assert "fault injected" in r.json()["error"]["message"], srv.log_tail()
         code = srv.proc.wait(timeout=5.0)
         assert code != 0 and time.monotonic() - t0 < 5.0 + 2.0, srv.log_tail()
