@@ -12,7 +12,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.engine import LLMEngine, PromptType
 from pagedllm.engine.kv_stats import KVCacheStats
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import apply_chat_template
 
 Conversation = list[dict[str, Any]]
@@ -25,6 +25,21 @@ def _best_of(out: RequestOutput, n: int, strip_logprobs: bool) -> RequestOutput:
                                                 if strip_logprobs else {}))
             for i, c in enumerate(ranked)]
     return dataclasses.replace(out, outputs=kept)
+
+
+def _final_only(params: list) -> list:
+    """The batch loop keeps only each request's finished output: ask for that alone
+    (`RequestOutputKind.FINAL_ONLY`, as vLLM's `LLM` does), so that no step builds outputs
+    nobody reads. The caller's objects are left as they are."""
+    copies: dict[int, SamplingParams] = {}
+    out = []
+    for p in params:
+        if isinstance(p, SamplingParams) and p.output_kind is not RequestOutputKind.FINAL_ONLY:
+            if id(p) not in copies:
+                copies[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+            p = copies[id(p)]
+        out.append(p)
+    return out
 
 
 class LLM:
@@ -174,6 +189,7 @@ class LLM:
             raise ValueError(f"Got {len(priority)} priorities for {len(prompts)} prompts: "
                              "pass one per prompt.")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
+        params = _final_only(params)
         ids = [f"offline-{next(self._request_counter)}" for _ in prompts]
         added: list[str] = []
         try:

@@ -8,8 +8,8 @@ names, types, label names (`model_name`, `engine`: the engine core's index, "0".
 what vLLM has no name for (swapped requests, used blocks, the kernel path). docs/metrics.md
 lists every series and where its figures come from.
 
-The front end feeds them on its event loop: `record_step` with each core step's outputs (tokens,
-latencies, finished requests), `record_abort` when a request is aborted, `update_from_stats`
+The front end feeds them on its event loop: `record_step` with each core step's per-request stats from the
+`OutputProcessor` (tokens, latencies, finished requests, whatever the outputs hold), `record_abort` when a request is aborted, `update_from_stats`
 with the `CoreStats` a core sends after its steps (gauges, cumulative KV cache and preemption
 counters, the tokens of each step).
 """
@@ -24,7 +24,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
     from pagedllm.engine.core_messages import CoreStats
-    from pagedllm.outputs import RequestOutput
+    from pagedllm.engine.output_processor import RequestStepStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -224,29 +224,30 @@ class EngineMetrics:
 
     # ---- called on the event loop, for each core's step -----------------------------------
 
-    def record_step(self, outputs: list["RequestOutput"], now: float, engine: int = 0) -> None:
+    def record_step(self, steps: list["RequestStepStats"], now: float, engine: int = 0) -> None:
+        """One core step's `OutputProcessor` stats: tokens, TTFT / ITL, finished requests
+        (the same whatever each request's output kind sends)."""
         e = engine
-        for out in outputs:
-            seen = self._seen.setdefault(out.request_id, _Seen())
-            m = out.metrics
-            num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        for st in steps:
+            seen = self._seen.setdefault(st.request_id, _Seen())
+            m = st.metrics
+            num_tokens = m.num_generation_tokens
             new_tokens = num_tokens - seen.num_tokens
             if new_tokens > 0:
                 self.generation_tokens[e].inc(new_tokens)
                 self.v_generation_tokens[e].inc(new_tokens)
                 if not seen.first_token_recorded:
                     seen.first_token_recorded = True
-                    self.prompt_tokens[e].inc(len(out.prompt_token_ids))
-                    self.v_prompt_tokens[e].inc(len(out.prompt_token_ids))
-                    if out.num_cached_tokens:
-                        self.v_prompt_cached[e].inc(out.num_cached_tokens)
-                    first = m.first_token_time if m and m.first_token_time else now
-                    if m is not None:
-                        ttft = max(first - m.arrival_time, 0.0)
-                        self.time_to_first_token[e].observe(ttft)
-                        self.v_ttft[e].observe(ttft)
-                        if m.time_in_queue is not None:
-                            self.queue_time[e].observe(max(m.time_in_queue, 0.0))
+                    self.prompt_tokens[e].inc(st.prompt_len)
+                    self.v_prompt_tokens[e].inc(st.prompt_len)
+                    if st.num_cached_tokens:
+                        self.v_prompt_cached[e].inc(st.num_cached_tokens)
+                    first = m.first_token_time or now
+                    ttft = max(first - m.arrival_time, 0.0)
+                    self.time_to_first_token[e].observe(ttft)
+                    self.v_ttft[e].observe(ttft)
+                    if m.time_in_queue is not None:
+                        self.queue_time[e].observe(max(m.time_in_queue, 0.0))
                 elif seen.last_token_time is not None:
                     itl = max(now - seen.last_token_time, 0.0)
                     self.inter_token_latency[e].observe(itl)
@@ -254,36 +255,32 @@ class EngineMetrics:
                     self.v_tpot[e].observe(itl)
                 seen.num_tokens = num_tokens
                 seen.last_token_time = now
-            if out.finished:
-                del self._seen[out.request_id]
-                reason = out.outputs[0].finish_reason if out.outputs else None
-                reason = reason if reason in FINISH_REASONS else "stop"
+            if st.finished:
+                del self._seen[st.request_id]
+                reason = st.finish_reason if st.finish_reason in FINISH_REASONS else "stop"
                 self.request_success[e][reason].inc()
                 self.v_success[e][reason].inc()
-                if m is not None:
-                    self._record_finished(out, m, now, e)
+                self._record_finished(st, m, now, e)
 
-    def _record_finished(self, out: "RequestOutput", m, now: float, e: int) -> None:
+    def _record_finished(self, st: "RequestStepStats", m, now: float, e: int) -> None:
         """vLLM's per-request histograms, observed once when the request finishes."""
         end = m.finished_time or now
         self.e2e_latency[e].observe(max(end - m.arrival_time, 0.0))
         self.v_e2e[e].observe(max(end - m.arrival_time, 0.0))
-        self.v_req_prompt[e].observe(len(out.prompt_token_ids))
+        self.v_req_prompt[e].observe(st.prompt_len)
         self.v_req_generation[e].observe(m.num_generation_tokens)
-        if out.num_cached_tokens is not None:
-            self.v_prefill_computed[e].observe(
-                len(out.prompt_token_ids) - max(out.num_cached_tokens, 0))
-        self.v_max_generation[e].observe(max((len(c.token_ids) for c in out.outputs),
-                                             default=0))
+        if st.num_cached_tokens is not None:
+            self.v_prefill_computed[e].observe(st.prompt_len - max(st.num_cached_tokens, 0))
+        self.v_max_generation[e].observe(st.longest)
         for hist, value in ((self.v_queue, m.time_in_queue), (self.v_prefill, m.prefill_time),
                             (self.v_decode, m.decode_time), (self.v_inference, m.inference_time)):
             if value is not None:
                 hist[e].observe(max(value, 0.0))
-        longest = max((len(c.token_ids) for c in out.outputs), default=0)
         decode = m.decode_time
         if decode is not None:
             # vLLM: decode time over the tokens after the first; 0 for a one-token request.
-            self.v_req_tpot[e].observe(max(decode, 0.0) / (longest - 1) if longest > 1 else 0.0)
+            self.v_req_tpot[e].observe(max(decode, 0.0) / (st.longest - 1)
+                                       if st.longest > 1 else 0.0)
 
     def record_abort(self, request_id: str, engine: int = 0) -> None:
         self._seen.pop(request_id, None)

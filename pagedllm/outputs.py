@@ -142,6 +142,29 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int | None = None
 
+    def add(self, newer: "RequestOutput") -> None:
+        """Fold a later DELTA output into this unread one (a slow reader gets one output
+        holding both): texts, token ids and logprobs appended per completion index, the rest
+        taken from `newer`."""
+        by_index = {c.index: c for c in self.outputs}
+        for c in newer.outputs:
+            mine = by_index.get(c.index)
+            if mine is None:
+                self.outputs.append(c)
+                by_index[c.index] = c
+                continue
+            mine.text += c.text
+            mine.token_ids = mine.token_ids + c.token_ids
+            if c.logprobs is not None:
+                mine.logprobs = (mine.logprobs or []) + c.logprobs
+            mine.cumulative_logprob = c.cumulative_logprob
+            mine.finish_reason, mine.stop_reason = c.finish_reason, c.stop_reason
+        self.outputs.sort(key=lambda c: c.index)
+        self.prompt_logprobs = newer.prompt_logprobs
+        self.finished = newer.finished
+        self.metrics = newer.metrics
+        self.num_cached_tokens = newer.num_cached_tokens
+
     def __repr__(self) -> str:
         return (
             f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "

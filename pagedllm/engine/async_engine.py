@@ -9,7 +9,7 @@ cores' token deltas into `RequestOutput`s (`OutputProcessor`: detokenization, st
 and fans them out to one `RequestStream` per request.
 
     stream = await engine.add_request(request_id, prompt, params)   # ValueError: rejected
-    async for output in engine.generate(prompt, params, request_id):  # cumulative outputs
+    async for output in engine.generate(prompt, params, request_id):  # params.output_kind
         ...
 
 Leaving the `generate` iterator early (the client went away, the handler task was cancelled)
@@ -24,10 +24,10 @@ A core that dies (killed, crashed, out of memory) fails every request it held wi
 `SchedulerStallError` (the core's watchdog) fails the named requests with a 500 and sets
 `health_error` (503 on /health until restart); the core goes on serving the others.
 
-Outputs are cumulative (text, token ids, logprobs so far), so a stream whose consumer is slower
-than the engine keeps only the newest one: nothing is lost, and a slow client never makes the
-queue grow. `CompletionOutput.logprobs` is the front end's own list, which grows while the
-consumer reads it: read it up to `len(token_ids)` of the same output.
+Outputs follow `SamplingParams.output_kind` (engine/output_processor.py): CUMULATIVE (the
+default here) keeps only the newest unread output of a stream, DELTA (the server's streams)
+folds unread deltas into one; either way nothing is lost and a slow client never makes a queue
+grow. FINAL_ONLY (the server's plain responses) sends one output.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from pagedllm.engine.input_processing import InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.router import Router
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
@@ -90,21 +90,26 @@ class EngineInfo:
 
 
 class RequestStream:
-    """The outputs of one request, on the event loop: the newest cumulative output or an
-    error. Only the event loop thread touches it."""
+    """The outputs of one request, on the event loop: what was not read yet, or an error.
+    An unread CUMULATIVE output is superseded by the next, an unread DELTA one absorbs it
+    (`RequestOutput.add`). Only the event loop thread touches it."""
 
-    def __init__(self, request_id: str, serial: int = -1) -> None:
+    def __init__(self, request_id: str, serial: int = -1, delta: bool = False) -> None:
         self.request_id = request_id
         self.serial = serial  # unique per add: tells apart requests that reuse an id
         self.core_id = f"{serial}:{request_id}"
         self.engine_index = 0
         self.finished = False
+        self.delta = delta
         self._latest: RequestOutput | None = None
         self._error: BaseException | None = None
         self._event = asyncio.Event()
 
     def put(self, output: RequestOutput) -> None:
-        self._latest = output  # cumulative: the newest output supersedes an unread one
+        if self.delta and self._latest is not None:
+            self._latest.add(output)
+        else:
+            self._latest = output
         self._event.set()
 
     def fail(self, error: BaseException) -> None:
@@ -338,7 +343,8 @@ class AsyncLLMEngine:
             raise EngineDeadError("The engine is not running.") from self.dead_error
         if any(s.request_id == request_id for s in self._streams.values()):
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        stream = RequestStream(request_id, next(self._serials))
+        stream = RequestStream(request_id, next(self._serials),
+                               delta=getattr(params, "output_kind", None) is RequestOutputKind.DELTA)
         prompt_text, request = prepare_request(self.inputs, stream.core_id, prompt, params,
                                                arrival_time, priority=priority)
         live = self._live_engines()
@@ -492,7 +498,7 @@ class AsyncLLMEngine:
             if self.metrics is not None:
                 self.metrics.record_error(stream.request_id, stream.engine_index)
         if self.metrics is not None:
-            self.metrics.record_step([out for _, out in processed.request_outputs], now,
+            self.metrics.record_step(processed.step_stats, now,
                                      outputs.engine_index)
             if outputs.stats is not None:
                 self.metrics.update_from_stats(outputs.stats, outputs.engine_index)

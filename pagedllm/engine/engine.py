@@ -190,7 +190,8 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one core step and return an output for every request that advanced."""
+        """Run one core step; the outputs of the requests that advanced, as their
+        `output_kind` asks (FINAL_ONLY: only the finished)."""
         core_outputs = self.core.step()
         processed = self.output_processor.process_outputs(core_outputs.outputs)
         if processed.finish_samples:  # stop strings: free those samples before the next step

@@ -7,6 +7,15 @@ and reported in `ProcessedOutputs.finish_samples`, which the caller passes to th
 (`EngineCore.finish_samples`) so that its blocks return. Tokens the core produced for a sample
 after that (it may be a step or two ahead when it runs in another process) are ignored, so the
 output is the same wherever the core runs.
+
+What a request's outputs hold is its `SamplingParams.output_kind`, as in vLLM:
+- CUMULATIVE: everything so far, every time (each output copies the token lists);
+- DELTA (the server's streams): only what is new since the previous output, text that may
+  still become a stop string held back (`num_held_back_chars`; it goes out with a later delta
+  or never), so the deltas concatenate to the final text; nothing is copied per step;
+- FINAL_ONLY (offline `LLM`, the server's plain responses): one output, when it finishes.
+Whatever the kind, `ProcessedOutputs.step_stats` says what each request did in the step, for
+the metrics.
 """
 
 from __future__ import annotations
@@ -22,8 +31,8 @@ from pagedllm.outputs import (
     RequestOutput,
     make_logprob_dict,
 )
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.tokenizer import IncrementalDetokenizer, check_stop_strings
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.tokenizer import IncrementalDetokenizer, check_stop_strings, num_held_back_chars
 
 
 @dataclass
@@ -36,6 +45,10 @@ class SampleState:
     text: str = ""  # truncated at a stop string
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # DELTA: what earlier outputs carried
+    sent_tokens: int = 0
+    sent_chars: int = 0
+    finish_sent: bool = False
 
 
 @dataclass
@@ -51,6 +64,21 @@ class RequestOutputState:
     num_cached_tokens: int | None = None
     beam_outputs: list[CompletionOutput] | None = None
     finished: bool = False
+    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    held_stop: list[str] = field(default_factory=list)  # DELTA: stop strings to hold back
+
+
+@dataclass
+class RequestStepStats:
+    """What one request did in a step, for the metrics, whatever its outputs hold."""
+
+    request_id: str  # the caller's id
+    prompt_len: int
+    num_cached_tokens: int | None
+    metrics: RequestMetrics
+    longest: int  # tokens of its longest sample (or beam) so far
+    finished: bool
+    finish_reason: str | None
 
 
 @dataclass
@@ -61,6 +89,8 @@ class ProcessedOutputs:
     finish_samples: list[tuple[str, int]] = field(default_factory=list)
     # (request id, error text, kind) the core failed: "invalid" / "stall" / "internal"
     errors: list[tuple[str, str, str]] = field(default_factory=list)
+    # every request that advanced or finished, even those whose kind sends nothing now
+    step_stats: list[RequestStepStats] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -94,6 +124,10 @@ class OutputProcessor:
                                    num_prompt_tokens=len(prompt_token_ids)),
             is_beam=is_beam,
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
+            kind=params.output_kind,
+            held_stop=list(params.stop) if (params.output_kind is RequestOutputKind.DELTA
+                                            and params.stop
+                                            and not params.include_stop_str_in_output) else [],
         )
 
     def abort_request(self, request_id: str) -> None:
@@ -145,8 +179,23 @@ class OutputProcessor:
                 if state.finished:
                     m.finished_time = now
                     del self.requests[out.request_id]
-                result.request_outputs.append((out.request_id, self._to_output(state)))
+                result.step_stats.append(self._step_stats(state))
+                output = self._to_output(state)
+                if output is not None:
+                    result.request_outputs.append((out.request_id, output))
         return result
+
+    def _step_stats(self, state: RequestOutputState) -> RequestStepStats:
+        if state.beam_outputs:
+            longest = max(len(c.token_ids) for c in state.beam_outputs)
+            reason = state.beam_outputs[0].finish_reason
+        else:
+            longest = max((len(s.token_ids) for s in state.samples.values()), default=0)
+            first = state.samples.get(0)
+            reason = first.finish_reason if first is not None else None
+        return RequestStepStats(state.request_id, len(state.prompt_token_ids),
+                                state.num_cached_tokens, state.metrics, longest,
+                                state.finished, reason)
 
     def _sample(self, state: RequestOutputState, index: int) -> SampleState:
         sample = state.samples.get(index)
@@ -172,6 +221,11 @@ class OutputProcessor:
         if sample.finish_reason is not None:
             return False  # a stop string ended it; the core ran ahead
         params = state.params
+        if not delta.new_token_ids:  # an end without a token (an abort): only the reason
+            if delta.finish_reason is None:
+                return False
+            sample.finish_reason, sample.stop_reason = delta.finish_reason, delta.stop_reason
+            return True
         last = len(delta.new_token_ids) - 1
         for i, token in enumerate(delta.new_token_ids):
             sample.token_ids.append(token)
@@ -240,9 +294,15 @@ class OutputProcessor:
             ))
         return completions
 
-    def _to_output(self, state: RequestOutputState) -> RequestOutput:
+    def _to_output(self, state: RequestOutputState) -> RequestOutput | None:
+        """The output the request's kind asks for now; None: nothing to send yet."""
+        if state.kind is RequestOutputKind.FINAL_ONLY and not state.finished:
+            return None
         if state.is_beam:
             completions = state.beam_outputs or []
+        elif state.kind is RequestOutputKind.DELTA:
+            completions = [c for s in sorted(state.samples.values(), key=lambda s: s.index)
+                           if (c := self._delta(state, s)) is not None]
         else:
             completions = [
                 CompletionOutput(
@@ -265,4 +325,27 @@ class OutputProcessor:
             finished=state.finished,
             metrics=state.metrics,
             num_cached_tokens=state.num_cached_tokens,
+        )
+
+    @staticmethod
+    def _delta(state: RequestOutputState, s: SampleState) -> CompletionOutput | None:
+        """What is new in sample `s` since its previous delta; None if nothing is."""
+        text = s.text
+        visible = len(text)
+        if s.finish_reason is None and state.held_stop:
+            visible -= num_held_back_chars(text, state.held_stop)
+        new_text = text[s.sent_chars:visible] if visible > s.sent_chars else ""
+        s.sent_chars = max(s.sent_chars, visible)
+        end = len(s.token_ids)
+        new_ids = s.token_ids[s.sent_tokens:end]
+        new_lps = s.logprobs[s.sent_tokens:end] if s.logprobs is not None else None
+        s.sent_tokens = end
+        newly_finished = s.finish_reason is not None and not s.finish_sent
+        if not new_ids and not new_text and not newly_finished:
+            return None
+        s.finish_sent = s.finish_reason is not None
+        return CompletionOutput(
+            index=s.index, text=new_text, token_ids=new_ids,
+            cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+            logprobs=new_lps, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
         )

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineInfo
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineInfo, RequestStream
 from pagedllm.engine.core_client import InprocCoreClient
 from pagedllm.engine.core_messages import (
     CoreStats,
@@ -21,8 +21,8 @@ from pagedllm.engine.core_messages import (
     SampleDelta,
 )
 from pagedllm.engine.errors import SchedulerStallError
-from pagedllm.entrypoints.openai.streaming import ChoiceStream, merge_async_iterators
-from pagedllm.outputs import CompletionOutput
+from pagedllm.entrypoints.openai.streaming import merge_async_iterators
+from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 REJECTED_TOKEN = 13  # the fake core refuses prompts holding it (as the real one would a bad id)
@@ -287,20 +287,27 @@ def test_utility_call_reaches_the_core(with_engine):
     with_engine(body)
 
 
-def test_choice_stream_holds_back_a_possible_stop_string():
-    cs = ChoiceStream(["STOP"], hold_back=True)
-    steps = ["Hello S", "Hello ST", "Hello STa", "Hello STa ST", "Hello STa "]
-    deltas = []
-    for i, text in enumerate(steps):
-        done = i == len(steps) - 1
-        out = CompletionOutput(0, text, list(range(i + 1)),
-                               finish_reason="stop" if done else None)
-        deltas.append(cs.delta(out)[0])
-    assert deltas == ["Hello ", "", "STa", " ", ""]
-    assert "".join(deltas) == steps[-1]
-    # include_stop_str_in_output: nothing is held back
-    cs = ChoiceStream(["STOP"], hold_back=False)
-    assert cs.delta(CompletionOutput(0, "ab S", [1]))[0] == "ab S"
+def test_an_unread_delta_absorbs_the_next_and_a_cumulative_one_is_superseded():
+    def out(text, ids, finished=False, reason=None):
+        return RequestOutput("r", None, [1], None, [CompletionOutput(0, text, ids,
+                                                                     finish_reason=reason)],
+                             finished)
+
+    async def body():
+        delta = RequestStream("r", delta=True)
+        delta.put(out("Hel", [1]))
+        delta.put(out("lo", [2, 3]))
+        delta.put(out("!", [4], True, "length"))
+        got = await delta.get()
+        assert (got.outputs[0].text, got.outputs[0].token_ids) == ("Hello!", [1, 2, 3, 4])
+        assert got.finished and got.outputs[0].finish_reason == "length" and delta.finished
+        cumulative = RequestStream("r")
+        cumulative.put(out("Hel", [1]))
+        cumulative.put(out("Hello", [1, 2]))
+        got = await cumulative.get()
+        assert (got.outputs[0].text, got.outputs[0].token_ids) == ("Hello", [1, 2])
+
+    asyncio.run(body())
 
 
 def test_merge_async_iterators_interleaves_and_closes():

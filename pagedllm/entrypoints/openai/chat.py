@@ -228,9 +228,7 @@ class ChatServer:
         engine = self.ctx.async_engine
         model = self.ctx.model_name
         include_usage = request.include_usage
-        stop = request.to_sampling_params().stop
-        hold = bool(stop) and not request.include_stop_str_in_output
-        choices = [ChoiceStream(stop, hold) for _ in range(request.n)]
+        choices = [ChoiceStream() for _ in range(request.n)]
         # tool calls / reasoning: each choice's text so far, read by its parser
         parsers = [plan.choice_parser() for _ in range(request.n)]
         texts = [""] * request.n
@@ -244,7 +242,7 @@ class ChatServer:
                 o = latest[0]
                 body.usage = make_usage(
                     self.ctx, prompt_len if o is None else len(o.prompt_token_ids),
-                    0 if o is None else sum(len(c.token_ids) for c in o.outputs),
+                    sum(cs.sent_tokens for cs in choices),
                     None if o is None else o.num_cached_tokens)
             return sse(body, include_usage)
 
@@ -295,7 +293,7 @@ class ChatServer:
                         token_ids=list(ids) if request.return_token_ids else None), **extra)
             if include_usage and final is not None:
                 prompt_tokens = len(final.prompt_token_ids)
-                completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+                completion_tokens = sum(cs.sent_tokens for cs in choices)
                 usage = make_usage(self.ctx, prompt_tokens, completion_tokens,
                                    final.num_cached_tokens)
                 yield sse(ChatCompletionStreamResponse(id=request_id, created=created,

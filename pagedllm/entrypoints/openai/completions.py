@@ -210,9 +210,7 @@ class CompletionServer:
         engine = self.ctx.async_engine
         model = self.ctx.model_name
         n = request.n
-        params_stop = request.to_sampling_params().stop  # normalised list
-        hold = bool(params_stop) and not request.include_stop_str_in_output
-        choice_state = [[ChoiceStream(params_stop, hold) for _ in range(n)] for _ in prompts]
+        choice_state = [[ChoiceStream() for _ in range(n)] for _ in prompts]
         echoed = [[False] * n for _ in prompts]
         usage = UsageInfo()
         cached = 0
@@ -268,7 +266,7 @@ class CompletionServer:
                     if request.continuous_usage:
                         prompt_tokens_seen[i] = len(out.prompt_token_ids)
                         if not request.echo_without_generation:
-                            generated[(i, c.index)] = len(c.token_ids)
+                            generated[(i, c.index)] = cs.sent_tokens
                         chunk.usage = make_usage(self.ctx, sum(prompt_tokens_seen.values()),
                                                  sum(generated.values()),
                                                  out.num_cached_tokens)
@@ -277,7 +275,7 @@ class CompletionServer:
                     usage.prompt_tokens += len(out.prompt_token_ids)
                     cached += out.num_cached_tokens or 0
                     if not request.echo_without_generation:
-                        usage.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        usage.completion_tokens += sum(cs.sent_tokens for cs in choice_state[i])
             else:
                 if request.include_usage:
                     usage = make_usage(self.ctx, usage.prompt_tokens, usage.completion_tokens,

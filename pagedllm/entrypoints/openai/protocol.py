@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, field_validator, model_serializer,
                       model_validator)
 
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 # torch.Generator seeds are 64-bit; vLLM bounds them the same way.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
@@ -279,6 +279,8 @@ class _SamplingFields(OpenAIBaseModel):
             logit_bias=self.logit_bias,
             use_beam_search=self.use_beam_search,
             length_penalty=self.length_penalty,
+            # a stream sends what is new; a plain response needs only the end
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
 
 

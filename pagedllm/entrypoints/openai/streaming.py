@@ -17,7 +17,6 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from pagedllm.outputs import CompletionOutput, Logprob
-from pagedllm.tokenizer import num_held_back_chars
 
 T = TypeVar("T")
 
@@ -40,10 +39,11 @@ def sse(chunk: BaseModel, include_usage: bool = False) -> str:
 
 
 class ChoiceStream:
-    """The delta state of one choice: how much text and how many tokens were sent."""
+    """What one choice of a stream has sent: characters (completions' text offsets), tokens
+    (usage) and whether it finished. The engine's outputs are DELTAs (`RequestOutputKind`):
+    text that may become a stop string is held back there, so each delta goes out as it is."""
 
-    def __init__(self, stop: Sequence[str], hold_back: bool) -> None:
-        self.stop = list(stop) if hold_back else []
+    def __init__(self) -> None:
         self.sent_chars = 0
         self.sent_tokens = 0
         self.finished = False
@@ -51,21 +51,12 @@ class ChoiceStream:
     def delta(
         self, out: CompletionOutput
     ) -> tuple[str, list[int], list[dict[int, Logprob]] | None]:
-        """(new text, new token ids, their logprobs) since the previous call."""
-        text = out.text
-        visible = len(text)
-        if out.finish_reason is None and self.stop:
-            visible -= num_held_back_chars(text, self.stop)
-        new_text = text[self.sent_chars:visible] if visible > self.sent_chars else ""
-        self.sent_chars = max(self.sent_chars, visible)
-        end = len(out.token_ids)
-        new_ids = list(out.token_ids[self.sent_tokens:end])
-        # The engine's logprobs list may already be longer than this output's token_ids.
-        new_lps = list(out.logprobs[self.sent_tokens:end]) if out.logprobs is not None else None
-        self.sent_tokens = end
+        """(new text, new token ids, their logprobs) of this delta, counted as sent."""
+        self.sent_chars += len(out.text)
+        self.sent_tokens += len(out.token_ids)
         if out.finish_reason is not None:
             self.finished = True
-        return new_text, new_ids, new_lps
+        return out.text, out.token_ids, out.logprobs
 
 
 async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncIterator[tuple[int, T]]:
