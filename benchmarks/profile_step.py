@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from pagedllm import SamplingParams
+    from pagedllm.sampling_params import RequestOutputKind
     from pagedllm.engine.engine import LLMEngine
 
     total = args.context + args.steps + 4
@@ -73,7 +74,9 @@ def main(argv: list[str] | None = None) -> dict:
             return fixed[: len(inp.logits_rows)].clone()
 
         runner.run_model = stub_run_model
-    params = SamplingParams(temperature=0.0, max_tokens=total - args.input_len, ignore_eos=True)
+    # FINAL_ONLY, as LLM.generate asks: no per-step outputs that nobody reads
+    params = SamplingParams(temperature=0.0, max_tokens=total - args.input_len, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
     for i in range(args.batch_size):
         ids = [rng.randrange(100, vocab) for _ in range(args.input_len)]
         engine.add_request(f"prof-{i}", {"prompt_token_ids": ids}, params)
@@ -106,6 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     patches = [(linear_mod, "linear", "projections (linear)"), (llama_mod, "linear", "projections (linear)"),
                (backend_mod, "paged_decode_attention_eager", "decode attention"),
                (backend_mod, "prefill_attention_c", "prefill attention")]
+    patches = [(mod, attr, name) for mod, attr, name in patches if hasattr(mod, attr)]
     saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in patches]
     for mod, attr, name in patches:
         setattr(mod, attr, labelled(name, getattr(mod, attr)))

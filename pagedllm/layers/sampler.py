@@ -46,6 +46,13 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     return g
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first of equal maxima, as `argmax`). `max(dim).indices`, because
+    torch's CPU `argmax` over a row of a vocabulary is 4x slower than its `max` with indices
+    (256 x 49,152 float32: 15.7 vs 3.8 ms on the 2-core Zen5; benchmarks/profile_step)."""
+    return x.max(dim=-1).indices
+
+
 @dataclass
 class SamplingRow:
     """What the engine knows about one logits row; `SamplingMetadata.build` turns a list of
@@ -204,7 +211,7 @@ class Sampler(torch.nn.Module):
                 apply_penalties(logits, metadata)
 
         if metadata.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax_rows(logits)
         else:
             sampled = self._sample(logits, metadata)
 
@@ -216,7 +223,7 @@ class Sampler(torch.nn.Module):
                 logits, md.temperatures, md.top_ks, md.top_ps, md.min_ps, md.generators
             )
         # Mixed batch: greedy rows take the argmax, the others are sampled as a sub-batch.
-        sampled = logits.argmax(dim=-1)
+        sampled = argmax_rows(logits)
         idx = torch.nonzero(md.temperatures != 0.0).squeeze(1)
         sampled[idx] = random_sample(
             logits.index_select(0, idx),
@@ -437,7 +444,7 @@ def random_sample(
             q[i] = torch.empty(q.shape[1], device=g.device).exponential_(generator=g).to(q.device)
     # Exp(1) can return exactly 0 with tiny probability; keep 0/0 (masked tokens) out of reach.
     q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return probs.div_(q).argmax(dim=-1)
+    return argmax_rows(probs.div_(q))
 
 
 def _gather_logprobs(

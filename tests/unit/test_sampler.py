@@ -405,3 +405,17 @@ def test_exponential_race_uses_the_row_generator():
     out = sample(logits, [params], generators=[make_generator(11)]).sampled_token_ids[0]
     q = torch.empty(50).exponential_(generator=make_generator(11))
     assert out == int((torch.softmax(logits[0] / 0.6, -1) / q).argmax())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_argmax_rows_is_argmax_ties_infinities_and_nan_included(dtype):
+    from pagedllm.layers.sampler import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3000, generator=g).to(dtype)
+    x[1, [5, 700, 2999]] = 50.0  # ties: the first wins
+    x[2] = float("-inf")
+    x[3, 17] = float("nan")  # NaN counts as the largest, as argmax has it
+    x[4, [0, 10]] = float("inf")
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert argmax_rows(x)[1].item() == 5
