@@ -8,6 +8,12 @@ search), whose partly filled last block is copied on the first write (copy-on-wr
 Swap preemption moves a group of sequences' blocks to a host pool (a second BlockPool without
 caching) and back: the manager remaps the block tables and queues the (src, dst) copies that the
 cache engine performs before the next forward, in the order swap-out, swap-in, copy-on-write.
+
+The model runner keeps its own copy of every table (worker/block_table.py) and is sent only
+what changed (`take_table_delta`): the manager knows, per sequence, how many leading ids the
+runner holds as they are (`_synced`; lowered by a copy-on-write inside them, dropped with the
+table), and which sequences' tables are gone (`take_released`: freed, swapped out), so no step
+rebuilds or compares whole tables on either side.
 """
 
 from __future__ import annotations
@@ -47,6 +53,9 @@ class KVCacheManager:
         self.prefix_cache_hits = 0  # tokens found
         self.num_swapped_out = 0  # blocks copied device -> host, cumulative
         self.num_swapped_in = 0  # blocks copied host -> device, cumulative
+        # seq_id -> how many leading ids of its table the runner holds unchanged
+        self._synced: dict[int, int] = {}
+        self._released: list[int] = []  # tables gone since the last take_released
 
     # ---- sizes and statistics -------------------------------------------------------------
 
@@ -76,6 +85,26 @@ class KVCacheManager:
 
     def get_block_ids(self, seq_id: int) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(seq_id, ())]
+
+    # ---- what the runner's copy of the tables needs ---------------------------------------
+
+    def take_table_delta(self, seq_id: int) -> tuple[int, list[int]]:
+        """(start, ids): the runner's table of `seq_id` becomes its first `start` ids followed by
+        `ids` (start 0: a new table). Usually one new block or nothing; the runner then holds the
+        whole table."""
+        table = self.req_to_blocks.get(seq_id, ())
+        start = self._synced.get(seq_id, 0)
+        self._synced[seq_id] = len(table)
+        return start, [b.block_id for b in table[start:]]
+
+    def take_released(self) -> list[int]:
+        """Sequences whose tables are gone since the last call: the runner drops its copies."""
+        out, self._released = self._released, []
+        return out
+
+    def _forget_table(self, seq_id: int) -> None:
+        if self._synced.pop(seq_id, None) is not None:
+            self._released.append(seq_id)
 
     # ---- prefix cache ---------------------------------------------------------------------
 
@@ -199,6 +228,8 @@ class KVCacheManager:
             self.block_pool.touch(hits)
             table = list(hits)
             self.req_to_block_hashes[seq.seq_id] = hit_hashes
+        if cow and self._synced.get(seq.seq_id, 0) > cow[0]:
+            self._synced[seq.seq_id] = cow[0]  # the runner's copy is stale from there
         for i, new_block in zip(cow, self.block_pool.get_new_blocks(len(cow))):
             old_block = table[i]
             table[i] = new_block
@@ -245,6 +276,7 @@ class KVCacheManager:
         handed out again in the same step, and two copies into one block would race.
         """
         table = self.req_to_blocks.pop(seq.seq_id, None)
+        self._forget_table(seq.seq_id)
         self.req_to_block_hashes.pop(seq.seq_id, None)
         host_table = self.swapped_tables.pop(seq.seq_id, None)
         if host_table:
@@ -313,6 +345,7 @@ class KVCacheManager:
             for b in table:
                 host_refs[b.block_id] = host_refs.get(b.block_id, 0) + 1
             self.req_to_blocks.pop(seq.seq_id, None)
+            self._forget_table(seq.seq_id)
             self.block_pool.free_blocks(reversed(table))
         for block_id, n in host_refs.items():  # get_new_blocks gave each host block one ref
             self.host_pool.touch([to_host[block_id]] * (n - 1))

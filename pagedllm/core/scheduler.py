@@ -138,7 +138,11 @@ class ScheduledSequence:
     seq: Sequence
     token_ids: list[int]  # tokens fed this step, at positions start_pos .. start_pos+len-1
     start_pos: int  # seq.num_computed_tokens before this step
-    block_table: list[int]  # the seq's block ids after allocation (covers start_pos+len tokens)
+    # The runner's copy of the seq's block table becomes its first `blocks_from` ids followed
+    # by `new_block_ids` (KVCacheManager.take_table_delta): usually nothing or one new block;
+    # the whole table (from 0) when it is new to the runner. It then covers start_pos+len tokens.
+    blocks_from: int
+    new_block_ids: list[int]
     sample: bool  # the step reaches the last known token: sample one from the last row
     all_logits: bool = False  # set by the engine for prompt logprobs
     # The sequence's length (prompt + output so far) when scheduled: a length-dependent
@@ -155,6 +159,9 @@ class SchedulerOutput:
     # Done before the forward in this order: swap out, swap in, then the block copies.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    # Sequences whose tables are gone (finished, preempted, swapped out) since the previous
+    # step: the runner drops its copies of them, before it applies this step's deltas.
+    released_seq_ids: list[int] = field(default_factory=list)
 
     @property
     def has_cache_ops(self) -> bool:
@@ -380,17 +387,18 @@ class Scheduler:
             budget = self._admit_waiting(steps, budget)
 
         # 4. Emit, running ones first, then the swapped-in, then the newly admitted.
-        scheduled = [
-            ScheduledSequence(
+        scheduled = []
+        for seq, n in steps:
+            blocks_from, new_block_ids = kv.take_table_delta(seq.seq_id)
+            scheduled.append(ScheduledSequence(
                 seq=seq,
                 token_ids=seq.token_ids_slice(seq.num_computed_tokens, seq.num_computed_tokens + n),
                 start_pos=seq.num_computed_tokens,
-                block_table=kv.get_block_ids(seq.seq_id),
+                blocks_from=blocks_from,
+                new_block_ids=new_block_ids,
                 sample=seq.num_computed_tokens + n == seq.num_tokens,
                 seq_len=seq.num_tokens,
-            )
-            for seq, n in steps
-        ]
+            ))
         swap_out, swap_in = kv.take_pending_swaps()
         return SchedulerOutput(
             scheduled=scheduled,
@@ -399,6 +407,7 @@ class Scheduler:
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
+            released_seq_ids=kv.take_released(),
         )
 
     def _swap_in(self, steps: list[tuple[Sequence, int]], budget: int) -> int:

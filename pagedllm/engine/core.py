@@ -374,7 +374,9 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         self._watch_progress(sched_out)
         if not sched_out.scheduled:
-            if sched_out.has_cache_ops:  # e.g. a step that only swapped a group out
+            # e.g. a step that only swapped a group out, or only released tables: the
+            # runner's copies of the tables must see every release
+            if sched_out.has_cache_ops or sched_out.released_seq_ids:
                 self.executor.execute_model(sched_out)
             return EngineCoreOutputs(timestamp=time.time(), engine_index=self.engine_index)
         now = time.time()

@@ -34,7 +34,7 @@ import torch
 from pagedllm.distributed import cpu_binding, parallel_state
 from pagedllm.executor.base import Executor
 from pagedllm.executor.channel import Listener, free_port
-from pagedllm.executor.messages import BlockTableMirror, encode_step
+from pagedllm.executor.messages import encode_step
 from pagedllm.executor.worker_proc import AUTHKEY_ENV
 from pagedllm.worker.memory_sizing import MemoryProfile
 from pagedllm.worker.model_runner import ModelRunnerOutput
@@ -96,7 +96,6 @@ class MultiprocExecutor(Executor):
         self._procs: list[_Proc] = []
         self._failed: WorkerFailure | None = None
         self._closed = False
-        self._mirror = BlockTableMirror()
         self.driver = Worker(config, rank=0)
         t0 = time.perf_counter()
         self._listener = Listener(self._host())
@@ -217,7 +216,7 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
         self._check_alive()
-        self._broadcast(encode_step(scheduler_output, self._mirror))
+        self._broadcast(encode_step(scheduler_output))
         return self._guarded(self.driver.execute_model, scheduler_output)
 
     def profile_memory(self, num_tokens: int, num_seqs: int, max_model_len: int) -> MemoryProfile:

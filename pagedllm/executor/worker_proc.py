@@ -39,7 +39,7 @@ def _maybe_fault(rank: int, stage: str) -> None:
 
 def run_worker(conn: Connection, rank: int, config: Any, init_method: str, binding: Any) -> None:
     """Start-up stages (each reported to rank 0), then the step loop until "shutdown"."""
-    from pagedllm.executor.messages import BlockTableMirror, decode_step
+    from pagedllm.executor.messages import decode_step
     from pagedllm.worker.worker import Worker
 
     worker = Worker(config, rank)
@@ -50,7 +50,6 @@ def run_worker(conn: Connection, rank: int, config: Any, init_method: str, bindi
     _maybe_fault(rank, "load")
     worker.load_model()
     conn.send(("loaded", rank))
-    mirror = BlockTableMirror()
     first_step = True
     while True:
         msg = pickle.loads(conn.recv_bytes())
@@ -59,7 +58,7 @@ def run_worker(conn: Connection, rank: int, config: Any, init_method: str, bindi
             if first_step:
                 _maybe_fault(rank, "step")
                 first_step = False
-            worker.execute_model(decode_step(msg, mirror))
+            worker.execute_model(decode_step(msg))
         elif kind == "init_cache":
             worker.initialize_cache(*msg[1:])
             conn.send(("cache_ready", rank))

@@ -1,15 +1,12 @@
 """Persistent per-sequence block tables in the runner, as vLLM v1's `BlockTable`.
 
-One int64 row per sequence in a preallocated array (numpy, so that writing a few ids costs
-nanoseconds; `tensor` is a torch view of the same memory). Each step the runner hands
-`update(seq_id, block_ids)` the scheduler's table for every scheduled sequence; only ids past
-what the row already holds are written. A table that changed inside the part already written
-(copy-on-write of the last block, swap in, recompute after preemption) is detected by comparing
-with the row's copy (a C-speed list comparison) and the row is rewritten from there.
-
-Rows of sequences that were not scheduled in the current step are reused when the array is
-full; a reused sequence simply gets its table written again when it comes back. The step's
-tensors are then gathered with one indexing op (`rows`), not built row by row from lists.
+One int64 row per live sequence in a preallocated array (numpy, so that writing a few ids costs
+nanoseconds; `tensor` is a torch view of the same memory). The scheduler sends deltas only
+(`ScheduledSequence.blocks_from` / `new_block_ids`, from `KVCacheManager.take_table_delta`):
+`apply` writes those ids at their place, usually none or one; a table new to the runner comes
+whole (from 0). Rows live until the scheduler says the table is gone (`release`, from
+`SchedulerOutput.released_seq_ids`); the array grows when every row is taken. The step's
+tensors are gathered with one indexing op (`rows`), never built row by row from lists.
 """
 
 from __future__ import annotations
@@ -25,11 +22,8 @@ class BlockTable:
         self._ids = np.zeros((num_rows, max_blocks_per_seq), dtype=np.int64)
         self.tensor = torch.from_numpy(self._ids)
         self._row_of: dict[int, int] = {}  # seq_id -> row
-        self._seq_of: list[int | None] = [None] * num_rows
-        self._written: list[list[int]] = [[] for _ in range(num_rows)]  # ids held by each row
-        self._last_step = [-1] * num_rows
+        self._len = [0] * num_rows  # ids held by each row
         self._free = list(range(num_rows - 1, -1, -1))
-        self._step = 0
 
     @property
     def num_rows(self) -> int:
@@ -39,65 +33,60 @@ class BlockTable:
     def max_blocks_per_seq(self) -> int:
         return self._ids.shape[1]
 
-    def begin_step(self) -> None:
-        """Rows used from now on belong to this step and are not reused within it."""
-        self._step += 1
+    @property
+    def num_live(self) -> int:
+        return len(self._row_of)
 
-    def update(self, seq_id: int, block_ids: list[int]) -> int:
-        """Make `seq_id`'s row hold `block_ids`; returns the row."""
-        n = len(block_ids)
-        if n > self._ids.shape[1]:
-            self._widen(n)
+    def apply(self, seq_id: int, start: int, ids: list[int]) -> int:
+        """Make `seq_id`'s row its first `start` ids followed by `ids`; returns the row."""
         row = self._row_of.get(seq_id)
         if row is None:
+            if start != 0:
+                raise ValueError(f"sequence {seq_id}: a block table delta from {start} for a table "
+                                 "the runner does not hold (the scheduler and the runner disagree)")
             row = self._take_row(seq_id)
-        self._last_step[row] = self._step
-        written = self._written[row]
-        k = len(written)
-        if n >= k and block_ids[:k] == written:  # the usual case: nothing or a new block
-            if n > k:
-                self._ids[row, k:n] = block_ids[k:]
-                written.extend(block_ids[k:])
-        else:
-            self._ids[row, :n] = block_ids
-            if n < k:
-                self._ids[row, n:k] = 0  # padding stays 0, as AttentionMetadata says
-            self._written[row] = list(block_ids)
+        elif start > self._len[row]:
+            raise ValueError(f"sequence {seq_id}: a block table delta from {start}, but the runner "
+                             f"holds {self._len[row]} ids")
+        end = start + len(ids)
+        if end > self._ids.shape[1]:
+            self._resize(self._ids.shape[0], max(end, 2 * self._ids.shape[1]))
+        if ids:
+            self._ids[row, start:end] = ids
+        old = self._len[row]
+        if end < old:
+            self._ids[row, end:old] = 0  # padding stays 0, as AttentionMetadata says
+        self._len[row] = end
         return row
+
+    def num_blocks(self, row: int) -> int:
+        return self._len[row]
+
+    def ids(self, seq_id: int) -> list[int]:
+        """The table held for `seq_id` (tests compare it with the scheduler's view)."""
+        row = self._row_of.get(seq_id)
+        return [] if row is None else self._ids[row, : self._len[row]].tolist()
 
     def release(self, seq_id: int) -> None:
         row = self._row_of.pop(seq_id, None)
         if row is not None:
-            self._seq_of[row] = None
-            self._written[row] = []
+            self._ids[row, : self._len[row]] = 0
+            self._len[row] = 0
             self._free.append(row)
 
     def _take_row(self, seq_id: int) -> int:
         if not self._free:
-            idle = [r for r, step in enumerate(self._last_step) if step != self._step]
-            if idle:
-                for r in idle:
-                    old = self._seq_of[r]
-                    if old is not None:
-                        self.release(old)
-            else:
-                self._grow()
+            self._grow()
         row = self._free.pop()
         self._row_of[seq_id] = row
-        self._seq_of[row] = seq_id
-        self._written[row] = []
+        self._len[row] = 0
         return row
 
     def _grow(self) -> None:
         old = self._ids.shape[0]
         self._resize(2 * old, self._ids.shape[1])
-        self._seq_of += [None] * old
-        self._written += [[] for _ in range(old)]
-        self._last_step += [-1] * old
+        self._len += [0] * old
         self._free.extend(range(2 * old - 1, old - 1, -1))
-
-    def _widen(self, n: int) -> None:
-        self._resize(self._ids.shape[0], max(n, 2 * self._ids.shape[1]))
 
     def _resize(self, rows: int, width: int) -> None:
         # A new array: tensors handed out for earlier steps keep the old memory.

@@ -2,9 +2,11 @@
 
 Contract with the scheduler (duck-typed): `scheduler_output.scheduled` is a list of scheduled
 sequences with `.seq.seq_id`, `.token_ids` (run at positions `start_pos ..`), `.start_pos`,
-`.block_table` (covers every position up to `start_pos + len(token_ids) - 1`), `.sample` and
-`.all_logits`; `scheduler_output.block_copies` lists `(src, dst)` block copies to do first, after
-the optional `blocks_to_swap_out` (device, host) and `blocks_to_swap_in` (host, device) pairs.
+`.blocks_from` / `.new_block_ids` (the change to the runner's copy of its block table, which
+then covers every position up to `start_pos + len(token_ids) - 1`; worker/block_table.py),
+`.sample` and `.all_logits`; `scheduler_output.released_seq_ids` (tables to drop first, optional),
+`block_copies` lists `(src, dst)` block copies to do first, after the optional
+`blocks_to_swap_out` (device, host) and `blocks_to_swap_in` (host, device) pairs.
 
 Inside a step the runner orders the batch decodes first (sequences with exactly one query token),
 then the rest (prefills), as `AttentionMetadata` requires; outputs come back in scheduled order.
@@ -129,7 +131,6 @@ class ModelRunner:
         token_ids: list[int] = []
         lens, starts, ctx_lens, n_blocks_of, rows = [], [], [], [], []
         table = self.block_table
-        table.begin_step()
         for i in order:
             s = scheduled[i]
             token_ids.extend(s.token_ids)
@@ -137,16 +138,17 @@ class ModelRunner:
             n_blocks = -(-ctx // B)
             if q_lens[i] == 0:
                 raise ValueError(f"Sequence {s.seq.seq_id} is scheduled with no tokens")
-            if len(s.block_table) < n_blocks:
+            row = table.apply(s.seq.seq_id, s.blocks_from, s.new_block_ids)  # usually 0-1 ids
+            if table.num_blocks(row) < n_blocks:
                 raise ValueError(
-                    f"Sequence {s.seq.seq_id}: block table has {len(s.block_table)} blocks, "
+                    f"Sequence {s.seq.seq_id}: block table has {table.num_blocks(row)} blocks, "
                     f"{n_blocks} needed for {ctx} tokens"
                 )
             lens.append(q_lens[i])
             starts.append(s.start_pos)
             ctx_lens.append(ctx)
             n_blocks_of.append(n_blocks)
-            rows.append(table.update(s.seq.seq_id, s.block_table))  # writes only new ids
+            rows.append(row)
         max_blocks = max(n_blocks_of)
 
         # Vectorised positions and slot mapping: token t of (reordered) sequence j sits at
@@ -247,6 +249,8 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput | None:
+        for seq_id in getattr(scheduler_output, "released_seq_ids", ()):
+            self.block_table.release(seq_id)
         # Swaps before copies: a swap-out frees blocks a copy may fill; a copy may read a
         # block that was just swapped in.
         self.cache_engine.swap_out(list(getattr(scheduler_output, "blocks_to_swap_out", ())))
@@ -339,6 +343,8 @@ class _ProfileSequence:
     def token_ids(self) -> list[int]:
         return [0] * self.n
 
+    blocks_from: int = 0
+
     @property
-    def block_table(self) -> list[int]:
+    def new_block_ids(self) -> list[int]:
         return [0] * self.n_blocks

@@ -28,6 +28,13 @@ class FakeScheduledSequence:
     sample: bool = True
     all_logits: bool = False
 
+    # The whole table every step: a delta from 0, which the runner takes as a rewrite.
+    blocks_from = 0
+
+    @property
+    def new_block_ids(self) -> list[int]:
+        return self.block_table
+
 
 @dataclass
 class FakeSchedulerOutput:

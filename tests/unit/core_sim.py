@@ -8,6 +8,10 @@ beam of the request has its row (siblings wait for each other, as `BeamSearchReq
 then fork the beams chosen twice, drop the ones not chosen and append a token to the rest.
 After every step the block invariants of DESIGN.md are checked, and so is progress: a step
 with unfinished requests that schedules nothing and moves no block counts as idle.
+
+The store writes through the runner's own `BlockTable`, kept by the scheduler's deltas alone
+(`blocks_from` / `new_block_ids`, `released_seq_ids`), and every step checks it against the
+scheduler's view: a scheduled sequence's row equals its table, any other row its synced part.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Sequence, SequenceStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.worker.block_table import BlockTable
 
 SWAPPED = SequenceStatus.SWAPPED
 
@@ -29,6 +34,7 @@ class FakeStore:
         self.kv = kv
         self.dev: dict[int, int] = {}
         self.host: dict[int, int] = {}
+        self.tables = BlockTable(4, num_rows=2)  # the runner's copy, grown as it goes
 
     def execute(self, out: SchedulerOutput) -> None:
         B = self.kv.block_size
@@ -41,6 +47,12 @@ class FakeStore:
                     if src * B + off in snapshot:
                         dst_store[dst * B + off] = snapshot[src * B + off]
 
+        for seq_id in out.released_seq_ids:
+            self.tables.release(seq_id)
+        rows = {s.seq.seq_id: self.tables.apply(s.seq.seq_id, s.blocks_from, s.new_block_ids)
+                for s in out.scheduled}
+        for s in out.scheduled:  # the runner's table is the scheduler's
+            assert self.tables.ids(s.seq.seq_id) == self.kv.get_block_ids(s.seq.seq_id), s.seq.seq_id
         move(out.blocks_to_swap_out, self.dev, self.host)
         move(out.blocks_to_swap_in, self.host, self.dev)
         assert len({d for _, d in out.block_copies}) == len(out.block_copies)  # no race
@@ -48,12 +60,17 @@ class FakeStore:
         for s in out.scheduled:
             for i, tok in enumerate(s.token_ids):
                 pos = s.start_pos + i
-                block = self.kv.block_pool.blocks[s.block_table[pos // B]]
+                block_id = int(self.tables.tensor[rows[s.seq.seq_id], pos // B])
+                block = self.kv.block_pool.blocks[block_id]
                 assert block.ref_count == 1 and block.block_hash is None  # invariant 3
                 self.dev[block.block_id * B + pos % B] = tok
 
     def check(self, sched: Scheduler) -> None:
         B = self.kv.block_size
+        live = {s.seq_id for s in sched.all_unfinished()}
+        for seq_id, synced in self.kv._synced.items():  # rows kept between steps
+            assert seq_id in live, f"seq {seq_id}: a synced table after it finished"
+            assert self.tables.ids(seq_id)[:synced] == self.kv.get_block_ids(seq_id)[:synced]
         for s in sched.all_unfinished():
             if s.status == SWAPPED:
                 table, store = [b.block_id for b in self.kv.swapped_tables[s.seq_id]], self.host

@@ -1,5 +1,6 @@
-"""The runner's persistent block tables: only new ids are written, changed tables are rewritten,
-idle rows are reused, and the rows always equal the scheduler's lists."""
+"""The runner's persistent block tables: deltas write only their ids, a table sent from 0 is
+rewritten, rows live until released and the array grows, and the rows always equal the lists
+the deltas describe."""
 
 import random
 
@@ -12,59 +13,63 @@ def row_ids(bt: BlockTable, row: int, n: int) -> list[int]:
     return bt.tensor[row, :n].tolist()
 
 
-def test_append_only_writes_new_ids_and_rewrites_a_changed_table():
+def test_deltas_write_their_ids_and_a_table_from_0_is_rewritten():
     bt = BlockTable(max_blocks_per_seq=4, num_rows=2)
-    bt.begin_step()
-    r = bt.update(7, [3, 5])
-    assert row_ids(bt, r, 2) == [3, 5]
-    bt.begin_step()
-    assert bt.update(7, [3, 5, 9]) == r and row_ids(bt, r, 4) == [3, 5, 9, 0]
-    bt.begin_step()
-    bt.update(7, [3, 6, 9])  # copy-on-write replaced a block
+    r = bt.apply(7, 0, [3, 5])
+    assert row_ids(bt, r, 2) == [3, 5] and bt.num_blocks(r) == 2
+    assert bt.apply(7, 2, [9]) == r and row_ids(bt, r, 4) == [3, 5, 9, 0]
+    assert bt.apply(7, 3, []) == r and bt.ids(7) == [3, 5, 9]  # nothing new
+    bt.apply(7, 1, [6, 9])  # copy-on-write replaced block 1
     assert row_ids(bt, r, 4) == [3, 6, 9, 0]
-    bt.begin_step()
-    bt.update(7, [1])  # recomputed after preemption: a shorter, new table; the tail is zeroed
-    assert row_ids(bt, r, 4) == [1, 0, 0, 0]
-    bt.begin_step()
-    bt.update(7, list(range(10)))  # wider than the array: it widens
-    assert bt.max_blocks_per_seq >= 10 and row_ids(bt, r, 10) == list(range(10))
+    bt.apply(7, 0, [1])  # a shorter table from 0: the tail is zeroed
+    assert row_ids(bt, r, 4) == [1, 0, 0, 0] and bt.ids(7) == [1]
+    bt.apply(7, 1, list(range(9)))  # wider than the array: it widens
+    assert bt.max_blocks_per_seq >= 10 and bt.ids(7) == [1] + list(range(9))
 
 
-def test_rows_of_idle_sequences_are_reused_and_busy_ones_grow_the_array():
+def test_rows_live_until_released_and_the_array_grows():
     bt = BlockTable(max_blocks_per_seq=2, num_rows=2)
-    bt.begin_step()
-    a, b = bt.update(1, [1]), bt.update(2, [2])
-    c = bt.update(3, [3])  # all rows busy in this step: the array grows
-    assert len({a, b, c}) == 3 and bt.num_rows == 4
-    bt.begin_step()
-    rows = [bt.update(s, [s]) for s in (4, 5, 6)]  # 1 free row, then the idle rows of 1-3
-    assert len(set(rows)) == 3 and bt.num_rows == 4
-    assert [row_ids(bt, r, 1)[0] for r in rows] == [4, 5, 6]
-    bt.begin_step()
-    r1 = bt.update(1, [8, 9])  # seq 1 lost its row: written again in full
-    assert row_ids(bt, r1, 2) == [8, 9]
+    a, b, c = bt.apply(1, 0, [1]), bt.apply(2, 0, [2]), bt.apply(3, 0, [3])
+    assert len({a, b, c}) == 3 and bt.num_rows == 4 and bt.num_live == 3
+    bt.release(2)
+    assert bt.ids(2) == [] and bt.num_live == 2
+    d = bt.apply(4, 0, [4])  # takes the freed row, zeroed
+    assert d == b and bt.ids(4) == [4] and row_ids(bt, d, 2) == [4, 0]
+    assert bt.ids(1) == [1] and bt.ids(3) == [3]  # the others kept theirs
+    bt.release(99)  # unknown: nothing
 
 
-def test_random_tables_match_the_lists():
+def test_a_delta_for_a_table_the_runner_does_not_hold_is_refused():
+    bt = BlockTable(max_blocks_per_seq=2)
+    with pytest.raises(ValueError, match="does not hold"):
+        bt.apply(5, 2, [7])
+    bt.apply(5, 0, [1])
+    with pytest.raises(ValueError, match="holds 1 ids"):
+        bt.apply(5, 3, [7])
+
+
+def test_random_deltas_match_the_lists():
     rng = random.Random(0)
     bt = BlockTable(max_blocks_per_seq=3, num_rows=1)
     tables: dict[int, list[int]] = {}
-    for _ in range(300):
-        bt.begin_step()
-        seen = {}
-        for seq_id in rng.sample(range(12), rng.randint(1, 8)):
-            t = tables.setdefault(seq_id, [])
-            op = rng.random()
-            if op < 0.6:
-                t.extend(rng.randrange(1000) for _ in range(rng.randint(0, 2)))
-            elif op < 0.75 and t:
-                t[rng.randrange(len(t))] = rng.randrange(1000)
-            elif op < 0.85:
-                tables[seq_id] = t = [rng.randrange(1000) for _ in range(rng.randint(0, 5))]
-            seen[seq_id] = bt.update(seq_id, t)
-        assert len(set(seen.values())) == len(seen)
-        for seq_id, row in seen.items():
-            assert row_ids(bt, row, len(tables[seq_id])) == tables[seq_id]
+    for _ in range(400):
+        seq_id = rng.randrange(12)
+        t = tables.get(seq_id)
+        op = rng.random()
+        if t is None or op < 0.1:
+            tables[seq_id] = [rng.randrange(1000) for _ in range(rng.randint(0, 5))]
+            bt.apply(seq_id, 0, tables[seq_id])
+        elif op < 0.2:
+            bt.release(seq_id)
+            del tables[seq_id]
+        else:
+            start = rng.randint(0, len(t))
+            tail = [rng.randrange(1000) for _ in range(rng.randint(0, 2))]
+            tables[seq_id] = t[:start] + tail
+            bt.apply(seq_id, start, tail)
+        for sid, ids in tables.items():
+            assert bt.ids(sid) == ids
+        assert bt.num_live == len(tables)
 
 
 def test_bad_sizes_are_refused():

@@ -60,14 +60,14 @@ def test_token_budget_and_chunked_prefill():
     out = sched.schedule()  # a takes the whole budget
     assert plan(out) == [(0, 0, 32, False)] and out.num_batched_tokens == 32
     assert out.scheduled[0].token_ids == a.prompt_token_ids[:32]
-    assert out.scheduled[0].block_table == [0, 1]
+    assert kv.get_block_ids(out.scheduled[0].seq.seq_id) == [0, 1]
     assert sched.num_running == 1 and sched.num_waiting == 1
     finish_step(sched, out)
     assert a.num_computed_tokens == 32 and a.num_output_tokens == 0
 
     out = sched.schedule()  # rest of a, then all of b
     assert plan(out) == [(0, 32, 18, True), (1, 0, 10, True)]
-    assert [s.block_table for s in out.scheduled] == [[0, 1, 2, 3], [4]]
+    assert [kv.get_block_ids(s.seq.seq_id) for s in out.scheduled] == [[0, 1, 2, 3], [4]]
     assert out.num_batched_tokens == 28
     finish_step(sched, out)
 
@@ -145,7 +145,7 @@ def _fill_three(caching: bool):
     for s in (a, b, c):
         sched.add_sequence(s)
     out = sched.schedule()
-    assert [s.block_table for s in out.scheduled] == [[0], [1], [2]]
+    assert [kv.get_block_ids(s.seq.seq_id) for s in out.scheduled] == [[0], [1], [2]]
     finish_step(sched, out, token=70)
     return sched, kv, a, b, c
 
@@ -155,7 +155,7 @@ def test_preemption_by_recompute_of_most_recent_arrival():
     out = sched.schedule()
     # a needs a block: c (newest) is preempted; b then needs one: only b itself is left.
     assert out.preempted == [2, 1]
-    assert plan(out) == [(0, 4, 1, True)] and out.scheduled[0].block_table == [0, 2]
+    assert plan(out) == [(0, 4, 1, True)] and kv.get_block_ids(out.scheduled[0].seq.seq_id) == [0, 2]
     assert list(sched.waiting) == [b, c]  # older preempted first
     for s in (b, c):
         assert s.status == WAITING and s.num_computed_tokens == 0 and s.num_preemptions == 1
@@ -170,7 +170,7 @@ def test_preemption_by_recompute_of_most_recent_arrival():
     out = sched.schedule()  # b resumes as a prefill of prompt + output; c cannot fit too
     assert plan(out) == [(1, 0, 5, True)]
     assert out.scheduled[0].token_ids == b.prompt_token_ids + [70]
-    assert out.scheduled[0].block_table == [1, 2]  # LRU: a's blocks went back tail first
+    assert kv.get_block_ids(out.scheduled[0].seq.seq_id) == [1, 2]  # LRU: a's blocks went back tail first
     assert list(sched.waiting) == [c]
 
 
@@ -183,7 +183,7 @@ def test_resume_after_preemption_hits_its_own_cached_prefix():
     out = sched.schedule()
     # b's full prompt block 1 is still cached: only its sampled token is recomputed.
     assert plan(out) == [(1, 4, 1, True)]
-    assert out.scheduled[0].token_ids == [70] and out.scheduled[0].block_table == [1, 2]
+    assert out.scheduled[0].token_ids == [70] and kv.get_block_ids(out.scheduled[0].seq.seq_id) == [1, 2]
     assert b.num_computed_tokens == 4
 
 
@@ -257,7 +257,7 @@ def test_fork_shares_blocks_and_copies_on_write():
     out = sched.schedule()  # position 6 sits in shared block 1: parent and c1 copy it
     assert plan(out) == [(0, 6, 1, True), (2, 6, 1, True), (3, 6, 1, True), (1, 3, 1, True)]
     assert out.block_copies == [(1, 3), (1, 4)]
-    assert [s.block_table for s in out.scheduled] == [[0, 3], [0, 4], [0, 1], [2]]
+    assert [kv.get_block_ids(s.seq.seq_id) for s in out.scheduled] == [[0, 3], [0, 4], [0, 1], [2]]
     assert [s.token_ids for s in out.scheduled[:3]] == [[1], [2], [3]]
     finish_step(sched, out)
     assert sched.schedule().block_copies == []
@@ -345,7 +345,7 @@ def test_randomized_simulation_drains(seed):
         for s in out.scheduled:
             assert s.start_pos == s.seq.num_computed_tokens
             assert s.token_ids == s.seq.all_token_ids[s.start_pos : s.start_pos + len(s.token_ids)]
-            assert len(s.block_table) * B >= s.start_pos + len(s.token_ids)
+            assert len(kv.get_block_ids(s.seq.seq_id)) * B >= s.start_pos + len(s.token_ids)
             assert s.sample == (s.start_pos + len(s.token_ids) == s.seq.num_tokens)
         kv.check_invariants(sched.running + list(sched.waiting))
 
@@ -387,3 +387,45 @@ def test_randomized_simulation_drains(seed):
     assert all(b.ref_count == 0 for b in kv.block_pool.blocks)
     assert preemptions_seen == sched.num_preemptions
     kv.check_invariants([])
+
+
+def deltas(out: SchedulerOutput) -> list[tuple[int, int, list[int]]]:
+    """(seq_id, blocks_from, new_block_ids) per scheduled entry."""
+    return [(s.seq.seq_id, s.blocks_from, s.new_block_ids) for s in out.scheduled]
+
+
+def test_tables_travel_as_deltas_new_blocks_copy_on_write_and_releases():
+    sched, kv = make_scheduler(num_blocks=8, block_size=4)
+    new = Seqs()
+    parent, other = new(6, request_id="r"), new(3, request_id="x")
+    sched.add_sequence(parent)
+    sched.add_sequence(other)
+    out = sched.schedule()
+    assert deltas(out) == [(0, 0, [0, 1]), (1, 0, [2])]  # new to the runner: whole
+    finish_step(sched, out, token=1)
+    child = new(prompt=parent.prompt_token_ids, request_id="r", index=1, arrival=0.0)
+    child.append_token(2)
+    sched.fork_sequence(parent, child)
+    out = sched.schedule()  # both write into shared block 1: copies; other stays in block 2
+    assert out.block_copies == [(1, 3)]
+    assert deltas(out) == [(0, 1, [3]), (2, 0, [0, 1]), (1, 1, [])]
+    finish_step(sched, out)
+    out = sched.schedule()  # nothing changed: nothing travels; other's next block is new
+    assert deltas(out) == [(0, 2, []), (2, 2, []), (1, 1, [4])]
+    finish_step(sched, out)
+    assert sched.abort_request("r") == [parent, child]
+    out = sched.schedule()
+    assert out.released_seq_ids == [0, 2] and deltas(out) == [(1, 2, [])]
+    assert sched.schedule().released_seq_ids == []  # once
+
+
+def test_a_recomputed_sequence_is_released_and_sent_whole_again():
+    sched, kv, a, b, c = _fill_three(caching=False)
+    out = sched.schedule()  # c then b preempted (recompute): their tables go
+    assert out.preempted == [2, 1] and out.released_seq_ids == [2, 1]
+    assert deltas(out) == [(0, 1, [2])]
+    finish_step(sched, out)
+    sched.finish_sequence(a, SequenceStatus.FINISHED_STOPPED)
+    out = sched.schedule()
+    assert out.released_seq_ids == [0]
+    assert [(sid, start) for sid, start, _ in deltas(out)] == [(1, 0)]  # b, whole again

@@ -57,7 +57,7 @@ def test_same_prefix_arriving_together_waits_one_step_and_hits():
     finish_step(sched, out)
     out = sched.schedule()
     assert plan(out)[-1] == (b.seq_id, 12, 2)  # 12 tokens from the cache, 2 computed
-    assert out.scheduled[-1].block_table[:3] == out.scheduled[0].block_table[:3]
+    assert kv.get_block_ids(out.scheduled[-1].seq.seq_id)[:3] == kv.get_block_ids(out.scheduled[0].seq.seq_id)[:3]
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (14 + 5 + 14, 12)
     assert b.num_cached_tokens == 12 and a.num_cached_tokens == 0
 
@@ -182,7 +182,7 @@ def test_beam_style_fork_and_drop_frees_only_unshared_blocks():
     assert kv.num_free_blocks == 10 and kv.num_shared_blocks == 2
     out = sched.schedule()  # both write position 7 of shared block 2: root copies it first
     assert out.block_copies == [(2, 3)]
-    assert [s.block_table for s in out.scheduled] == [[0, 3], [0, 2]]
+    assert [kv.get_block_ids(s.seq.seq_id) for s in out.scheduled] == [[0, 3], [0, 2]]
     kv.check_invariants(sched.all_unfinished())
     sched.abort_request("beam")
     assert kv.num_free_blocks == 12 and kv.num_shared_blocks == 0

@@ -191,7 +191,7 @@ def test_group_is_swapped_and_swapped_come_back_first():
     assert out.preempted == [1, 2] and p.status == SWAPPED == c.status
     # Freed tail first: p's 3 (now free), then c's 4, then the shared 2 (last reference).
     assert [b.block_id for b in kv.block_pool.free_block_queue] == [4, 2]
-    assert [s.seq.seq_id for s in out.scheduled] == [0] and out.scheduled[0].block_table == [0, 1, 3]
+    assert [s.seq.seq_id for s in out.scheduled] == [0] and kv.get_block_ids(out.scheduled[0].seq.seq_id) == [0, 1, 3]
     assert out.blocks_to_swap_out == [(2, 0), (3, 1), (4, 2)] and out.blocks_to_swap_in == []
     assert host_refs(kv)[:3] == [2, 1, 1]
     assert sched.swapped == [[p, c]] and sched.num_swapped == 2 and sched.num_preemptions == 2
@@ -209,7 +209,7 @@ def test_group_is_swapped_and_swapped_come_back_first():
     out = sched.schedule()  # g comes back first, then `late` is admitted behind it
     assert out.blocks_to_swap_in == [(0, 4), (1, 2), (2, 3)] and out.preempted == []
     assert [s.seq.seq_id for s in out.scheduled] == [1, 2, 3]
-    assert [s.block_table for s in out.scheduled][:2] == [[4, 2], [4, 3]]
+    assert [kv.get_block_ids(s.seq.seq_id) for s in out.scheduled][:2] == [[4, 2], [4, 3]]
     assert p.status == RUNNING == c.status and kv.num_shared_blocks == 1
     kv.check_invariants(sched.all_unfinished())
 

@@ -1,5 +1,5 @@
-"""Tensor parallelism's pieces that need no process group: the step message and its block-table
-diffs, the CPU split, the vocabulary split, the start-up checks, and every weight format's shard
+"""Tensor parallelism's pieces that need no process group: the step message and the
+scheduler's block-table deltas it forwards, the CPU split, the vocabulary split, the start-up checks, and every weight format's shard
 cuts (a rank's layer, loaded from its cuts of the checkpoint tensors, computes exactly its part
 of the whole layer's output)."""
 
@@ -13,7 +13,7 @@ import torch
 
 from pagedllm.distributed.cpu_binding import rank_binding
 from pagedllm.distributed.sharding import column_shard, row_shard, vocab_shard
-from pagedllm.executor.messages import BlockTableMirror, decode_step, encode_step
+from pagedllm.executor.messages import decode_step, encode_step
 from pagedllm.executor.multiproc import check_tensor_parallel_devices
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.quantization.awq import AWQConfig
@@ -25,61 +25,60 @@ from tests.integration.model_fixtures import FakeScheduledSequence, FakeSchedule
 
 # ---- the step message ------------------------------------------------------------------------
 
-def _roundtrip(sched, tx, rx):
-    payload = encode_step(sched, tx)
-    return decode_step(pickle.loads(payload), rx), payload
+def _roundtrip(sched):
+    payload = encode_step(sched)
+    return decode_step(pickle.loads(payload)), payload
 
 
-def test_block_tables_travel_as_diffs_and_stay_equal():
-    tx, rx = BlockTableMirror(), BlockTableMirror()
-    table = [7, 3, 9]
-    step = FakeSchedulerOutput([FakeScheduledSequence(FakeSeq(5), [1, 2, 3], 0, table, sample=True)],
-                               block_copies=[(3, 11)])
-    out, _ = _roundtrip(step, tx, rx)
-    s = out.scheduled[0]
-    assert (s.seq.seq_id, s.token_ids, s.start_pos, s.block_table, s.sample, s.all_logits) == \
-        (5, [1, 2, 3], 0, [7, 3, 9], True, False)
-    assert out.block_copies == [(3, 11)] and out.blocks_to_swap_in == [] and out.blocks_to_swap_out == []
-    # a new block: only its id travels
-    assert tx.encode(5, [7, 3, 9, 4]) == (3, [4])
-    assert rx.decode(5, 3, [4]) == [7, 3, 9, 4]
-    # copy-on-write of the last block (a change inside the table): the whole table again
-    out, _ = _roundtrip(FakeSchedulerOutput([FakeScheduledSequence(FakeSeq(5), [8], 4, [7, 3, 9, 12], False, True)]),
-                        tx, rx)
-    assert out.scheduled[0].block_table == [7, 3, 9, 12] and out.scheduled[0].all_logits
-    # recompute after preemption: a shorter table
-    out, _ = _roundtrip(FakeSchedulerOutput([FakeScheduledSequence(FakeSeq(5), [8], 0, [2])]), tx, rx)
-    assert out.scheduled[0].block_table == [2]
-    assert tx.tables == rx.tables
+def test_the_step_message_forwards_the_schedulers_deltas():
+    """A real scheduler's steps (admission, a fork, copy-on-write, an abort) through the message
+    to a worker's BlockTable: its rows equal the scheduler's tables at every step."""
+    from pagedllm.core.kv_cache_manager import KVCacheManager
+    from pagedllm.core.request import Sequence
+    from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+    from pagedllm.worker.block_table import BlockTable
 
-
-def test_mirrors_forget_the_same_sequences():
-    tx, rx = BlockTableMirror(keep=4), BlockTableMirror(keep=4)
-    for seq_id in range(6):  # six sequences, one per step: past `keep`, absent ones are forgotten
-        _roundtrip(FakeSchedulerOutput([FakeScheduledSequence(FakeSeq(seq_id), [1], 0, [seq_id])]), tx, rx)
-    assert tx.tables == rx.tables and len(tx.tables) <= 5
-    # a forgotten sequence comes back: sent whole, decoded right
-    out, payload = _roundtrip(FakeSchedulerOutput([FakeScheduledSequence(FakeSeq(0), [1], 1, [0, 9])]), tx, rx)
-    assert out.scheduled[0].block_table == [0, 9]
-    with pytest.raises(RuntimeError, match="the ranks disagree"):
-        _disagree()
-
-
-def _disagree():
-    rx = BlockTableMirror()
-    rx.decode(1, 0, [4, 5, 6])
-    rx.decode(1, 2, [7])  # the sender believes the receiver holds 2 ids; it holds 3
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv)
+    worker = BlockTable(2, num_rows=1)
+    a = Sequence(seq_id=0, request_id="a", prompt_token_ids=list(range(10, 16)), arrival_time=0.0)
+    b = Sequence(seq_id=1, request_id="b", prompt_token_ids=list(range(50, 53)), arrival_time=1.0)
+    sched.add_sequence(a)
+    sched.add_sequence(b)
+    for step in range(8):
+        out = sched.schedule()
+        got, _ = _roundtrip(out)
+        assert got.released_seq_ids == out.released_seq_ids
+        for seq_id in got.released_seq_ids:
+            worker.release(seq_id)
+        for s in got.scheduled:
+            worker.apply(s.seq.seq_id, s.blocks_from, s.new_block_ids)
+            assert worker.ids(s.seq.seq_id) == kv.get_block_ids(s.seq.seq_id)
+        assert [(s.seq.seq_id, s.token_ids, s.start_pos, s.sample) for s in got.scheduled] == \
+            [(s.seq.seq_id, s.token_ids, s.start_pos, s.sample) for s in out.scheduled]
+        assert got.block_copies == out.block_copies
+        sched.update_after_step(out)
+        for s in out.scheduled:
+            if s.sample:
+                s.seq.append_token(7)
+        if step == 1:  # a fork: the child's first write copies the shared last block
+            child = Sequence(seq_id=2, request_id="a", prompt_token_ids=a.prompt_token_ids,
+                             arrival_time=0.0, index=1)
+            for t in a.output_token_ids:
+                child.append_token(t)
+            sched.fork_sequence(a, child)
+        if step == 4:
+            sched.abort_request("b")
+    assert worker.num_live == 2  # b released
 
 
 def test_a_decode_step_message_is_small():
-    """256 decoding sequences with 64-block tables: a few bytes per sequence, not the tables."""
-    tx = BlockTableMirror()
-    tables = {i: list(range(i * 64, i * 64 + 64)) for i in range(256)}
-    step = lambda: FakeSchedulerOutput([FakeScheduledSequence(FakeSeq(i), [5], 1000, tables[i])  # noqa: E731
-                                        for i in range(256)])
-    first = len(encode_step(step(), tx))
-    second = len(encode_step(step(), tx))
-    assert first > 64 * 256 * 2 and second < 24 * 256
+    """256 decoding sequences with 64-block tables: a few bytes per sequence, never the tables."""
+    step = FakeSchedulerOutput([FakeScheduledSequence(FakeSeq(i), [5], 1000, [])
+                                for i in range(256)])
+    for s in step.scheduled:  # steady decode: the runner holds all 64 ids, none is new
+        s.blocks_from = 64
+    assert len(encode_step(step)) < 24 * 256
 
 
 # ---- cores, vocabulary, start-up checks -------------------------------------------------------
