@@ -10,8 +10,13 @@ Per row, in this order:
      frequency (count in the output × penalty subtracted), presence (penalty subtracted once for
      every token present in the output);
   4. greedy rows (temperature < 1e-5) take the argmax of these logits; the others go on with
-  5. temperature, top-k, top-p, min-p, and sample from the softmax with the exponential race
+  5. temperature, min-p, top-k, top-p, and sample from the softmax with the exponential race
      `argmax(probs / q)`, `q ~ Exp(1)`, which draws exactly from `probs`.
+
+This is vLLM v1's documented order (vllm/v1/sample/sampler.py: allowed token ids, bad words,
+min_tokens and logit_bias, penalties, greedy, temperature, the argmax-invariant min-p, then
+top-k / top-p). One difference that changes no result: the bitmask, logit_bias and min_tokens
+commute (each adds to a row or sets -inf), so their order is free.
 
 Seeded rows draw their `q` from their own `torch.Generator`, so the token depends only on the
 seed, the number of steps so far and the row's logits, never on the other rows of the batch;
@@ -421,16 +426,17 @@ def random_sample(
     min_ps: torch.Tensor,
     generators: Sequence[torch.Generator | None],
 ) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then one draw per row (`generators[i]` for a seeded
-    row i, the default generator for the others). `logits` is modified."""
+    """Temperature, min-p, top-k, top-p (vLLM's order), then one draw per row
+    (`generators[i]` for a seeded row i, the default generator for the others). `logits` is
+    modified."""
     gens = generators
     logits.div_(temperatures.unsqueeze(1))
+    if bool((min_ps > 0.0).any()):
+        logits = apply_min_p(logits, min_ps)
     use_k = bool((top_ks > 0).any())
     use_p = bool((top_ps < 1.0).any())
     if use_k or use_p:
         logits = apply_top_k_top_p(logits, top_ks if use_k else None, top_ps if use_p else None)
-    if bool((min_ps > 0.0).any()):
-        logits = apply_min_p(logits, min_ps)
     probs = logits.softmax(dim=-1)
     q = torch.empty_like(probs)
     if any(g is None for g in gens):

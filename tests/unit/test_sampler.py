@@ -419,3 +419,23 @@ def test_argmax_rows_is_argmax_ties_infinities_and_nan_included(dtype):
     x[4, [0, 10]] = float("inf")
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     assert argmax_rows(x)[1].item() == 5
+
+
+def test_min_p_comes_before_top_p_as_in_vllm():
+    """p = (0.4, 0.3, 40 tokens of 0.0075). vLLM's order: min-p 0.1 drops the small ones, the
+    rest renormalised is (0.57, 0.43), top-p 0.5 keeps token 0 alone. The other order (top-p
+    first) would keep tokens 0 and 1."""
+    from pagedllm.layers.sampler import random_sample
+
+    probs = torch.tensor([0.4, 0.3] + [0.3 / 40] * 40)
+    logits = probs.log().repeat(200, 1)
+    gens = [torch.Generator().manual_seed(i) for i in range(200)]
+    ones = torch.ones(200)
+    sampled = random_sample(logits.clone(), ones, torch.zeros(200, dtype=torch.long),
+                            ones * 0.5, ones * 0.1, gens)
+    assert set(sampled.tolist()) == {0}
+    # each alone: min-p keeps 0 and 1, top-p keeps 0 and 1 as well
+    for top_p, min_p in ((1.0, 0.1), (0.5, 0.0)):
+        sampled = random_sample(logits.clone(), ones, torch.zeros(200, dtype=torch.long),
+                                ones * top_p, ones * min_p, gens)
+        assert set(sampled.tolist()) == {0, 1}
