@@ -293,3 +293,48 @@ def test_num_held_back_chars():
     assert num_held_back_chars("aab", ["ab", "aabx"]) == 3
     assert num_held_back_chars("", ["abc"]) == 0
     assert num_held_back_chars("xa", ["abc", "b"]) == 1
+
+
+def _metaspace_tokenizer():
+    """A SentencePiece-style fast tokenizer (Metaspace: the first token's leading space is
+    dropped by a lone decode), trained here on the held-out text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace(prepend_scheme="first")])
+    text = (Path(__file__).parents[2] / "pagedllm" / "data" / "heldout.txt").read_text()
+    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+    tok.train_from_iterator(text.splitlines(), trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<unk>", "<s>", "</s>", *bytes_]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+REPLIES = [("Hello", " world, again"), ("A", "B C"), ("", "leading text"),
+           ("x", " 😀 é 日本"), ("日", "本語 🇫🇷 and 👨‍👩‍👧‍👦")]
+
+
+@pytest.mark.parametrize("prompt,reply", REPLIES)
+def test_byte_fallback_tokenizers_keep_the_window_and_lose_no_character(prompt, reply):
+    """A SentencePiece-style tokenizer (Metaspace, byte fallback: characters spelled in byte
+    tokens): the Python window, since tokenizers' DecodeStream drops those characters; the
+    first output token is decoded in the prompt's context (its leading space kept)."""
+    fast = _metaspace_tokenizer()
+    p_ids = fast.encode(prompt, add_special_tokens=False)
+    out_ids = fast.encode(reply, add_special_tokens=False)
+    detok = IncrementalDetokenizer(fast, p_ids)
+    assert detok._stream is None
+    pieces = [detok.add_token(t) for t in out_ids]
+    expected = fast.decode(p_ids + out_ids)[len(fast.decode(p_ids)):]
+    assert detok.text == "".join(pieces) == expected
+
+
+@pytest.mark.parametrize("prompt,reply", REPLIES)
+def test_byte_level_tokenizers_stream_decode_like_a_full_decode(tok, prompt, reply):
+    p_ids = tok.encode(prompt, add_special_tokens=False)
+    out_ids = tok.encode(reply, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, p_ids)
+    assert detok._stream is not None  # SmolLM2: byte-level BPE
+    pieces = [detok.add_token(t) for t in out_ids]
+    assert detok.text == "".join(pieces) == tok.decode(out_ids, skip_special_tokens=True)
