@@ -43,6 +43,9 @@ class SeqState:
     # structured outputs: this sample's xgrammar GrammarMatcher (each sample its own), advanced
     # by every accepted token; dropped when the sequence finishes
     matcher: Any = None
+    # penalties: the output token counts and prompt token set, kept across steps
+    # (layers/sampler.PenaltyCounts); made at the first step that needs them
+    penalty_counts: Any = None
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.core.request import Sequence, SequenceStatus
-from pagedllm.layers.sampler import SamplerOutput, SamplingMetadata, SamplingRow
+from pagedllm.layers.sampler import PenaltyCounts, SamplerOutput, SamplingMetadata, SamplingRow
 from pagedllm.engine.core_messages import PromptLogprobEntry, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -40,12 +40,18 @@ class SequenceUpdater:
         sampling_rows = []
         blocked_eos = min(self.eos_token_ids) if self.eos_token_ids else None
         for state, seq in rows:
+            st = seq.data["state"]
+            p = state.params
+            if st.penalty_counts is None and (p.presence_penalty or p.frequency_penalty
+                                              or p.repetition_penalty != 1.0):
+                st.penalty_counts = PenaltyCounts()
             sampling_rows.append(
                 SamplingRow(
-                    params=state.params,
+                    params=p,
                     prompt_token_ids=seq.prompt_token_ids,
                     output_token_ids=seq.output_token_ids,
-                    generator=seq.data["state"].generator,
+                    generator=st.generator,
+                    penalty_counts=st.penalty_counts,
                 )
             )
             # min_tokens must block every EOS id of the model, not only the first.

@@ -68,6 +68,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None
+    penalty_counts: PenaltyCounts | None = None  # the sequence's own, kept across steps
 
 
 @dataclass
@@ -98,6 +99,8 @@ class SamplingMetadata:
     # for the K rows `bitmask_rows` of the batch; None: no row is constrained.
     token_bitmask: torch.Tensor | None = None
     bitmask_rows: list[int] | None = None
+    # Per row, the sequence's kept penalty statistics (None: counted from the lists this step).
+    penalty_counts: list[PenaltyCounts | None] | None = None
 
     @property
     def no_top_k_top_p_min_p(self) -> bool:
@@ -154,6 +157,7 @@ class SamplingMetadata:
             prompt_token_ids=[r.prompt_token_ids for r in rows],
             output_token_ids=[r.output_token_ids for r in rows],
             generators=[r.generator for r in rows],
+            penalty_counts=[r.penalty_counts for r in rows],
             num_logprobs=[r.params.logprobs for r in rows],
             logit_bias=[r.params.logit_bias or None for r in rows],
             min_tokens_mask=min_tokens_mask,
@@ -330,23 +334,42 @@ def apply_min_tokens_mask(logits: torch.Tensor, masks: list[set[int] | None]) ->
         logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = _NEG_INF
 
 
-def _token_counts(
-    token_lists: list[Sequence[int]], vocab_size: int, device: torch.device
-) -> torch.Tensor:
-    """[len(token_lists), vocab_size] occurrence counts (ids outside the vocabulary ignored)."""
-    n = len(token_lists)
-    max_len = max((len(t) for t in token_lists), default=0)
-    counts = torch.zeros(n, vocab_size + 1, dtype=torch.float32, device=device)
-    if max_len == 0:
-        return counts[:, :vocab_size]
-    padded = torch.full((n, max_len), vocab_size, dtype=torch.int64)
-    for i, toks in enumerate(token_lists):
-        if toks:
-            padded[i, : len(toks)] = torch.as_tensor(list(toks), dtype=torch.int64)
-    padded.masked_fill_((padded < 0) | (padded > vocab_size), vocab_size)
-    padded = padded.to(device)
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
-    return counts[:, :vocab_size]
+class PenaltyCounts:
+    """One sequence's token statistics for the penalties, kept across steps: each step adds
+    only the output tokens that are new since the previous one (one `index_add_`, usually of a
+    single token), and the prompt's token set is computed once. Rebuilding both from the token
+    lists every step cost O(length) a row a step. Ids outside the vocabulary are ignored."""
+
+    def __init__(self) -> None:
+        self.output_counts: torch.Tensor | None = None  # [V] float32
+        self.prompt_mask: torch.Tensor | None = None  # [V] bool
+        self.counted = 0  # output tokens already in output_counts
+
+    def update(self, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+               vocab_size: int, device: torch.device, need_prompt: bool
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        counts = self.output_counts
+        if (counts is None or counts.shape[0] != vocab_size or counts.device != device
+                or len(output_token_ids) < self.counted):
+            counts = self.output_counts = torch.zeros(vocab_size, dtype=torch.float32,
+                                                      device=device)
+            self.counted = 0
+            self.prompt_mask = None
+        if len(output_token_ids) > self.counted:
+            new = _in_vocab(output_token_ids[self.counted:], vocab_size, device)
+            counts.index_add_(0, new, torch.ones(new.shape[0], dtype=torch.float32,
+                                                 device=device))
+            self.counted = len(output_token_ids)
+        if need_prompt and self.prompt_mask is None:
+            mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            mask[_in_vocab(prompt_token_ids, vocab_size, device)] = True
+            self.prompt_mask = mask
+        return counts, self.prompt_mask
+
+
+def _in_vocab(ids: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+    t = torch.as_tensor(list(ids), dtype=torch.int64)
+    return t[(t >= 0) & (t < vocab_size)].to(device)
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
@@ -362,13 +385,20 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
         return
     vocab_size = logits.shape[1]
     sub = logits.index_select(0, idx)
-    out_counts = _token_counts([md.output_token_ids[i] for i in idx_list], vocab_size, sub.device)
-    out_mask = out_counts > 0
     rep = md.repetition_penalties.index_select(0, idx)
-    if bool((rep != 1.0).any()):
-        prompt_mask = (
-            _token_counts([md.prompt_token_ids[i] for i in idx_list], vocab_size, sub.device) > 0
-        )
+    need_prompt = bool((rep != 1.0).any())
+    states = md.penalty_counts or [None] * len(md.output_token_ids)
+    counts, prompts = [], []
+    for i in idx_list:
+        state = states[i] if states[i] is not None else PenaltyCounts()  # kept or one-off
+        c, m = state.update(md.prompt_token_ids[i], md.output_token_ids[i], vocab_size,
+                            sub.device, need_prompt)
+        counts.append(c)
+        prompts.append(m)
+    out_counts = torch.stack(counts)
+    out_mask = out_counts > 0
+    if need_prompt:
+        prompt_mask = torch.stack(prompts)
         factor = torch.where(prompt_mask | out_mask, rep.unsqueeze(1), 1.0)
         sub = torch.where(sub > 0, sub / factor, sub * factor)
     sub -= md.frequency_penalties.index_select(0, idx).unsqueeze(1) * out_counts

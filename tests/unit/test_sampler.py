@@ -439,3 +439,31 @@ def test_min_p_comes_before_top_p_as_in_vllm():
         sampled = random_sample(logits.clone(), ones, torch.zeros(200, dtype=torch.long),
                                 ones * top_p, ones * min_p, gens)
         assert set(sampled.tolist()) == {0, 1}
+
+
+def test_kept_penalty_counts_equal_counts_rebuilt_every_step():
+    """A sequence's PenaltyCounts, updated with each step's new tokens, give the same logits
+    as counting its whole lists again, step after step (ids outside the vocabulary ignored,
+    a shorter output list, as after a reset, starts the counts over)."""
+    from pagedllm.layers.sampler import PenaltyCounts
+
+    rng = torch.Generator().manual_seed(3)
+    V = 50
+    params = SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.3,
+                            repetition_penalty=1.2)
+    prompt = [1, 2, 2, 49, 60, -1]
+    outputs: list[int] = []
+    kept = PenaltyCounts()
+    for step in range(40):
+        outputs.extend(torch.randint(0, V + 5, (step % 3,), generator=rng).tolist())
+        if step == 25:
+            outputs = outputs[:3]
+        logits = torch.randn(1, V, generator=rng)
+        with_kept = SamplingMetadata.build([SamplingRow(params, prompt, list(outputs),
+                                                        penalty_counts=kept)])
+        rebuilt = SamplingMetadata.build([SamplingRow(params, prompt, list(outputs))])
+        a, b = logits.clone(), logits.clone()
+        apply_penalties(a, with_kept)
+        apply_penalties(b, rebuilt)
+        assert torch.equal(a, b), step
+    assert kept.counted == len(outputs)
