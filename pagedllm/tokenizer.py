@@ -331,9 +331,10 @@ def _convert_tokens_to_string_with_added_encoders(
     return (" " if spaces_between_special_tokens else "").join(sub_texts)
 
 
-def _decode_stream_backend(tokenizer) -> Any | None:
+def decode_stream_backend(tokenizer) -> Any | None:
     """The `tokenizers.Tokenizer` to stream-decode with, or None (slow tokenizer, or a decoder
-    with byte fallback). Decided once per tokenizer: the check serializes it."""
+    with byte fallback). Decided once per tokenizer (the check serializes it: 42 ms for
+    SmolLM2's); `OutputProcessor` asks at start-up, not at a request's first token."""
     cached = getattr(tokenizer, "_pagedllm_decode_stream", False)
     if cached is not False:
         return cached
@@ -389,7 +390,7 @@ class IncrementalDetokenizer:
         self.text = ""
         n = INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET
         tail = list(prompt_token_ids[-n - 2 :])
-        backend = _decode_stream_backend(tokenizer)
+        backend = decode_stream_backend(tokenizer)
         self._stream = None
         if backend is not None:
             from tokenizers.decoders import DecodeStream

@@ -32,7 +32,12 @@ from pagedllm.outputs import (
     make_logprob_dict,
 )
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
-from pagedllm.tokenizer import IncrementalDetokenizer, check_stop_strings, num_held_back_chars
+from pagedllm.tokenizer import (
+    IncrementalDetokenizer,
+    check_stop_strings,
+    decode_stream_backend,
+    num_held_back_chars,
+)
 
 
 @dataclass
@@ -96,6 +101,8 @@ class ProcessedOutputs:
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        if tokenizer is not None:
+            decode_stream_backend(tokenizer)  # decided now, not at a request's first token
         self.requests: dict[str, RequestOutputState] = {}
         self._decoded: dict[int, str] = {}
 
