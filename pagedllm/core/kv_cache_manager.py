@@ -203,6 +203,12 @@ class KVCacheManager:
         """
         hits = new_computed_blocks or []
         table = self.req_to_blocks.get(seq.seq_id, [])
+        if table and not hits:  # the common decode step: the table covers it, nothing shared
+            B = self.block_size
+            first = seq.num_computed_tokens // B
+            needed = -(-(seq.num_computed_tokens + num_new_tokens) // B)
+            if needed <= len(table) and all(b.ref_count == 1 for b in table[first:needed]):
+                return True
         if hits and table:
             raise ValueError(f"seq {seq.seq_id}: prefix hits given for a non-empty block table")
         hit_hashes = self._check_hits(seq, hits)
