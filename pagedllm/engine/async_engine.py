@@ -293,9 +293,15 @@ class AsyncLLMEngine:
 
     def health_problem(self) -> str | None:
         """Why /health should answer 503, or None."""
-        if self.dead_engines:
-            dead = ", ".join(f"{i} ({why})" for i, why in sorted(self.dead_engines.items()))
-            return f"Engine core(s) died: {dead}; restart the server."
+        dead = dict(self.dead_engines)
+        if not self._stopping:
+            for client in self.clients:  # a death the loop has not been told of yet
+                how = getattr(client, "ended_how", None)
+                if how is not None and not client.alive:
+                    dead.setdefault(client.engine_index, how)
+        if dead:
+            listed = ", ".join(f"{i} ({why})" for i, why in sorted(dead.items()))
+            return f"Engine core(s) died: {listed}; restart the server."
         if not self.is_running:
             return "The engine is not running."
         if self.health_error is not None:

@@ -117,6 +117,7 @@ class InprocCoreClient:
         self._busy: CoreBusyLoop | None = None
         self._thread: threading.Thread | None = None
         self.alive = False
+        self.ended_how: str | None = None  # why the engine thread died, once it has
 
     def start(self, loop: asyncio.AbstractEventLoop, on_outputs: OnOutputs,
               on_death: OnDeath) -> None:
@@ -129,6 +130,7 @@ class InprocCoreClient:
                 self._busy.run()
             except BaseException as exc:
                 logger.exception("The engine thread died")
+                self.ended_how = repr(exc)
                 self.alive = False
                 self._delivery.call(on_death, self.engine_index, repr(exc))
             finally:
@@ -225,6 +227,7 @@ class MPCoreClient:
         self._core_ended = threading.Event()  # set by the watcher: the reader drains, then stops
         self._closed = False
         self.alive = False
+        self.ended_how: str | None = None  # why the core died, once it has
         return ready_sock
 
     def _start(self, ready_sock: zmq.Socket, launch: Callable[[], None], timeout: float) -> None:
@@ -317,14 +320,16 @@ class MPCoreClient:
         error sends that error (each request's 503 names it) and exits, and its exit must not
         overtake the message. The reader drains the socket until it is quiet, then stops; the
         loop runs what both scheduled in order."""
+        if self._reader_failed:
+            how = f"{self._reader_failed}; {how}"
+        if not self._stopping:
+            self.ended_how = how  # /health names the death while the reader drains
         self.alive = False
         self._core_ended.set()
         if self._reader is not None:
             self._reader.join(DRAIN_TIMEOUT_S)
         if self._stopping:
             return
-        if self._reader_failed:
-            how = f"{self._reader_failed}; {how}"
         logger.error("%s died: %s", who, how)
         self._delivery.call(on_death, self.engine_index, how)
 

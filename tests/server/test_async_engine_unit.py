@@ -493,3 +493,40 @@ def test_failed_requests_count_as_finished_with_reason_error(tokenizer):
             await engine.shutdown()
 
     run(main())
+
+
+def test_health_names_a_dead_core_while_its_last_outputs_drain():
+    """A core process that ends is reported dead only after its reader drained the socket
+    (up to DRAIN_TIMEOUT_S). In that window /health used to answer "The engine is not
+    running." — the client was no longer alive but the loop had not been told — so a
+    supervisor could not tell a crash from a shutdown. It names the death at once."""
+    from types import SimpleNamespace
+
+    from pagedllm.engine.core_client import MPCoreClient
+
+    delivered: list[tuple] = []
+    draining = threading.Event()
+    client = object.__new__(MPCoreClient)  # the death path only, no process or sockets
+    client.engine_index = 0
+    client.alive = True
+    client.ended_how = None
+    client._stopping = False
+    client._reader_failed = None
+    client._core_ended = threading.Event()
+    client._reader = threading.Thread(target=draining.wait, args=(10,), daemon=True)
+    client._reader.start()
+    client._delivery = SimpleNamespace(call=lambda fn, *args: delivered.append(args))
+    watcher = threading.Thread(target=client._report_end,
+                               args=(None, "Engine core 0 (pid 1)", "killed by signal 9"))
+    watcher.start()
+    deadline = time.monotonic() + 5
+    while client.alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+    front = SimpleNamespace(dead_engines={}, _stopping=False, clients=[client],
+                            is_running=False, health_error=None)
+    problem = AsyncLLMEngine.health_problem(front)
+    assert not delivered  # still draining: the loop has not heard of the death
+    assert problem is not None and "died" in problem and "killed by signal 9" in problem
+    draining.set()
+    watcher.join(5)
+    assert delivered == [(0, "killed by signal 9")]
