@@ -63,8 +63,9 @@ class Sequence:
     num_preemptions: int = 0
     # Prompt tokens found in the prefix cache at first admission (None until admitted).
     num_cached_tokens: int | None = None
-    # Engine-side state (sampling and detokenization); opaque to core/.
-    data: dict[str, Any] = field(default_factory=dict)
+    # Structured outputs: this sample's grammar matcher (xgrammar's, each sample its own),
+    # advanced by every accepted token, dropped when it finishes. Engine-side; opaque to core/.
+    grammar: Any = None
 
     @property
     def prompt_len(self) -> int:

@@ -162,6 +162,9 @@ class SchedulerOutput:
     # Sequences whose tables are gone (finished, preempted, swapped out) since the previous
     # step: the runner drops its copies of them, before it applies this step's deltas.
     released_seq_ids: list[int] = field(default_factory=list)
+    # Sequences that left for good (finished, aborted) since the previous step: the runner
+    # drops their sampling rows (a preempted sequence keeps its row: it comes back).
+    finished_seq_ids: list[int] = field(default_factory=list)
 
     @property
     def has_cache_ops(self) -> bool:
@@ -186,6 +189,7 @@ class Scheduler:
         # Unfinished sequences of each request, and the order requests were first seen in
         # (keeps a request's sequences together in `running` when arrival times tie).
         self._requests: dict[str, list[Sequence]] = {}
+        self._finished_ids: list[int] = []  # since the last schedule(): finished_seq_ids
         self._request_order: dict[str, int] = {}
         self._next_request_order = 0
         # Requests whose sequences advance together (beam search: a beam waits until all its
@@ -408,7 +412,12 @@ class Scheduler:
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
             released_seq_ids=kv.take_released(),
+            finished_seq_ids=self._take_finished(),
         )
+
+    def _take_finished(self) -> list[int]:
+        out, self._finished_ids = self._finished_ids, []
+        return out
 
     def _swap_in(self, steps: list[tuple[Sequence, int]], budget: int) -> int:
         """Bring back swapped groups, oldest first, while their blocks and seats fit.
@@ -568,6 +577,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = status
+        self._finished_ids.append(seq.seq_id)
         self.kv_cache_manager.free(seq)
         seqs = self._requests.get(seq.request_id)
         if seqs is not None:

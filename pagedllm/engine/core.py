@@ -1,8 +1,8 @@
 """EngineCore: the scheduler, the KV cache manager, the model runner and the sampler.
 
 Token ids in (`EngineCoreRequest`), token deltas out (`EngineCoreOutputs`, one per step):
-schedule (core/scheduler) -> execute (worker/model_runner) -> sample (layers/sampler) ->
-update (append tokens, check EOS / stop ids / lengths, free finished sequences). It never
+schedule (core/scheduler) -> execute and sample (worker/model_runner, on its persistent batch)
+-> update (append tokens, check EOS / stop ids / lengths, free finished sequences). It never
 tokenizes or detokenizes: text is the front end's (`engine/output_processor.py`), which also
 checks stop strings and tells the core which samples they ended (`finish_samples`).
 
@@ -38,7 +38,7 @@ from pagedllm.engine.core_messages import (
 from pagedllm.engine.errors import STALL_STEPS, EngineFatalError, SchedulerStallError
 from pagedllm.engine.input_processing import InputProcessor
 from pagedllm.engine.kv_stats import KVCacheStats, KVCacheStatsTracker
-from pagedllm.engine.request_state import RequestState, SeqState, sample_seed
+from pagedllm.engine.request_state import RequestState
 from pagedllm.engine.sequence_update import SequenceUpdater
 from pagedllm.kernels.status import log_kernel_status
 from pagedllm.layers.kv_cache_format import resolve_kv_cache_dtype
@@ -50,6 +50,7 @@ from pagedllm.model_source import ModelSource, load_hf_config, resolve_model_sou
 from pagedllm.tokenizer import load_tokenizer
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.device import resolve_device, resolve_dtype
+from pagedllm.worker.input_batch import SamplingRowSpec
 from pagedllm.worker.memory_sizing import MemoryProfile, size_kv_cache
 
 logger = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ class EngineCore:
         self.model_runner = self.executor.model_runner  # rank 0's
         if self.model_runner.decode_graphs is not None:
             self.model_runner.decode_graphs.request_all()  # in the background, smallest first
-        self.sampler = Sampler()
+        self.sampler = Sampler()  # prompt logprobs (the runner samples the tokens)
         self.eos_token_ids = self._eos_token_ids()
         # The core validates again what the front end validated (a request from another
         # process is not trusted); it needs no tokenizer for token ids.
@@ -127,6 +128,8 @@ class EngineCore:
             compile_timeout_s=config.structured_outputs_timeout)
         self.requests: dict[str, RequestState] = {}
         self._seq_counter = itertools.count()
+        # Sampling rows the runner has not been given yet (each sequence's, once).
+        self._new_rows: list[SamplingRowSpec] = []
         self._idle_steps = 0  # the watchdog's count (see `stall_steps`)
         self._kv_stats = KVCacheStatsTracker(self.num_blocks, self.block_size)
         # Tokens fed per step until stats() hands them on; bounded: the offline engine never
@@ -285,7 +288,7 @@ class EngineCore:
             stop_ids = self.eos_token_ids | set(params.stop_token_ids)
             state.beam = BeamSearchRequest(BeamSearch(beam_params, stop_ids), running=[seq])
         else:
-            seq = self._new_sequence(state, index=0, cache_salt=request.cache_salt)
+            seq = self._new_sequence(state, cache_salt=request.cache_salt)
         if params.prompt_logprobs is not None:
             seq.skip_prefix_cache = True
         state.seqs.append(seq)
@@ -300,17 +303,15 @@ class EngineCore:
     def _new_beam_sequence(
         self, state: RequestState, cache_salt: str | None, output_token_ids: list[int]
     ) -> Sequence:
-        """A beam: no sampler state (beam search chooses its tokens itself)."""
-        seq = self._make_sequence(state, 0, cache_salt, output_token_ids)
-        seq.data["state"] = None
-        return seq
+        """A beam: no sampling row (beam search chooses its tokens itself)."""
+        return self._make_sequence(state, 0, cache_salt, output_token_ids)
 
     def _make_sequence(
         self, state: RequestState, index: int, cache_salt: str | None,
-        output_token_ids: list[int] = (),
+        output_token_ids: list[int] = (), seq_id: int | None = None,
     ) -> Sequence:
         return Sequence(
-            seq_id=next(self._seq_counter),
+            seq_id=next(self._seq_counter) if seq_id is None else seq_id,
             request_id=state.request_id,
             prompt_token_ids=state.prompt_token_ids,
             arrival_time=state.arrival_time,
@@ -320,16 +321,18 @@ class EngineCore:
             output_token_ids=list(output_token_ids),
         )
 
-    def _new_sequence(self, state: RequestState, index: int, cache_salt: str | None) -> Sequence:
+    def _new_sequence(self, state: RequestState, cache_salt: str | None) -> Sequence:
+        """Sample 0 of a sampled request; its row goes to the runner with the next step, with
+        the seq ids its n > 1 forks will have."""
         params = state.params
-        seq = self._make_sequence(state, index, cache_salt)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device="cpu")
-            generator.manual_seed(sample_seed(params.seed, index))
-        seq.data["state"] = SeqState(generator=generator,
-                                     wants_logprobs=params.logprobs is not None,
-                                     matcher=state.constraint.new_matcher() if state.constraint else None)
+        seq = self._make_sequence(state, 0, cache_salt)
+        seq.grammar = state.constraint.new_matcher() if state.constraint else None
+        state.fork_seq_ids = [next(self._seq_counter) for _ in range(1, params.n)]
+        blocked = frozenset(params.stop_token_ids) | params.all_stop_token_ids | self.eos_token_ids
+        self._new_rows.append(SamplingRowSpec(
+            seq.seq_id, params, 0, state.prompt_token_ids,
+            min_tokens_blocked=blocked if params.min_tokens else frozenset(),
+            fork_seq_ids=list(state.fork_seq_ids)))
         return seq
 
     def abort_requests(self, request_ids: str | Iterable[str]) -> None:
@@ -342,8 +345,7 @@ class EngineCore:
             for seq in state.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish_sequence(seq, SequenceStatus.FINISHED_ABORTED)
-                if isinstance(seq.data.get("state"), SeqState):
-                    seq.data["state"].matcher = None  # frees the grammar state now
+                seq.grammar = None  # frees the grammar state now
         self._observe_kv_usage()  # kv_cache_stats() shows the freed blocks at once
 
     def finish_samples(self, samples: Iterable[tuple[str, int]]) -> None:
@@ -356,7 +358,7 @@ class EngineCore:
             for seq in state.seqs:
                 if seq.index == index and not seq.is_finished:
                     self.scheduler.finish_sequence(seq, SequenceStatus.FINISHED_STOPPED)
-                    seq.data["state"].reported = True
+                    seq.grammar = None
             if state.finished:
                 del self.requests[rid]
         self._observe_kv_usage()
@@ -376,8 +378,8 @@ class EngineCore:
         if not sched_out.scheduled:
             # e.g. a step that only swapped a group out, or only released tables: the
             # runner's copies of the tables must see every release
-            if sched_out.has_cache_ops or sched_out.released_seq_ids:
-                self.executor.execute_model(sched_out)
+            if sched_out.has_cache_ops or sched_out.released_seq_ids or sched_out.finished_seq_ids:
+                self.executor.execute_model(self._with_new_rows(sched_out))
             return EngineCoreOutputs(timestamp=time.time(), engine_index=self.engine_index)
         now = time.time()
         outputs: dict[str, EngineCoreOutput] = {}
@@ -392,14 +394,13 @@ class EngineCore:
                 )
             item.all_logits = state.num_prompt_logprobs is not None and not state.prompt_logprobs_done
         # The token masks depend only on tokens already accepted: filled while the forward runs.
-        pending_masks = self.structured.submit_masks(self._mask_entries(sched_out))
-        runner_out = self.executor.execute_model(sched_out)
+        sched_out.token_masks = self.structured.submit_masks(self._mask_entries(sched_out))
+        runner_out = self.executor.execute_model(self._with_new_rows(sched_out))
         self._num_steps += 1
         self._step_tokens.append(sched_out.num_batched_tokens)
         self.scheduler.update_after_step(sched_out)
         self._observe_kv_usage()
-        masks = pending_masks.result() if pending_masks is not None else None
-        self._process_outputs(sched_out, runner_out, outputs, masks)
+        self._process_outputs(sched_out, runner_out, outputs)
         self._observe_kv_usage()  # finished sequences gave their blocks back
         # Every entry carries something: a first scheduling (cache hits, queue time), tokens,
         # prompt logprobs, or a finished beam search.
@@ -436,30 +437,33 @@ class EngineCore:
             out = outputs[rid] = EngineCoreOutput(rid, [])
         return out
 
+    def _with_new_rows(self, sched_out: SchedulerOutput) -> SchedulerOutput:
+        """The step, with the sampling rows of the sequences added since the last one."""
+        sched_out.new_sampling_rows, self._new_rows = self._new_rows, []
+        return sched_out
+
     def _mask_entries(self, sched_out: SchedulerOutput) -> list:
-        """(sampling index, constraint, matcher, output ids) of the constrained items that
-        sample this step (the index counts every sampling item, as `_process_outputs` does)."""
+        """(seq id, constraint, matcher, output ids) of the constrained sequences that sample
+        this step: the runner's sampler waits for their rows after the forward."""
         entries = []
-        sample_i = 0
         for item in sched_out.scheduled:
             if not item.sample:
                 continue
             state = self.requests[item.seq.request_id]
             if state.constraint is not None and state.beam is None:
-                st: SeqState = item.seq.data["state"]
-                entries.append((sample_i, state.constraint, st.matcher, item.seq.output_token_ids))
-            sample_i += 1
+                entries.append((item.seq.seq_id, state.constraint, item.seq.grammar,
+                                item.seq.output_token_ids))
         return entries
 
     def _process_outputs(
         self, sched_out: SchedulerOutput, runner_out, outputs: dict[str, EngineCoreOutput],
-        masks: dict | None = None,
     ) -> None:
-        """`masks`: sampling index -> packed token bitmask row (the forks of an n > 1 request
-        take their parent's: at the first sample their matchers are in the same state)."""
-        rows: list[tuple[RequestState, Sequence]] = []
-        row_logits: list[int] = []  # which runner logits row each sampling row reads
-        sample_i = 0
+        """Append the runner's sampled tokens (`runner_out.sampled`: one row per sampled
+        sequence in scheduled order, an n > 1 sequence's forks after it at its first sample);
+        beams get their logits row (`sample_logits`, one per sampling item)."""
+        sampled = runner_out.sampled
+        r = 0  # the next row of `sampled`
+        sample_i = 0  # the next row of `sample_logits`
         for item in sched_out.scheduled:
             state = self.requests[item.seq.request_id]
             if item.all_logits:
@@ -480,38 +484,32 @@ class EngineCore:
                     if state.finished:  # beam search reports once, at the end
                         self._output_for(outputs, state.request_id)
                 continue
+            sample_i += 1
             targets = [item.seq]
             if state.params.n > 1 and not state.forked:
                 # First sample of an n > 1 request: fork n - 1 children that share the
-                # prompt's blocks; each samples its own first token from the same logits.
+                # prompt's blocks; the runner drew each one's first token from the same logits.
                 targets += [self._fork(state, item.seq, idx) for idx in range(1, state.params.n)]
                 state.forked = True
-            for target in targets:
-                rows.append((state, target))
-                row_logits.append(sample_i)
-            sample_i += 1
-        if not rows:
-            return
-        logits = runner_out.sample_logits
-        if len(row_logits) != logits.shape[0]:
-            logits = logits.index_select(0, torch.tensor(row_logits, device=logits.device))
-        metadata = self.updater.build_sampling_metadata(rows, logits.device, masks, row_logits)
-        sampler_out = self.sampler(logits, metadata)
-        for r, (state, seq) in enumerate(rows):
-            token, logprob, status = self.updater.append_token(state, seq, sampler_out, r)
-            st: SeqState = seq.data["state"]
-            delta = SampleDelta(seq.index, [token], [logprob] if logprob is not None else None)
-            if status is not None:
-                self.scheduler.finish_sequence(seq, status)
-                delta.finish_reason = st.finish_reason
-                delta.stop_reason = st.stop_reason
-                st.reported = True
-            self._output_for(outputs, state.request_id).samples.append(delta)
+            out = self._output_for(outputs, state.request_id)
+            for seq in targets:
+                token, logprob, status, stop_reason = self.updater.append_token(
+                    state, seq, sampled, r)
+                r += 1
+                delta = SampleDelta(seq.index, [token], [logprob] if logprob is not None else None)
+                if status is not None:
+                    self.scheduler.finish_sequence(seq, status)
+                    delta.finish_reason = status.finish_reason
+                    delta.stop_reason = stop_reason
+                out.samples.append(delta)
 
     def _fork(self, state: RequestState, parent: Sequence, idx: int) -> Sequence:
-        """Sample `idx` of an n > 1 request, made at the first sample: it shares the parent's
-        blocks (ref counts raised; copy-on-write before it writes a shared block)."""
-        child = self._new_sequence(state, index=idx, cache_salt=parent.cache_salt)
+        """Sample `idx` of an n > 1 request, made at the first sample with the seq id the
+        runner's fork row has: it shares the parent's blocks (ref counts raised; copy-on-write
+        before it writes a shared block)."""
+        child = self._make_sequence(state, idx, parent.cache_salt,
+                                    seq_id=state.fork_seq_ids[idx - 1])
+        child.grammar = state.constraint.new_matcher() if state.constraint else None
         child.num_computed_tokens = parent.num_computed_tokens
         self.scheduler.fork_sequence(parent, child)
         state.seqs.append(child)

@@ -1,16 +1,14 @@
-"""Engine-core state of a request: its sequences, their generators and logprob flags.
+"""Engine-core state of a request: its sequences, prompt-logprob progress, beams, constraint.
 
-core/ keeps the token streams and cache positions (`Sequence`); this module keeps what the
-engine core needs besides them to sample and to report each step's new tokens. Text lives in
-the front end (`engine/output_processor.py`).
+core/ keeps the token streams and cache positions (`Sequence`, one per sample); the runner's
+persistent batch (worker/input_batch.py) keeps each sample's sampling state (parameters,
+generator, penalty counts). Text lives in the front end (`engine/output_processor.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import TYPE_CHECKING
 
 from pagedllm.core.request import Sequence
 from pagedllm.sampling_params import SamplingParams
@@ -19,33 +17,6 @@ if TYPE_CHECKING:
     from pagedllm.engine.beam_search import BeamSearchRequest
     from pagedllm.structured_output import RequestConstraint
     from pagedllm.engine.core_messages import BeamCompletion
-
-_SEED_MIX = 0x9E3779B97F4A7C15
-_SEED_MASK = (1 << 63) - 1
-
-
-def sample_seed(request_seed: int, index: int) -> int:
-    """Seed of sample `index` of a request: the request's own for index 0, then mixed."""
-    if index == 0:
-        return request_seed
-    return (request_seed ^ (index * _SEED_MIX)) & _SEED_MASK
-
-
-@dataclass
-class SeqState:
-    """What the core tracks per sequence besides its tokens."""
-
-    generator: torch.Generator | None
-    wants_logprobs: bool
-    stop_reason: int | None = None
-    finish_reason: str | None = None
-    reported: bool = False  # its finish was sent to the front end
-    # structured outputs: this sample's xgrammar GrammarMatcher (each sample its own), advanced
-    # by every accepted token; dropped when the sequence finishes
-    matcher: Any = None
-    # penalties: the output token counts and prompt token set, kept across steps
-    # (layers/sampler.PenaltyCounts); made at the first step that needs them
-    penalty_counts: Any = None
 
 
 @dataclass
@@ -67,6 +38,9 @@ class RequestState:
     num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache
     # structured outputs / allowed_token_ids / bad_words, compiled at add_request
     constraint: RequestConstraint | None = None
+    # n > 1: the seq ids of samples 1 .. n-1, reserved at add_request; the runner makes their
+    # sampling rows and the core their sequences at the first sample.
+    fork_seq_ids: list[int] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

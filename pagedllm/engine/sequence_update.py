@@ -1,8 +1,6 @@
-"""After the sampler: append each sampled token and decide whether the sequence stops (EOS,
-stop token, max_tokens, max_model_len); stop strings are checked by the front end on the text.
-
-Also builds the per-row sampling inputs and turns prompt logits into prompt logprobs, so that
-the engine's step stays a short list of calls.
+"""After the runner sampled: append each token and decide whether the sequence stops (EOS,
+stop token, grammar, max_tokens, max_model_len); stop strings are checked by the front end on
+the text. Also turns prompt logits into prompt logprobs.
 """
 
 from __future__ import annotations
@@ -13,14 +11,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.core.request import Sequence, SequenceStatus
-from pagedllm.layers.sampler import PenaltyCounts, SamplerOutput, SamplingMetadata, SamplingRow
+from pagedllm.layers.sampler import SamplerOutput
 from pagedllm.engine.core_messages import PromptLogprobEntry, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from pagedllm.core.scheduler import ScheduledSequence
-    from pagedllm.engine.request_state import RequestState, SeqState
+    from pagedllm.engine.request_state import RequestState
     from pagedllm.layers.sampler import Sampler
 
 
@@ -29,79 +27,45 @@ class SequenceUpdater:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
-    # ---- sampling inputs ------------------------------------------------------------------
-
-    def build_sampling_metadata(
-        self, rows: list[tuple["RequestState", Sequence]], device: torch.device,
-        masks: dict[int, torch.Tensor] | None = None, mask_keys: list[int] | None = None,
-    ) -> SamplingMetadata:
-        """`masks` (key -> packed bitmask row, from StructuredOutputManager) and `mask_keys`
-        (each row's key) give the constrained rows their token bitmask."""
-        sampling_rows = []
-        blocked_eos = min(self.eos_token_ids) if self.eos_token_ids else None
-        for state, seq in rows:
-            st = seq.data["state"]
-            p = state.params
-            if st.penalty_counts is None and (p.presence_penalty or p.frequency_penalty
-                                              or p.repetition_penalty != 1.0):
-                st.penalty_counts = PenaltyCounts()
-            sampling_rows.append(
-                SamplingRow(
-                    params=p,
-                    prompt_token_ids=seq.prompt_token_ids,
-                    output_token_ids=seq.output_token_ids,
-                    generator=st.generator,
-                    penalty_counts=st.penalty_counts,
-                )
-            )
-            # min_tokens must block every EOS id of the model, not only the first.
-            state.params.all_stop_token_ids.update(self.eos_token_ids)
-        md = SamplingMetadata.build(sampling_rows, eos_token_id=blocked_eos, device=device)
-        if masks:
-            keyed = [(r, masks[k]) for r, k in enumerate(mask_keys or ()) if k in masks]
-            if keyed:
-                md.bitmask_rows = [r for r, _ in keyed]
-                md.token_bitmask = torch.stack([m for _, m in keyed])
-        return md
-
     # ---- appending a token ----------------------------------------------------------------
 
     def append_token(
         self, state: "RequestState", seq: Sequence, out: SamplerOutput, row: int
-    ) -> tuple[int, TokenLogprob | None, SequenceStatus | None]:
+    ) -> tuple[int, TokenLogprob | None, SequenceStatus | None, int | None]:
         """Append row `row`'s token to `seq`: (token, its logprob entry or None, the finished
-        status if it stops now). Stop strings are the front end's (it sees the text)."""
+        status if it stops now, the stop token id that stopped it). Stop strings are the front
+        end's (it sees the text)."""
         params = state.params
-        st: SeqState = seq.data["state"]
         token = out.sampled_token_ids[row]
         seq.append_token(token)
         logprob: TokenLogprob | None = None
-        if st.wants_logprobs:
+        if params.logprobs is not None:
             logprob = (token, out.sampled_logprobs[row], out.sampled_ranks[row],
                        list(out.top_logprobs[row] or ()))
         n_out = seq.num_output_tokens
         status: SequenceStatus | None = None
+        stop_reason: int | None = None
         if n_out >= params.min_tokens:
             if token in self.eos_token_ids and not params.ignore_eos:
                 status = SequenceStatus.FINISHED_STOPPED
             elif token in params.stop_token_ids:
                 status = SequenceStatus.FINISHED_STOPPED
-                st.stop_reason = token
-        if st.matcher is not None:
+                stop_reason = token
+        grammar = seq.grammar
+        if grammar is not None:
             # The grammar advances with every token; once it has accepted its stop token (or
             # rejects one, which the mask should make impossible) the sequence is done.
-            if not st.matcher.accept_token(token):
+            if not grammar.accept_token(token):
                 logger.warning("request %s: token %d is not accepted by its grammar; stopping",
                                state.request_id, token)
                 status = SequenceStatus.FINISHED_STOPPED
-            elif st.matcher.is_terminated():
+            elif grammar.is_terminated():
                 status = SequenceStatus.FINISHED_STOPPED
         if status is None and (n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len):
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
-            st.finish_reason = status.finish_reason
-            st.matcher = None  # its state is not needed any more
-        return token, logprob, status
+            seq.grammar = None  # its state is not needed any more
+        return token, logprob, status, stop_reason
 
     # ---- prompt logprobs ------------------------------------------------------------------
 

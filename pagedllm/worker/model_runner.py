@@ -1,4 +1,4 @@
-"""Turns a scheduler step into tensors, runs the model over the paged KV cache, returns logits.
+"""Turns a scheduler step into tensors, runs the model over the paged KV cache, samples.
 
 Contract with the scheduler (duck-typed): `scheduler_output.scheduled` is a list of scheduled
 sequences with `.seq.seq_id`, `.token_ids` (run at positions `start_pos ..`), `.start_pos`,
@@ -7,6 +7,12 @@ then covers every position up to `start_pos + len(token_ids) - 1`; worker/block_
 `.sample` and `.all_logits`; `scheduler_output.released_seq_ids` (tables to drop first, optional),
 `block_copies` lists `(src, dst)` block copies to do first, after the optional
 `blocks_to_swap_out` (device, host) and `blocks_to_swap_in` (host, device) pairs.
+
+Sampling happens here, on the persistent batch (worker/input_batch.py, vLLM v1's InputBatch):
+`new_sampling_rows` (one `SamplingRowSpec` per sequence, sent once) and `finished_seq_ids` keep
+it, `token_masks` (a future of seq id -> packed allowed-token row, filled by the core while the
+forward runs) constrains it, and the core gets back the sampled ids and logprobs
+(`ModelRunnerOutput.sampled`). Sequences without a row (beam search) get their logits row.
 
 Inside a step the runner orders the batch decodes first (sequences with exactly one query token),
 then the rest (prefills), as `AttentionMetadata` requires; outputs come back in scheduled order.
@@ -35,11 +41,13 @@ import torch
 from torch import nn
 
 from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.layers.sampler import Sampler, SamplerOutput
 from pagedllm.layers.rotary import head_dim_of
 from pagedllm.worker.block_table import BlockTable
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.decode_graphs import DecodeGraphs
+from pagedllm.worker.input_batch import InputBatch, sample_batch
 
 
 @dataclass
@@ -48,6 +56,9 @@ class ModelRunnerOutput:
     sample_logits: torch.Tensor
     # seq_id -> float32 [len(token_ids), vocab] for scheduled sequences with all_logits=True.
     all_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    # The tokens drawn for the sampled sequences that have a sampling row, in scheduled order,
+    # each followed by its n > 1 forks at its first sample (InputBatch.start_rows).
+    sampled: SamplerOutput | None = None
 
 
 @dataclass
@@ -99,6 +110,8 @@ class ModelRunner:
         )
         max_len = max_model_len or int(getattr(hf_config, "max_position_embeddings", 0) or 4096)
         self.block_table = BlockTable(-(-max_len // block_size) + 1)
+        self.sampler = Sampler()
+        self.input_batch = InputBatch(self.vocab_size, self.device)
         self.decode_graphs: DecodeGraphs | None = None
         if compile_batch_sizes:
             self.decode_graphs = DecodeGraphs(
@@ -251,6 +264,11 @@ class ModelRunner:
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput | None:
         for seq_id in getattr(scheduler_output, "released_seq_ids", ()):
             self.block_table.release(seq_id)
+        batch = self.input_batch
+        for spec in getattr(scheduler_output, "new_sampling_rows", ()):
+            batch.add(spec)
+        for seq_id in getattr(scheduler_output, "finished_seq_ids", ()):
+            batch.remove(seq_id)
         # Swaps before copies: a swap-out frees blocks a copy may fill; a copy may read a
         # block that was just swapped in.
         self.cache_engine.swap_out(list(getattr(scheduler_output, "blocks_to_swap_out", ())))
@@ -272,7 +290,33 @@ class ModelRunner:
         else:
             sample_logits = logits[torch.tensor(inp.sample_indices, dtype=torch.long, device=self.device)]
         all_logits = {seq_id: logits[at : at + n] for seq_id, at, n in inp.all_logits_slices}
-        return ModelRunnerOutput(sample_logits=sample_logits, all_logits=all_logits)
+        return ModelRunnerOutput(sample_logits=sample_logits, all_logits=all_logits,
+                                 sampled=self._sample(scheduler_output, scheduled, sample_logits))
+
+    def _sample(self, scheduler_output: Any, scheduled: list[Any],
+                sample_logits: torch.Tensor) -> SamplerOutput | None:
+        """One token for every sampled sequence with a row (and its forks at the first sample),
+        after the structured-output masks the core filled during the forward."""
+        batch = self.input_batch
+        rows: list[int] = []
+        logits_rows: list[int] = []
+        mask_keys: list[int] = []
+        j = 0
+        for s in scheduled:
+            if not s.sample:
+                continue
+            seq_id = s.seq.seq_id
+            if seq_id in batch:
+                for row in batch.start_rows(seq_id):
+                    rows.append(row)
+                    logits_rows.append(j)
+                    mask_keys.append(seq_id)
+            j += 1
+        if not rows:
+            return None
+        pending = getattr(scheduler_output, "token_masks", None)
+        masks = pending.result() if pending is not None else None
+        return sample_batch(self.sampler, batch, sample_logits, rows, logits_rows, mask_keys, masks)
 
     def run_model(self, inp: ModelInput) -> torch.Tensor | None:
         """float32 logits of the rows `inp.logits_rows`: from a compiled decode graph where one

@@ -148,10 +148,10 @@ def test_abort_frees_matcher(smollm2_llm):
     engine.step()
     state = engine.core.requests["so-abort"]
     seqs = list(state.seqs)
-    assert all(s.data["state"].matcher is not None for s in seqs)
+    assert all(s.grammar is not None for s in seqs)
     engine.abort_request("so-abort")
     assert "so-abort" not in engine.core.requests
-    assert all(s.data["state"].matcher is None for s in seqs)
+    assert all(s.grammar is None for s in seqs)
     while engine.has_unfinished_requests():
         engine.step()
 

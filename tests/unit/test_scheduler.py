@@ -1,5 +1,6 @@
 """Scheduler: budget, chunked prefill, decode priority, caps, preemption, abort, simulation."""
 
+import collections
 import random
 
 import pytest
@@ -307,6 +308,7 @@ def test_randomized_simulation_drains(seed):
     new = Seqs()
     shared_prefix = [rng.randrange(5) for _ in range(2 * B)]
     all_seqs: list[Sequence] = []
+    info: dict[int, dict] = collections.defaultdict(dict)  # the test's own per-sequence notes
     max_len = num_blocks * B  # the engine's add_request check: fits alone in the pool
     preemptions_seen = copies_seen = 0
 
@@ -317,8 +319,8 @@ def test_randomized_simulation_drains(seed):
             if rng.random() < 0.5:
                 prompt = [rng.randrange(5) for _ in range(prompt_len)]
             seq = new(prompt=prompt)
-            seq.data["max_tokens"] = rng.randint(1, max_len - prompt_len)
-            seq.data["n"] = rng.choice([1, 1, 1, 2, 3])
+            info[seq.seq_id]["max_tokens"] = rng.randint(1, max_len - prompt_len)
+            info[seq.seq_id]["n"] = rng.choice([1, 1, 1, 2, 3])
             sched.add_sequence(seq)
             all_seqs.append(seq)
         if rng.random() < 0.03 and sched.running:  # abort something
@@ -359,7 +361,7 @@ def test_randomized_simulation_drains(seed):
             seq.append_token(rng.randrange(5))
             family = [seq]
             if seq.num_output_tokens == 1 and seq.index == 0 and seq.num_preemptions == 0:
-                for i in range(1, seq.data["n"]):  # n > 1: fork after the prefill
+                for i in range(1, info[seq.seq_id]["n"]):  # n > 1: fork after the prefill
                     child = new(
                         prompt=seq.prompt_token_ids,
                         request_id=seq.request_id,
@@ -367,12 +369,12 @@ def test_randomized_simulation_drains(seed):
                         arrival=seq.arrival_time,
                     )
                     child.append_token(rng.randrange(5))
-                    child.data["max_tokens"] = seq.data["max_tokens"]
+                    info[child.seq_id]["max_tokens"] = info[seq.seq_id]["max_tokens"]
                     sched.fork_sequence(seq, child)
                     all_seqs.append(child)
                     family.append(child)
             for member in family:
-                if member.num_output_tokens >= member.data["max_tokens"]:
+                if member.num_output_tokens >= info[member.seq_id]["max_tokens"]:
                     sched.finish_sequence(member, SequenceStatus.FINISHED_LENGTH)
         kv.check_invariants(sched.running + list(sched.waiting))
         runner.check(sched)
@@ -382,7 +384,7 @@ def test_randomized_simulation_drains(seed):
     assert all(s.is_finished for s in all_seqs)
     for s in all_seqs:  # finished by length ones produced exactly max_tokens
         if s.status == SequenceStatus.FINISHED_LENGTH:
-            assert s.num_output_tokens == s.data["max_tokens"]
+            assert s.num_output_tokens == info[s.seq_id]["max_tokens"]
     assert kv.num_free_blocks == num_blocks
     assert all(b.ref_count == 0 for b in kv.block_pool.blocks)
     assert preemptions_seen == sched.num_preemptions

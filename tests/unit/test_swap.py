@@ -1,6 +1,7 @@
 """Swap preemption without a model: exact host/device block maps, ref counts, the copies the
 runner is asked to do, scheduler policy (groups swapped, singles recomputed, swapped first)."""
 
+import collections
 import random
 
 import pytest
@@ -330,6 +331,7 @@ def simulate(seed: int) -> dict[str, int]:
     store = FakeStore(kv)
     ids = iter(range(10**6))
     all_seqs: list[Sequence] = []
+    info: dict[int, dict] = collections.defaultdict(dict)  # the test's own per-sequence notes
     shared = [rng.randrange(4) for _ in range(2 * B)]
     seen = {"swap_out": 0, "swap_in": 0, "preempted": 0}
     for t in range(3000):
@@ -341,7 +343,7 @@ def simulate(seed: int) -> dict[str, int]:
             prompt = (shared + [rng.randrange(4) for _ in range(max_len)])[:plen]
             sid = next(ids)
             s = seq(sid, prompt, f"q{sid}", arrival=float(t))
-            s.data.update(max_tokens=rng.randint(1, max_len - plen), n=n)
+            info[s.seq_id].update(max_tokens=rng.randint(1, max_len - plen), n=n)
             sched.add_sequence(s)
             all_seqs.append(s)
         if rng.random() < 0.02 and sched.has_unfinished():
@@ -364,17 +366,17 @@ def simulate(seed: int) -> dict[str, int]:
                 continue
             s.append_token(rng.randrange(4))
             family = [s]
-            if s.num_output_tokens == 1 and s.index == 0 and not s.data.get("forked"):
-                s.data["forked"] = True
-                for i in range(1, s.data["n"]):
+            if s.num_output_tokens == 1 and s.index == 0 and not info[s.seq_id].get("forked"):
+                info[s.seq_id]["forked"] = True
+                for i in range(1, info[s.seq_id]["n"]):
                     c = seq(next(ids), s.prompt_token_ids, s.request_id,
                             output=[rng.randrange(4)], arrival=s.arrival_time, index=i)
-                    c.data.update(max_tokens=s.data["max_tokens"], forked=True)
+                    info[c.seq_id].update(max_tokens=info[s.seq_id]["max_tokens"], forked=True)
                     sched.fork_sequence(s, c)
                     all_seqs.append(c)
                     family.append(c)
             for m in family:
-                if m.num_output_tokens >= m.data["max_tokens"]:
+                if m.num_output_tokens >= info[m.seq_id]["max_tokens"]:
                     sched.finish_sequence(m, SequenceStatus.FINISHED_LENGTH)
         kv.check_invariants(sched.all_unfinished())
         store.check(sched)

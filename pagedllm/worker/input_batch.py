@@ -1,0 +1,249 @@
+"""The runner's persistent sampling batch: one row per sampled sequence, kept across steps.
+
+vLLM v1's `InputBatch` idea: a sequence's sampling parameters are written once, into
+preallocated per-row tensors, when it joins (a new request, or an n > 1 fork at its first
+sample) and stay there until it leaves (finished or aborted: `SchedulerOutput.finished_seq_ids`).
+A preemption (recompute or swap) keeps the row: the sequence comes back with the same outputs.
+Each step gathers the rows it samples with one `index_select` per parameter, instead of
+rebuilding every parameter from Python lists for every row; the penalty statistics of a row
+grow by the tokens it sampled (`PenaltyCounts`), never recounted from its token lists.
+
+The engine core describes a row once (`SamplingRowSpec`) and receives the sampled ids and the
+logprobs it asked for (`SamplerOutput`); beam-search sequences have no row (beam search reads
+their logits itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.layers.sampler import PenaltyCounts, SamplerOutput, SamplingMetadata, make_generator
+from pagedllm.sampling_params import _SAMPLING_EPS, SamplingParams
+
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+_SEED_MASK = (1 << 63) - 1
+
+
+def sample_seed(request_seed: int, index: int) -> int:
+    """Seed of sample `index` of a request: the request's own for index 0, then mixed (the
+    samples differ, and each is reproducible on its own)."""
+    if index == 0:
+        return request_seed
+    return (request_seed ^ (index * _SEED_MIX)) & _SEED_MASK
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _to_float32_range(value: float) -> float:
+    """Clamp into float32's finite range: a tensor write of 1e308 raises (the list-built tensors
+    this replaced rounded it to inf silently, and an infinite temperature turns masked -inf logits
+    into NaN), while 3.4e38 acts the same as any huge value."""
+    return min(max(value, -_FLOAT32_MAX), _FLOAT32_MAX)
+
+
+@dataclass
+class SamplingRowSpec:
+    """What the core tells the runner, once, about a sequence it will sample."""
+
+    seq_id: int
+    params: SamplingParams
+    index: int  # which of the request's n samples (its seed is params.seed + index)
+    prompt_token_ids: Sequence[int]
+    # Token ids forbidden while the output is shorter than min_tokens (EOS + stop ids).
+    min_tokens_blocked: frozenset[int] = frozenset()
+    # n > 1: the seq ids of samples 1 .. n-1, made (as rows here, as sequences in the core)
+    # at this sequence's first sample, each drawing its first token from the same logits.
+    fork_seq_ids: list[int] = field(default_factory=list)
+
+
+_FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition")
+
+
+class InputBatch:
+    """Rows of sampling state addressed by seq id; grows by doubling, rows are reused."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu",
+                 capacity: int = 64) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.capacity = 0
+        self.row_of: dict[int, int] = {}
+        self._free: list[int] = []
+        self._floats: dict[str, torch.Tensor] = {}
+        self.top_k = torch.empty(0, dtype=torch.int64)
+        self.specs: list[SamplingRowSpec | None] = []
+        self.generators: list[torch.Generator | None] = []
+        self.output_ids: list[list[int]] = []
+        self.penalty_counts: list[PenaltyCounts | None] = []
+        # Rows with a knob whose per-row work is a Python loop: visited only when present.
+        self._min_tokens_rows: set[int] = set()
+        self._bias_rows: set[int] = set()
+        self._grow(capacity)
+
+    # ---- membership ---------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self.row_of
+
+    def add(self, spec: SamplingRowSpec, output_ids: Sequence[int] = ()) -> int:
+        """A sequence joins: its parameters go into a free row (the batch grows when full)."""
+        if spec.seq_id in self.row_of:
+            raise ValueError(f"sequence {spec.seq_id} already has a sampling row")
+        if not self._free:
+            self._grow(self.capacity * 2)
+        row = self._free.pop()
+        p = spec.params
+        self.row_of[spec.seq_id] = row
+        self.specs[row] = spec
+        values = {
+            "temperature": 0.0 if p.temperature < _SAMPLING_EPS else p.temperature,
+            "top_p": p.top_p, "min_p": p.min_p, "presence": p.presence_penalty,
+            "frequency": p.frequency_penalty, "repetition": p.repetition_penalty,
+        }
+        for name, value in values.items():
+            self._floats[name][row] = _to_float32_range(value)
+        self.top_k[row] = p.top_k
+        self.generators[row] = (make_generator(sample_seed(p.seed, spec.index))
+                                if p.seed is not None else None)
+        self.output_ids[row] = list(output_ids)
+        self.penalty_counts[row] = (PenaltyCounts() if p.presence_penalty or p.frequency_penalty
+                                    or p.repetition_penalty != 1.0 else None)
+        if p.min_tokens and spec.min_tokens_blocked:
+            self._min_tokens_rows.add(row)
+        if p.logit_bias:
+            self._bias_rows.add(row)
+        return row
+
+    def fork(self, parent_seq_id: int, child_seq_id: int, index: int) -> int:
+        """Sample `index` of the parent's request: the parent's parameters, its own seed."""
+        parent = self.specs[self.row_of[parent_seq_id]]
+        spec = SamplingRowSpec(child_seq_id, parent.params, index, parent.prompt_token_ids,
+                               parent.min_tokens_blocked)
+        return self.add(spec, self.output_ids[self.row_of[parent_seq_id]])
+
+    def remove(self, seq_id: int) -> None:
+        """A sequence left for good (finished or aborted); unknown ids are ignored (beams)."""
+        row = self.row_of.pop(seq_id, None)
+        if row is None:
+            return
+        self.specs[row] = None
+        self.generators[row] = None
+        self.output_ids[row] = []
+        self.penalty_counts[row] = None
+        self._min_tokens_rows.discard(row)
+        self._bias_rows.discard(row)
+        self._free.append(row)
+
+    def _grow(self, capacity: int) -> None:
+        old = self.capacity
+        if capacity <= old:
+            return
+        for name in _FLOAT_PARAMS:
+            t = torch.zeros(capacity, dtype=torch.float32)
+            if old:
+                t[:old] = self._floats[name]
+            self._floats[name] = t
+        top_k = torch.zeros(capacity, dtype=torch.int64)
+        top_k[:old] = self.top_k
+        self.top_k = top_k
+        extra = capacity - old
+        self.specs += [None] * extra
+        self.generators += [None] * extra
+        self.output_ids += [[] for _ in range(extra)]
+        self.penalty_counts += [None] * extra
+        self._free.extend(range(capacity - 1, old - 1, -1))  # lowest rows first
+        self.capacity = capacity
+
+    # ---- a step -------------------------------------------------------------------------
+
+    def start_rows(self, seq_id: int) -> list[int]:
+        """The rows one sampling item draws this step: its own, plus, at an n > 1 sequence's
+        first sample, the rows of its forks (made now)."""
+        row = self.row_of[seq_id]
+        spec = self.specs[row]
+        if not spec.fork_seq_ids:
+            return [row]
+        forks = [self.fork(seq_id, child, i + 1) for i, child in enumerate(spec.fork_seq_ids)]
+        spec.fork_seq_ids = []
+        return [row] + forks
+
+    def metadata(self, rows: list[int], device: torch.device,
+                 token_bitmask: torch.Tensor | None = None,
+                 bitmask_rows: list[int] | None = None) -> SamplingMetadata:
+        """The sampler's inputs for `rows` (in the order of the logits rows)."""
+        idx = torch.tensor(rows, dtype=torch.int64)
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            return t.index_select(0, idx).to(device, non_blocking=True)
+
+        f = {name: gather(t) for name, t in self._floats.items()}
+        top_ks = gather(self.top_k)
+        temps = f["temperature"]
+        num_greedy = int((temps == 0.0).sum())
+        min_tokens_mask: list[set[int] | None] = [None] * len(rows)
+        logit_bias: list[dict[int, float] | None] = [None] * len(rows)
+        if self._min_tokens_rows or self._bias_rows:
+            for i, r in enumerate(rows):
+                spec = self.specs[r]
+                if r in self._min_tokens_rows and len(self.output_ids[r]) < spec.params.min_tokens:
+                    min_tokens_mask[i] = set(spec.min_tokens_blocked)
+                if r in self._bias_rows:
+                    logit_bias[i] = spec.params.logit_bias
+        specs = [self.specs[r] for r in rows]
+        no_penalties = not bool(((f["presence"] != 0.0) | (f["frequency"] != 0.0)
+                                 | (f["repetition"] != 1.0)).any())
+        return SamplingMetadata(
+            temperatures=temps, top_ps=f["top_p"], top_ks=top_ks, min_ps=f["min_p"],
+            presence_penalties=f["presence"], frequency_penalties=f["frequency"],
+            repetition_penalties=f["repetition"],
+            prompt_token_ids=[s.prompt_token_ids for s in specs],
+            output_token_ids=[self.output_ids[r] for r in rows],
+            generators=[self.generators[r] for r in rows],
+            penalty_counts=None if no_penalties else [self.penalty_counts[r] for r in rows],
+            num_logprobs=[s.params.logprobs for s in specs],
+            logit_bias=logit_bias,
+            min_tokens_mask=min_tokens_mask,
+            all_greedy=num_greedy == len(rows),
+            all_random=num_greedy == 0,
+            no_penalties=no_penalties,
+            no_top_k=not bool((top_ks > 0).any()),
+            no_top_p=not bool((f["top_p"] < 1.0).any()),
+            no_min_p=not bool((f["min_p"] > 0.0).any()),
+            token_bitmask=token_bitmask,
+            bitmask_rows=bitmask_rows,
+        )
+
+    def record(self, rows: list[int], token_ids: list[int]) -> None:
+        """The tokens just sampled join their rows' outputs (min_tokens and the penalties read
+        them; `PenaltyCounts` adds only these at the next step that needs it)."""
+        outs = self.output_ids
+        for r, t in zip(rows, token_ids):
+            outs[r].append(t)
+
+
+def sample_batch(sampler, batch: InputBatch, logits: torch.Tensor, rows: list[int],
+                 logits_rows: list[int], mask_keys: list[int],
+                 masks: dict[int, torch.Tensor] | None) -> SamplerOutput:
+    """Draw one token for each of `rows` from `logits[logits_rows[i]]`. `masks`: seq id ->
+    packed allowed-token row; row i takes the mask of `mask_keys[i]` (a fork its parent's: at
+    the first sample their grammars are in the same state)."""
+    if logits_rows != list(range(logits.shape[0])):
+        logits = logits.index_select(0, torch.tensor(logits_rows, device=logits.device))
+    token_bitmask = bitmask_rows = None
+    if masks:
+        keyed = [(i, masks[k]) for i, k in enumerate(mask_keys) if k in masks]
+        if keyed:
+            bitmask_rows = [i for i, _ in keyed]
+            token_bitmask = torch.stack([m for _, m in keyed])
+    md = batch.metadata(rows, logits.device, token_bitmask, bitmask_rows)
+    out = sampler(logits, md)
+    batch.record(rows, out.sampled_token_ids)
+    return out
