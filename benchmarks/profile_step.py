@@ -2,6 +2,7 @@
 
     python -m benchmarks.profile_step --batch-size 20 --input-len 128 --context 256
     python -m benchmarks.profile_step --batch-size 256 --input-len 990 --context 1000 --no-forward
+    python -m benchmarks.profile_step --batch-size 1 --steps 200 --no-forward --no-profiler
 
 Admits `--batch-size` random-token prompts, decodes until the contexts reach `--context` tokens,
 then profiles `--steps` decode steps. Prints the step time split into the model forward (with the
@@ -17,6 +18,7 @@ work as in a real step, without the profiler's view of the forward.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -41,6 +43,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="GiB of KV cache (default: what batch x context needs, at least 2)")
     p.add_argument("--no-forward", action="store_true",
                    help="stub the model forward (random logits): engine overhead only")
+    p.add_argument("--no-profiler", action="store_true",
+                   help="time the steps without torch.profiler (its per-operator cost inflates "
+                        "code made of many small ops); no operator table")
     args = p.parse_args(argv)
 
     import torch
@@ -114,7 +119,9 @@ def main(argv: list[str] | None = None) -> dict:
     for mod, attr, name in patches:
         setattr(mod, attr, labelled(name, getattr(mod, attr)))
     step_s = []
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    profiler = (contextlib.nullcontext() if args.no_profiler
+                else profile(activities=[ProfilerActivity.CPU]))
+    with profiler as prof:
         for _ in range(args.steps):
             t = time.perf_counter()
             with record_function("engine_step"):
@@ -123,10 +130,12 @@ def main(argv: list[str] | None = None) -> dict:
     runner.run_model = orig
     for mod, attr, fn in saved:
         setattr(mod, attr, fn)
-    labels = {e.key: e.cpu_time_total / 1e3 / args.steps for e in prof.key_averages()
-              if e.key in ("projections (linear)", "decode attention", "prefill attention")}
+    labels = {} if prof is None else {
+        e.key: e.cpu_time_total / 1e3 / args.steps for e in prof.key_averages()
+        if e.key in ("projections (linear)", "decode attention", "prefill attention")}
     step, fwd = statistics.median(step_s), statistics.median(forward_s)
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=args.top))
+    if prof is not None:
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=args.top))
     result = {
         "batch_size": args.batch_size, "context": args.context, "compiled": args.compile,
         "no_forward": args.no_forward,

@@ -62,6 +62,7 @@ class SamplingRowSpec:
 
 
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition")
+_KNOBS = ("random", "penalties", "top_k", "top_p", "min_p")
 
 
 class InputBatch:
@@ -83,6 +84,9 @@ class InputBatch:
         # Rows with a knob whose per-row work is a Python loop: visited only when present.
         self._min_tokens_rows: set[int] = set()
         self._bias_rows: set[int] = set()
+        # Rows with each tensor knob on, kept at join / leave so that a step's flags are set
+        # lookups (mostly on empty sets) instead of five reductions over gathered tensors.
+        self._knob_rows: dict[str, set[int]] = {k: set() for k in _KNOBS}
         self._grow(capacity)
 
     # ---- membership ---------------------------------------------------------------------
@@ -120,6 +124,12 @@ class InputBatch:
             self._min_tokens_rows.add(row)
         if p.logit_bias:
             self._bias_rows.add(row)
+        on = {"random": values["temperature"] != 0.0,
+              "penalties": self.penalty_counts[row] is not None,
+              "top_k": p.top_k > 0, "top_p": p.top_p < 1.0, "min_p": p.min_p > 0.0}
+        for knob, is_on in on.items():
+            if is_on:
+                self._knob_rows[knob].add(row)
         return row
 
     def fork(self, parent_seq_id: int, child_seq_id: int, index: int) -> int:
@@ -140,6 +150,8 @@ class InputBatch:
         self.penalty_counts[row] = None
         self._min_tokens_rows.discard(row)
         self._bias_rows.discard(row)
+        for rows in self._knob_rows.values():
+            rows.discard(row)
         self._free.append(row)
 
     def _grow(self, capacity: int) -> None:
@@ -179,17 +191,27 @@ class InputBatch:
                  token_bitmask: torch.Tensor | None = None,
                  bitmask_rows: list[int] | None = None) -> SamplingMetadata:
         """The sampler's inputs for `rows` (in the order of the logits rows)."""
-        idx = torch.tensor(rows, dtype=torch.int64)
+        n = len(rows)
+        lo = rows[0] if rows else 0
+        if rows == list(range(lo, lo + n)):  # the usual case: views, no copy
+            def gather(t: torch.Tensor) -> torch.Tensor:
+                return t[lo: lo + n].to(device, non_blocking=True)
+        else:
+            idx = torch.tensor(rows, dtype=torch.int64)
 
-        def gather(t: torch.Tensor) -> torch.Tensor:
-            return t.index_select(0, idx).to(device, non_blocking=True)
+            def gather(t: torch.Tensor) -> torch.Tensor:
+                return t.index_select(0, idx).to(device, non_blocking=True)
+
+        def count(knob: str) -> int:
+            on = self._knob_rows[knob]
+            return 0 if not on else sum(1 for r in rows if r in on)
 
         f = {name: gather(t) for name, t in self._floats.items()}
         top_ks = gather(self.top_k)
         temps = f["temperature"]
-        num_greedy = int((temps == 0.0).sum())
-        min_tokens_mask: list[set[int] | None] = [None] * len(rows)
-        logit_bias: list[dict[int, float] | None] = [None] * len(rows)
+        num_random = count("random")
+        min_tokens_mask: list[set[int] | None] = [None] * n
+        logit_bias: list[dict[int, float] | None] = [None] * n
         if self._min_tokens_rows or self._bias_rows:
             for i, r in enumerate(rows):
                 spec = self.specs[r]
@@ -198,8 +220,7 @@ class InputBatch:
                 if r in self._bias_rows:
                     logit_bias[i] = spec.params.logit_bias
         specs = [self.specs[r] for r in rows]
-        no_penalties = not bool(((f["presence"] != 0.0) | (f["frequency"] != 0.0)
-                                 | (f["repetition"] != 1.0)).any())
+        no_penalties = count("penalties") == 0
         return SamplingMetadata(
             temperatures=temps, top_ps=f["top_p"], top_ks=top_ks, min_ps=f["min_p"],
             presence_penalties=f["presence"], frequency_penalties=f["frequency"],
@@ -211,12 +232,12 @@ class InputBatch:
             num_logprobs=[s.params.logprobs for s in specs],
             logit_bias=logit_bias,
             min_tokens_mask=min_tokens_mask,
-            all_greedy=num_greedy == len(rows),
-            all_random=num_greedy == 0,
+            all_greedy=num_random == 0,
+            all_random=num_random == n,
             no_penalties=no_penalties,
-            no_top_k=not bool((top_ks > 0).any()),
-            no_top_p=not bool((f["top_p"] < 1.0).any()),
-            no_min_p=not bool((f["min_p"] > 0.0).any()),
+            no_top_k=count("top_k") == 0,
+            no_top_p=count("top_p") == 0,
+            no_min_p=count("min_p") == 0,
             token_bitmask=token_bitmask,
             bitmask_rows=bitmask_rows,
         )
