@@ -1,0 +1,118 @@
+"""KV cache groups: layers grouped by attention type, so that each group keeps only the blocks
+its attention can still read (issue 25; docs/hybrid_kv_cache.md).
+
+A model whose layers all attend the same way (full causal, or one sliding window everywhere)
+has one group holding every layer: the engine behaves exactly as with one block table.
+A hybrid model (Gemma 2: sliding and full alternate; Gemma 3: five sliding to one full) gets
+one table per group per sequence. All groups draw from one block pool, as in vLLM v1: every
+group holds the same number of layers (`slots`), the cache keeps one K/V tensor per slot, and
+a block id names that block in every slot tensor, owned by one group at a time. Layers of a
+type whose count is not a multiple of the slot count leave slots unused in their last group.
+
+Why equal-sized groups: a block then costs the same bytes whichever group holds it, so one
+free list serves all groups and the scheduler's arithmetic stays "blocks", not bytes.
+
+Pure Python (core/ is torch-free): the model side supplies each layer's window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that share block tables; `layer_ids[j]` lives in slot tensor j."""
+
+    layer_ids: tuple[int, ...]
+    sliding_window: int | None  # None: full causal attention
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.sliding_window is not None
+
+    def first_live_position(self, num_computed_tokens: int) -> int:
+        """The earliest key position a query at `num_computed_tokens` or later can read: a
+        query at q sees keys k with q - k < window (transformers' rule)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1)
+
+    def num_dead_blocks(self, num_computed_tokens: int, block_size: int) -> int:
+        """Leading blocks no present or future query of the sequence reads."""
+        return self.first_live_position(num_computed_tokens) // block_size
+
+    def max_live_blocks(self, num_tokens: int, block_size: int) -> int:
+        """The most blocks the group holds for one sequence of `num_tokens` (admission, sizing):
+        a sliding group at most the blocks a window spans, one more when it straddles."""
+        total = -(-num_tokens // block_size)
+        if self.sliding_window is None:
+            return total
+        return min(total, -(-(self.sliding_window - 1) // block_size) + 1)
+
+
+@dataclass(frozen=True)
+class KVCacheGroups:
+    """The model's groups; `slots` layers per group (one K/V tensor per slot)."""
+
+    groups: tuple[KVCacheGroup, ...]
+    slots: int
+
+    @property
+    def is_hybrid(self) -> bool:
+        return len(self.groups) > 1
+
+    @property
+    def num_layers(self) -> int:
+        return sum(len(g.layer_ids) for g in self.groups)
+
+    def layer_slot(self) -> dict[int, tuple[int, int]]:
+        """layer id -> (group index, slot index)."""
+        return {layer: (gi, si) for gi, g in enumerate(self.groups)
+                for si, layer in enumerate(g.layer_ids)}
+
+    def blocks_per_sequence(self, num_tokens: int, block_size: int) -> int:
+        """Pool blocks one sequence of `num_tokens` holds at most, summed over groups."""
+        return sum(g.max_live_blocks(num_tokens, block_size) for g in self.groups)
+
+    def layer_blocks_per_sequence(self, num_tokens: int, block_size: int) -> int:
+        """Layer-blocks (a block of one layer's K/V) the pool spends on one sequence: what is
+        held, unused slots included."""
+        return self.slots * self.blocks_per_sequence(num_tokens, block_size)
+
+    @staticmethod
+    def theoretical_min_layer_blocks(windows: Sequence[int | None], num_tokens: int,
+                                     block_size: int) -> int:
+        """Full layers x length + sliding layers x window, each rounded up to blocks."""
+        full = -(-num_tokens // block_size)
+        return sum(full if w is None else min(full, -(-min(w, num_tokens) // block_size))
+                   for w in windows)
+
+
+def group_layers(windows: Sequence[int | None]) -> KVCacheGroups:
+    """Group layers by attention type. `windows[i]`: layer i's sliding window, None for full.
+
+    One type: one group of every layer (today's layout). Several: every group holds `slots`
+    layers, the count of the rarest type (vLLM v1's uniform page size), so no type wastes more
+    than one partly filled group.
+    """
+    if not windows:
+        raise ValueError("a model needs at least one attention layer")
+    for i, w in enumerate(windows):
+        if w is not None and (not isinstance(w, int) or w < 1):
+            raise ValueError(f"layer {i}: sliding window must be a positive int or None, got {w!r}")
+    by_type: dict[int | None, list[int]] = {}
+    for layer, w in enumerate(windows):
+        by_type.setdefault(w, []).append(layer)
+    if len(by_type) == 1:
+        (w, layers), = by_type.items()
+        return KVCacheGroups((KVCacheGroup(tuple(layers), w),), len(layers))
+    slots = min(len(layers) for layers in by_type.values())
+    groups: list[KVCacheGroup] = []
+    # full attention first, then windows in increasing size: a stable, readable order
+    for w in sorted(by_type, key=lambda w: (w is not None, w or 0)):
+        layers = by_type[w]
+        for start in range(0, len(layers), slots):
+            groups.append(KVCacheGroup(tuple(layers[start:start + slots]), w))
+    return KVCacheGroups(tuple(groups), slots)

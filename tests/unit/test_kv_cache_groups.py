@@ -1,0 +1,74 @@
+"""core/kv_cache_groups.py, no model: layers grouped by attention type with equal slot counts,
+window arithmetic with exact block counts, and the theoretical minimum the issue measures
+against."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.core.kv_cache_groups import KVCacheGroup, KVCacheGroups, group_layers
+
+
+def test_one_attention_type_is_one_group_of_every_layer():
+    for windows in ([None] * 30, [2047] * 32):
+        g = group_layers(windows)
+        assert not g.is_hybrid and g.slots == len(windows)
+        assert g.groups[0].layer_ids == tuple(range(len(windows)))
+        assert g.groups[0].sliding_window == windows[0]
+
+
+def test_gemma2_alternating_layers_make_two_groups_of_half_the_layers():
+    windows = [4096 if i % 2 == 0 else None for i in range(26)]
+    g = group_layers(windows)
+    assert g.slots == 13 and len(g.groups) == 2
+    assert g.groups[0].sliding_window is None and g.groups[0].layer_ids == tuple(range(1, 26, 2))
+    assert g.groups[1].sliding_window == 4096 and g.groups[1].layer_ids == tuple(range(0, 26, 2))
+    assert g.layer_slot()[0] == (1, 0) and g.layer_slot()[25] == (0, 12)
+
+
+def test_gemma3_five_to_one_groups_by_the_rarer_type_with_one_partial_group():
+    windows = [None if (i + 1) % 6 == 0 else 512 for i in range(26)]  # full at 5, 11, 17, 23
+    g = group_layers(windows)
+    assert g.slots == 4
+    assert [len(x.layer_ids) for x in g.groups] == [4, 4, 4, 4, 4, 4, 2]
+    assert g.groups[0].layer_ids == (5, 11, 17, 23)
+    assert sorted(layer for x in g.groups for layer in x.layer_ids) == list(range(26))
+    assert g.num_layers == 26
+
+
+def test_bad_windows_are_refused_by_layer():
+    with pytest.raises(ValueError, match="layer 2: sliding window"):
+        group_layers([None, 8, 0])
+    with pytest.raises(ValueError, match="at least one"):
+        group_layers([])
+
+
+@pytest.mark.parametrize("window,block_size", [(1, 4), (4, 4), (5, 4), (8, 4), (512, 16), (7, 16)])
+def test_dead_and_live_blocks_match_a_brute_force_over_positions(window, block_size):
+    group = KVCacheGroup((0,), window)
+    most = 0
+    for computed in range(0, 6 * window + 3 * block_size):
+        # keys readable by the next query (position `computed`) or any later one
+        live = [k for k in range(computed + 1) if computed - k < window]
+        first_block = min(live) // block_size
+        assert group.num_dead_blocks(computed, block_size) == first_block
+        held = -(-(computed + 1) // block_size) - first_block  # a decode step's table span
+        most = max(most, held)
+    assert group.max_live_blocks(10**6, block_size) == most
+
+
+def test_full_group_never_drops_a_block():
+    group = KVCacheGroup((0, 1), None)
+    assert group.num_dead_blocks(10_000, 16) == 0
+    assert group.max_live_blocks(1000, 16) == 63
+
+
+def test_gemma3_at_8k_holds_close_to_the_theoretical_minimum():
+    windows = [None if (i + 1) % 6 == 0 else 1024 for i in range(34)]  # Gemma 3 4B's shape
+    g = group_layers(windows)
+    B, L = 16, 8192
+    held = g.layer_blocks_per_sequence(L, B)
+    minimum = KVCacheGroups.theoretical_min_layer_blocks(windows, L, B)
+    everything = len(windows) * (L // B)
+    assert minimum <= held <= 1.1 * minimum, (held, minimum)
+    assert everything / held > 3.5  # the issue's ~3.9x more concurrent 8k sequences
