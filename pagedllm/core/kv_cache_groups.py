@@ -51,6 +51,17 @@ class KVCacheGroup:
             return total
         return min(total, -(-(self.sliding_window - 1) // block_size) + 1)
 
+    def peak_blocks(self, num_tokens: int, block_size: int, chunk: int) -> int:
+        """The most blocks the group holds in a step of at most `chunk` new tokens of a
+        sequence up to `num_tokens` long (after the dead blocks went): a step computing
+        [c, c + n) holds ceil((c + n) / B) - (c - W + 1) // B, at most
+        ceil((B + W - 2 + n) / B)."""
+        total = -(-num_tokens // block_size)
+        if self.sliding_window is None:
+            return total
+        n = max(1, min(chunk, num_tokens))
+        return min(total, -(-(block_size + self.sliding_window - 2 + n) // block_size))
+
 
 @dataclass(frozen=True)
 class KVCacheGroups:

@@ -14,6 +14,16 @@ what changed (`take_table_delta`): the manager knows, per sequence, how many lea
 runner holds as they are (`_synced`; lowered by a copy-on-write inside them, dropped with the
 table), and which sequences' tables are gone (`take_released`: freed, swapped out), so no step
 rebuilds or compares whole tables on either side.
+
+KV cache groups (core/kv_cache_groups.py): a hybrid model's layers form groups, each with its
+own table per sequence, all drawn from the one pool. Group 0 is `req_to_blocks` (for a model
+with one attention type the only group: everything below is then what it always was). A
+sliding group's table keeps its positions; blocks wholly before the window go back to the
+pool as the sequence advances and their entries point at the reserved `null_block` (block 0,
+held by the manager, zero-filled by the cache engine), which the kernels never read unmasked.
+A prefix hit serves every group: its length is the longest prefix whose blocks each group can
+give (a sliding group only the blocks its window reads); the pool keys a group's hashes by the
+group.
 """
 
 from __future__ import annotations
@@ -21,7 +31,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from pagedllm.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
+from pagedllm.core.kv_cache_groups import KVCacheGroup, KVCacheGroups
 from pagedllm.core.request import Sequence
+
+# Prefix hits: one list of blocks (one group), or one list per group (hybrid).
+PrefixHits = list
 
 
 class KVCacheManager:
@@ -31,6 +45,7 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         num_host_blocks: int = 0,
+        groups: KVCacheGroups | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
@@ -41,8 +56,20 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching)
         # Host memory for swapped-out blocks: ref counts and a free queue, never hashed.
         self.host_pool = BlockPool(num_host_blocks, False) if num_host_blocks else None
-        self.req_to_blocks: dict[int, list[KVBlock]] = {}
-        self.swapped_tables: dict[int, list[KVBlock]] = {}  # seq_id -> host blocks
+        self.groups: tuple[KVCacheGroup, ...] = (
+            groups.groups if groups is not None else (KVCacheGroup((), None),))
+        # Per group: seq_id -> device table, seq_id -> host table (swapped out).
+        self.tables: list[dict[int, list[KVBlock]]] = [{} for _ in self.groups]
+        self.host_tables: list[dict[int, list[KVBlock]]] = [{} for _ in self.groups]
+        self.req_to_blocks = self.tables[0]
+        self.swapped_tables = self.host_tables[0]
+        # The entry of a sliding table's dead positions (never freed, never hashed).
+        self.null_block: KVBlock | None = None
+        if any(g.is_sliding for g in self.groups):
+            if num_blocks < 2:
+                raise ValueError("a sliding-window group needs at least 2 blocks (one is the null block)")
+            self.null_block = self.block_pool.get_new_blocks(1)[0]
+        self.num_dead_blocks_freed = 0  # sliding blocks returned to the pool, cumulative
         # Chain hashes of each sequence's full computed blocks, in order (the next block's
         # parent); kept even where the pool holds a duplicate and did not cache the block.
         self.req_to_block_hashes: dict[int, list[BlockHash]] = {}
@@ -53,8 +80,9 @@ class KVCacheManager:
         self.prefix_cache_hits = 0  # tokens found
         self.num_swapped_out = 0  # blocks copied device -> host, cumulative
         self.num_swapped_in = 0  # blocks copied host -> device, cumulative
-        # seq_id -> how many leading ids of its table the runner holds unchanged
-        self._synced: dict[int, int] = {}
+        # Per group: seq_id -> how many leading ids of its table the runner holds unchanged
+        self.synced: list[dict[int, int]] = [{} for _ in self.groups]
+        self._synced = self.synced[0]
         self._released: list[int] = []  # tables gone since the last take_released
 
     # ---- sizes and statistics -------------------------------------------------------------
@@ -83,18 +111,49 @@ class KVCacheManager:
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def get_block_ids(self, seq_id: int) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(seq_id, ())]
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks sequences can hold: all but the null block."""
+        return self.num_blocks - (self.null_block is not None)
+
+    def peak_blocks(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks one sequence of up to `num_tokens` holds in a step of at most
+        `chunk` new tokens, over all groups (what "fits in an empty pool" means)."""
+        return sum(g.peak_blocks(num_tokens, self.block_size, chunk) for g in self.groups)
+
+    def num_blocks_to_resume(self, seq: Sequence, chunk: int) -> int:
+        """Free blocks beyond its host blocks that a swapped `seq` may take to finish: each
+        group's peak less what it holds on the host, plus one copy-on-write per group."""
+        return sum(
+            max(0, g.peak_blocks(seq.num_tokens, self.block_size, chunk)
+                - len(self._live(host.get(seq.seq_id, ())))) + 1
+            for g, host in zip(self.groups, self.host_tables))
+
+    def get_block_ids(self, seq_id: int, group: int = 0) -> list[int]:
+        return [b.block_id for b in self.tables[group].get(seq_id, ())]
+
+    @property
+    def is_hybrid(self) -> bool:
+        return len(self.groups) > 1
+
+    def _is_null(self, block: KVBlock) -> bool:
+        return block is self.null_block
+
+    def _live(self, table: Iterable[KVBlock]) -> list[KVBlock]:
+        null = self.null_block
+        return [b for b in table if b is not null]
 
     # ---- what the runner's copy of the tables needs ---------------------------------------
 
-    def take_table_delta(self, seq_id: int) -> tuple[int, list[int]]:
+    def take_table_delta(self, seq_id: int, group: int = 0) -> tuple[int, list[int]]:
         """(start, ids): the runner's table of `seq_id` becomes its first `start` ids followed by
         `ids` (start 0: a new table). Usually one new block or nothing; the runner then holds the
-        whole table."""
-        table = self.req_to_blocks.get(seq_id, ())
-        start = self._synced.get(seq_id, 0)
-        self._synced[seq_id] = len(table)
+        whole table. A sliding group's dead entries turning null are not sent: the runner's
+        stale ids there are never read unmasked."""
+        table = self.tables[group].get(seq_id, ())
+        synced = self.synced[group]
+        start = synced.get(seq_id, 0)
+        synced[seq_id] = len(table)
         return start, [b.block_id for b in table[start:]]
 
     def take_released(self) -> list[int]:
@@ -103,7 +162,10 @@ class KVCacheManager:
         return out
 
     def _forget_table(self, seq_id: int) -> None:
-        if self._synced.pop(seq_id, None) is not None:
+        found = False
+        for synced in self.synced:
+            found = synced.pop(seq_id, None) is not None or found
+        if found:
             self._released.append(seq_id)
 
     # ---- prefix cache ---------------------------------------------------------------------
@@ -120,31 +182,75 @@ class KVCacheManager:
             extra = (seq.cache_salt,) + (("long-context",) if seq.long_context else ())
         return hash_block_tokens(parent_hash, tokens, extra)
 
-    def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVBlock], int]:
+    @staticmethod
+    def _group_key(group: int, block_hash: BlockHash) -> BlockHash:
+        """The pool's key of a block of `group` (group 0: the chain hash itself, as always)."""
+        return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
+
+    def get_computed_blocks(self, seq: Sequence) -> tuple[PrefixHits, int]:
         """Longest run of cached full blocks at the start of `seq`, and the tokens they hold.
 
         Only the first `num_tokens - 1` tokens are looked up: the last one is always recomputed
         because its logits are needed. Takes no references and counts nothing: the hit and
         query counters move when `allocate_slots` admits the sequence, so that a sequence
-        looked up in several steps before it fits is counted once.
+        looked up in several steps before it fits is counted once. Hybrid: one list per group
+        (a sliding group's dead positions null), or [] when nothing hits.
         """
         if not self._uses_prefix_cache(seq):
             return [], 0
-        blocks: list[KVBlock] = []
-        parent: BlockHash | None = None
+        if not self.is_hybrid:
+            blocks: list[KVBlock] = []
+            parent: BlockHash | None = None
+            for i in range((seq.num_tokens - 1) // self.block_size):
+                parent = self._block_hash(seq, i, parent)
+                block = self.block_pool.get_cached_block(parent)
+                if block is None:
+                    break
+                blocks.append(block)
+            return blocks, len(blocks) * self.block_size
+        hashes: list[BlockHash] = []
         for i in range((seq.num_tokens - 1) // self.block_size):
-            parent = self._block_hash(seq, i, parent)
-            block = self.block_pool.get_cached_block(parent)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks, len(blocks) * self.block_size
+            hashes.append(self._block_hash(seq, i, hashes[-1] if hashes else None))
+        cached = [[self.block_pool.get_cached_block(self._group_key(g, h)) for h in hashes]
+                  for g in range(len(self.groups))]
+        length = len(hashes)
+        changed = True
+        while changed and length > 0:  # each group lowers the length it cannot serve
+            changed = False
+            for g, group in enumerate(self.groups):
+                served = self._servable_length(group, cached[g], length)
+                if served < length:
+                    length, changed = served, True
+        if length == 0:
+            return [], 0
+        B = self.block_size
+        hits = []
+        for g, group in enumerate(self.groups):
+            dead = group.num_dead_blocks(length * B, B)
+            hits.append([self.null_block] * dead + cached[g][dead:length])
+        return hits, length * B
+
+    def _servable_length(self, group: KVCacheGroup, cached: list[KVBlock | None],
+                         length: int) -> int:
+        """The longest hit <= `length` blocks this group can give: a full group its leading
+        cached run; a sliding group an end h whose window's blocks are all cached."""
+        if not group.is_sliding:
+            n = 0
+            while n < length and cached[n] is not None:
+                n += 1
+            return n
+        B = self.block_size
+        for h in range(length, 0, -1):
+            dead = group.num_dead_blocks(h * B, B)
+            if all(b is not None for b in cached[dead:h]):
+                return h
+        return 0
 
     def _uses_prefix_cache(self, seq: Sequence) -> bool:
         return self.enable_caching and seq.num_computed_tokens == 0 and not seq.skip_prefix_cache
 
     def first_missed_block_hash(
-        self, seq: Sequence, hits: list[KVBlock]
+        self, seq: Sequence, hits: PrefixHits
     ) -> BlockHash | None:
         """Hash of the first looked-up block after `hits` (the block that missed), or None.
 
@@ -153,9 +259,18 @@ class KVCacheManager:
         """
         if not self._uses_prefix_cache(seq):
             return None
-        if len(hits) >= (seq.num_tokens - 1) // self.block_size:
+        n = self._num_hit_blocks(hits)
+        if n >= (seq.num_tokens - 1) // self.block_size:
             return None
-        return self._block_hash(seq, len(hits), hits[-1].block_hash if hits else None)
+        parent = None
+        for i in range(n + 1):
+            parent = self._block_hash(seq, i, parent)
+        return parent
+
+    def _num_hit_blocks(self, hits: PrefixHits) -> int:
+        if not hits:
+            return 0
+        return len(hits[0]) if self.is_hybrid else len(hits)
 
     def hashes_filled_by(self, seq: Sequence, num_new_tokens: int) -> list[BlockHash]:
         """Chain hashes of the blocks that computing `num_new_tokens` more tokens makes full."""
@@ -181,10 +296,20 @@ class KVCacheManager:
         for i in range(len(hashes), num_full):
             block_hash = self._block_hash(seq, i, hashes[-1] if hashes else None)
             hashes.append(block_hash)
-            self.block_pool.cache_full_block(table[i], block_hash)
+            for g, tables in enumerate(self.tables):
+                block = tables[seq.seq_id][i]
+                if block is not self.null_block:
+                    self.block_pool.cache_full_block(block, self._group_key(g, block_hash))
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        if self.null_block is None:
+            return self.block_pool.reset_prefix_cache()
+        if self.block_pool.num_used_blocks > 1:  # the null block is always held
+            return False
+        self.block_pool.cached_block_hash_to_block.clear()
+        for block in self.block_pool.blocks:
+            block.block_hash = None
+        return True
 
     # ---- allocation -----------------------------------------------------------------------
 
@@ -192,86 +317,139 @@ class KVCacheManager:
         self,
         seq: Sequence,
         num_new_tokens: int,
-        new_computed_blocks: list[KVBlock] | None = None,
+        new_computed_blocks: PrefixHits | None = None,
     ) -> bool:
-        """Make the table cover this step's tokens; False (nothing changed) if the pool is short.
+        """Make the tables cover this step's tokens; False (nothing changed) if the pool is short.
 
-        Covers `num_computed_tokens + len(new_computed_blocks) * block_size + num_new_tokens`
-        tokens. Prefix hits go first in an empty table (the caller then advances
-        `num_computed_tokens`). A shared block in this step's write range is copied first
-        (copy-on-write); the copy is queued for `take_pending_copies`.
+        Covers `num_computed_tokens + hit blocks * block_size + num_new_tokens` tokens. Prefix
+        hits go first in an empty table (the caller then advances `num_computed_tokens`). A
+        shared block in this step's write range is copied first (copy-on-write); the copy is
+        queued for `take_pending_copies`. A sliding group first lets go of the blocks wholly
+        before its window.
         """
         hits = new_computed_blocks or []
-        table = self.req_to_blocks.get(seq.seq_id, [])
-        if table and not hits:  # the common decode step: the table covers it, nothing shared
-            B = self.block_size
-            first = seq.num_computed_tokens // B
-            needed = -(-(seq.num_computed_tokens + num_new_tokens) // B)
-            if needed <= len(table) and all(b.ref_count == 1 for b in table[first:needed]):
-                return True
-        if hits and table:
-            raise ValueError(f"seq {seq.seq_id}: prefix hits given for a non-empty block table")
-        hit_hashes = self._check_hits(seq, hits)
         B = self.block_size
-        write_start = seq.num_computed_tokens + len(hits) * B
+        sid = seq.seq_id
+        if not self.is_hybrid:
+            table = self.req_to_blocks.get(sid, [])
+            if table and not hits:  # the common decode step: covered, nothing shared
+                first = seq.num_computed_tokens // B
+                needed = -(-(seq.num_computed_tokens + num_new_tokens) // B)
+                if needed <= len(table) and all(b.ref_count == 1 for b in table[first:needed]):
+                    return True
+        group_hits = hits if self.is_hybrid else ([hits] if hits else [])
+        if group_hits and any(sid in t for t in self.tables):
+            raise ValueError(f"seq {sid}: prefix hits given for a non-empty block table")
+        num_hit_blocks = self._num_hit_blocks(hits)
+        hit_hashes = self._check_hits(seq, group_hits)
+        write_start = seq.num_computed_tokens + num_hit_blocks * B
         write_end = write_start + num_new_tokens
         num_required = self.num_blocks_needed(write_end)
-        num_new_blocks = max(0, num_required - len(table) - len(hits))
-        cow = [
-            i
-            for i in range(write_start // B, min(len(table), num_required))
-            if table[i].ref_count > 1
-        ]
+        plans = []  # per group: (table, dead, cow positions, new blocks)
+        fresh = freeable = 0
+        hits_from_free: set[int] = set()
+        for g, group in enumerate(self.groups):
+            table = list(group_hits[g]) if group_hits else self.tables[g].get(sid, [])
+            dead = min(group.num_dead_blocks(write_start, B), num_required)
+            start = max(len(table), dead)
+            num_new = max(0, num_required - start)
+            cow = [i for i in range(max(write_start // B, dead), min(len(table), num_required))
+                   if table[i].ref_count > 1]
+            fresh += num_new + len(cow)
+            freeable += sum(1 for b in table[:dead]
+                            if b is not self.null_block and b.ref_count == 1)
+            if group_hits:
+                hits_from_free.update(b.block_id for b in table
+                                      if b is not self.null_block and b.ref_count == 0)
+            plans.append((table, dead, cow, num_new))
         # Capacity first: cached hits that sit in the free queue stop being free when touched.
-        num_hits_from_free = sum(1 for b in hits if b.ref_count == 0)
-        if num_new_blocks + len(cow) > self.block_pool.num_free_blocks - num_hits_from_free:
+        # Dead blocks held by this sequence alone go back to the pool before any is taken.
+        if fresh > self.block_pool.num_free_blocks + freeable - len(hits_from_free):
             return False
 
-        if not table and self._uses_prefix_cache(seq):  # admission: count the lookup once
+        if not self.req_to_blocks.get(sid) and self._uses_prefix_cache(seq):  # admission
             self.prefix_cache_queries += seq.num_tokens
-            self.prefix_cache_hits += len(hits) * B
-        if hits:
-            self.block_pool.touch(hits)
-            table = list(hits)
-            self.req_to_block_hashes[seq.seq_id] = hit_hashes
-        if cow and self._synced.get(seq.seq_id, 0) > cow[0]:
-            self._synced[seq.seq_id] = cow[0]  # the runner's copy is stale from there
-        for i, new_block in zip(cow, self.block_pool.get_new_blocks(len(cow))):
-            old_block = table[i]
-            table[i] = new_block
-            self._pending_copies.append((old_block.block_id, new_block.block_id))
-            self.block_pool.free_blocks([old_block])  # still held by its other owners
-        table.extend(self.block_pool.get_new_blocks(num_new_blocks))
-        self.req_to_blocks[seq.seq_id] = table
+            self.prefix_cache_hits += num_hit_blocks * B
+        if group_hits:
+            self.req_to_block_hashes[sid] = hit_hashes
+        if group_hits:  # every group's hits first: a fresh block must not evict one of them
+            for table, _, _, _ in plans:
+                self.block_pool.touch(self._live(table))
+        for table, dead, _, _ in plans:  # then the blocks wholly behind a window go back
+            if dead:
+                self._drop_dead(table, dead)
+        for g, (table, dead, cow, num_new) in enumerate(plans):
+            synced = self.synced[g]
+            if cow and synced.get(sid, 0) > cow[0]:
+                synced[sid] = cow[0]  # the runner's copy is stale from there
+            for i, new_block in zip(cow, self.block_pool.get_new_blocks(len(cow))):
+                old_block = table[i]
+                table[i] = new_block
+                self._pending_copies.append((old_block.block_id, new_block.block_id))
+                self.block_pool.free_blocks([old_block])  # still held by its other owners
+            table.extend(self.block_pool.get_new_blocks(num_new))
+            self.tables[g][sid] = table
         return True
 
-    def num_blocks_to_admit(self, plans: list[tuple[Sequence, list[KVBlock], int]]) -> int:
+    def _drop_dead(self, table: list[KVBlock], dead: int) -> None:
+        """Free a sliding table's first `dead` entries (oldest first: evicted first) and point
+        them at the null block; grow the table with null entries up to `dead`."""
+        null = self.null_block
+        assert null is not None
+        gone = [b for b in table[:dead] if b is not null]
+        if gone:
+            self.block_pool.free_blocks(gone)
+            self.num_dead_blocks_freed += len(gone)
+        for i in range(min(dead, len(table))):
+            table[i] = null
+        table.extend([null] * (dead - len(table)))
+
+    def num_blocks_to_admit(self, plans: list[tuple[Sequence, PrefixHits, int]]) -> int:
         """Free blocks that admitting these (sequence, prefix hits, new tokens) together takes:
         fresh blocks beyond the hits, plus the distinct hits that sit in the free queue."""
         fresh = 0
         hits_from_free: set[int] = set()
+        B = self.block_size
         for seq, hits, num_new in plans:
-            end = seq.num_computed_tokens + len(hits) * self.block_size + num_new
-            fresh += max(0, self.num_blocks_needed(end) - len(hits))
-            hits_from_free.update(b.block_id for b in hits if b.ref_count == 0)
+            group_hits = hits if self.is_hybrid else ([hits] if hits else [])
+            start = seq.num_computed_tokens + self._num_hit_blocks(hits) * B
+            needed = self.num_blocks_needed(start + num_new)
+            for g, group in enumerate(self.groups):
+                held = len(group_hits[g]) if group_hits else 0
+                dead = min(group.num_dead_blocks(start, B), needed)
+                fresh += max(0, needed - max(held, dead))
+                if group_hits:
+                    hits_from_free.update(b.block_id for b in group_hits[g]
+                                          if b is not self.null_block and b.ref_count == 0)
         return fresh + len(hits_from_free)
 
-    def _check_hits(self, seq: Sequence, hits: list[KVBlock]) -> list[BlockHash]:
-        """Chain hashes of `hits`, refusing blocks evicted (and maybe reused) since the lookup."""
+    def max_blocks_per_sequence(self, num_tokens: int) -> int:
+        """Pool blocks one decoding sequence of `num_tokens` holds at most, over all groups."""
+        return sum(g.max_live_blocks(num_tokens, self.block_size) for g in self.groups)
+
+    def _check_hits(self, seq: Sequence, group_hits: list[list[KVBlock]]) -> list[BlockHash]:
+        """Chain hashes of the hits, refusing blocks evicted (and maybe reused) since the lookup."""
         hashes: list[BlockHash] = []
-        for i, block in enumerate(hits):
+        if not group_hits:
+            return hashes
+        for i in range(len(group_hits[0])):
             hashes.append(self._block_hash(seq, i, hashes[-1] if hashes else None))
-            if block.block_hash != hashes[-1]:
-                raise ValueError(f"seq {seq.seq_id}: stale prefix hit on block {block.block_id}")
+        for g, blocks in enumerate(group_hits):
+            for i, block in enumerate(blocks):
+                if block is self.null_block:
+                    continue
+                if block.block_hash != self._group_key(g, hashes[i]):
+                    raise ValueError(f"seq {seq.seq_id}: stale prefix hit on block {block.block_id}")
         return hashes
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share all of the parent's blocks with the child (copy-on-write on first write)."""
-        if child.seq_id in self.req_to_blocks:
+        if any(child.seq_id in t for t in self.tables):
             raise ValueError(f"seq {child.seq_id} already has a block table")
-        table = list(self.req_to_blocks.get(parent.seq_id, ()))
-        self.block_pool.touch(table)
-        self.req_to_blocks[child.seq_id] = table
+        for tables in self.tables:
+            table = list(tables.get(parent.seq_id, ()))
+            self.block_pool.touch(self._live(table))
+            tables[child.seq_id] = table
         if parent.seq_id in self.req_to_block_hashes:
             self.req_to_block_hashes[child.seq_id] = list(self.req_to_block_hashes[parent.seq_id])
 
@@ -281,20 +459,23 @@ class KVCacheManager:
         A copy-on-write queued this step into one of its blocks is dropped: the block may be
         handed out again in the same step, and two copies into one block would race.
         """
-        table = self.req_to_blocks.pop(seq.seq_id, None)
         self._forget_table(seq.seq_id)
         self.req_to_block_hashes.pop(seq.seq_id, None)
-        host_table = self.swapped_tables.pop(seq.seq_id, None)
-        if host_table:
-            assert self.host_pool is not None
-            self.host_pool.free_blocks(reversed(host_table))
-        if table:
-            self.block_pool.free_blocks(reversed(table))
-            if self._pending_copies:
-                blocks = self.block_pool.blocks
-                self._pending_copies = [
-                    (src, dst) for src, dst in self._pending_copies if blocks[dst].ref_count > 0
-                ]
+        freed = False
+        for tables, host_tables in zip(self.tables, self.host_tables):
+            host_table = host_tables.pop(seq.seq_id, None)
+            if host_table:
+                assert self.host_pool is not None
+                self.host_pool.free_blocks(reversed(self._live(host_table)))
+            table = tables.pop(seq.seq_id, None)
+            if table:
+                self.block_pool.free_blocks(reversed(self._live(table)))
+                freed = True
+        if freed and self._pending_copies:
+            blocks = self.block_pool.blocks
+            self._pending_copies = [
+                (src, dst) for src, dst in self._pending_copies if blocks[dst].ref_count > 0
+            ]
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """(src_block_id, dst_block_id) copies the runner must do before the next forward."""
@@ -303,17 +484,22 @@ class KVCacheManager:
 
     # ---- swap -----------------------------------------------------------------------------
 
-    @staticmethod
-    def _distinct(tables: Iterable[list[KVBlock]]) -> list[KVBlock]:
+    def _distinct(self, tables: Iterable[list[KVBlock]]) -> list[KVBlock]:
         seen: dict[int, KVBlock] = {}
+        null = self.null_block
         for table in tables:
             for block in table:
-                seen.setdefault(block.block_id, block)
+                if block is not null:
+                    seen.setdefault(block.block_id, block)
         return list(seen.values())
 
+    def _all_tables(self, which: list[dict[int, list[KVBlock]]], seqs: list[Sequence]):
+        return [t.get(s.seq_id, []) for t in which for s in seqs]
+
     def num_swap_out_blocks(self, seqs: list[Sequence]) -> int:
-        """Host blocks a swap-out of `seqs` takes: each block they share is stored once."""
-        return len(self._distinct(self.req_to_blocks.get(s.seq_id, []) for s in seqs))
+        """Host blocks a swap-out of `seqs` takes: each block they share is stored once, dead
+        (null) entries not at all."""
+        return len(self._distinct(self._all_tables(self.tables, seqs)))
 
     def can_swap_out(self, seqs: list[Sequence]) -> bool:
         return (
@@ -322,7 +508,11 @@ class KVCacheManager:
         )
 
     def num_swap_in_blocks(self, seqs: list[Sequence]) -> int:
-        return len(self._distinct(self.swapped_tables.get(s.seq_id, []) for s in seqs))
+        return len(self._distinct(self._all_tables(self.host_tables, seqs)))
+
+    def num_swapped_entries(self, seq: Sequence) -> int:
+        """Blocks of `seq` held on the host (all groups): what a swap-in brings back."""
+        return sum(len(self._live(t.get(seq.seq_id, ()))) for t in self.host_tables)
 
     def swap_out(self, seqs: list[Sequence]) -> None:
         """Move the blocks of `seqs` (a forked group) to host memory, keeping their sharing.
@@ -331,13 +521,12 @@ class KVCacheManager:
         table entries that point at it; the device blocks lose those references (a block also
         held outside the group, e.g. a prefix hit, stays on the device for its other owners).
         A block filled by a copy-on-write queued this step holds nothing yet: the swap-out
-        reads that copy's source instead, and the copy is dropped.
+        reads that copy's source instead, and the copy is dropped. Null entries stay null.
         """
         if not self.can_swap_out(seqs):
             raise ValueError("not enough free host blocks to swap out")
         assert self.host_pool is not None
-        tables = [self.req_to_blocks.get(s.seq_id, []) for s in seqs]
-        distinct = self._distinct(tables)
+        distinct = self._distinct(self._all_tables(self.tables, seqs))
         host_blocks = self.host_pool.get_new_blocks(len(distinct))
         to_host = {d.block_id: h for d, h in zip(distinct, host_blocks)}
         cow_source = {dst: src for src, dst in self._pending_copies}
@@ -345,44 +534,51 @@ class KVCacheManager:
         for d, h in zip(distinct, host_blocks):
             self._pending_swap_out.append((cow_source.get(d.block_id, d.block_id), h.block_id))
         self.num_swapped_out += len(distinct)
-        host_refs: dict[int, int] = {}
-        for seq, table in zip(seqs, tables):
-            self.swapped_tables[seq.seq_id] = [to_host[b.block_id] for b in table]
-            for b in table:
-                host_refs[b.block_id] = host_refs.get(b.block_id, 0) + 1
-            self.req_to_blocks.pop(seq.seq_id, None)
+        self._move_tables(seqs, self.tables, self.host_tables, self.block_pool, self.host_pool,
+                          to_host)
+        for seq in seqs:
             self._forget_table(seq.seq_id)
-            self.block_pool.free_blocks(reversed(table))
-        for block_id, n in host_refs.items():  # get_new_blocks gave each host block one ref
-            self.host_pool.touch([to_host[block_id]] * (n - 1))
 
     def swap_in(self, seqs: list[Sequence]) -> bool:
         """Bring swapped `seqs` back into fresh device blocks; False (nothing changed) if the
         pool is short. Their full blocks are published to the prefix cache again."""
         assert self.host_pool is not None
-        tables = [self.swapped_tables.get(s.seq_id, []) for s in seqs]
-        distinct = self._distinct(tables)
+        null = self.null_block
+        distinct = self._distinct(self._all_tables(self.host_tables, seqs))
         if len(distinct) > self.block_pool.num_free_blocks:
             return False
         dev_blocks = self.block_pool.get_new_blocks(len(distinct))
         to_dev = {h.block_id: d for h, d in zip(distinct, dev_blocks)}
         self._pending_swap_in.extend((h.block_id, d.block_id) for h, d in zip(distinct, dev_blocks))
         self.num_swapped_in += len(distinct)
-        dev_refs: dict[int, int] = {}
-        for seq, table in zip(seqs, tables):
-            dev_table = [to_dev[h.block_id] for h in table]
-            self.req_to_blocks[seq.seq_id] = dev_table
-            for h in table:
-                dev_refs[h.block_id] = dev_refs.get(h.block_id, 0) + 1
-            del self.swapped_tables[seq.seq_id]
-            self.host_pool.free_blocks(reversed(table))
-        for block_id, n in dev_refs.items():
-            self.block_pool.touch([to_dev[block_id]] * (n - 1))
+        self._move_tables(seqs, self.host_tables, self.tables, self.host_pool, self.block_pool,
+                          to_dev)
         for seq in seqs:
-            table = self.req_to_blocks[seq.seq_id]
-            for block, block_hash in zip(table, self.req_to_block_hashes.get(seq.seq_id, [])):
-                self.block_pool.cache_full_block(block, block_hash)
+            hashes = self.req_to_block_hashes.get(seq.seq_id, [])
+            for g, tables in enumerate(self.tables):
+                for block, block_hash in zip(tables[seq.seq_id], hashes):
+                    if block is not null:
+                        self.block_pool.cache_full_block(block, self._group_key(g, block_hash))
         return True
+
+    def _move_tables(self, seqs: list[Sequence], src: list[dict[int, list[KVBlock]]],
+                     dst: list[dict[int, list[KVBlock]]], src_pool: BlockPool,
+                     dst_pool: BlockPool, mapping: dict[int, KVBlock]) -> None:
+        """Re-point the tables of `seqs` (every group) from `src` to `dst` blocks by `mapping`,
+        keeping their sharing: each destination block (one ref from get_new_blocks) takes one
+        ref per table entry; the source blocks lose theirs. Null entries stay null."""
+        null = self.null_block
+        refs: dict[int, int] = {}
+        for src_tables, dst_tables in zip(src, dst):
+            for seq in seqs:
+                table = src_tables.pop(seq.seq_id, [])
+                dst_tables[seq.seq_id] = [b if b is null else mapping[b.block_id] for b in table]
+                live = self._live(table)
+                for b in live:
+                    refs[b.block_id] = refs.get(b.block_id, 0) + 1
+                src_pool.free_blocks(reversed(live))
+        for block_id, n in refs.items():
+            dst_pool.touch([mapping[block_id]] * (n - 1))
 
     def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """(swap-out (device, host) pairs, swap-in (host, device) pairs) queued this step."""
@@ -396,21 +592,30 @@ class KVCacheManager:
         """Assert the bookkeeping is consistent; raises AssertionError on the first breach."""
         seqs = {s.seq_id: s for s in active_seqs}
         B = self.block_size
-        assert set(self.req_to_blocks) <= set(seqs), "block table of an inactive sequence"
-        assert set(self.swapped_tables) <= set(seqs), "host table of an inactive sequence"
-        assert not set(self.req_to_blocks) & set(self.swapped_tables), "on device and host"
+        null = self.null_block
+        for tables, host_tables in zip(self.tables, self.host_tables):
+            assert set(tables) <= set(seqs), "block table of an inactive sequence"
+            assert set(host_tables) <= set(seqs), "host table of an inactive sequence"
+            assert not set(tables) & set(host_tables), "on device and host"
+            assert set(tables) == set(self.req_to_blocks), "a sequence lacks a group's table"
+            assert set(host_tables) == set(self.swapped_tables), "a swapped sequence lacks a group"
         self._check_host_pool()
-        refs: dict[int, int] = {}
-        for seq_id, table in self.req_to_blocks.items():
-            seq = seqs[seq_id]
-            assert len(table) >= self.num_blocks_needed(seq.num_computed_tokens)
-            assert len(table) <= self.num_blocks_needed(seq.num_tokens)
-            hashes = self.req_to_block_hashes.get(seq_id, [])
-            assert len(hashes) <= seq.num_computed_tokens // B
-            for i, block in enumerate(table):
-                refs[block.block_id] = refs.get(block.block_id, 0) + 1
-                if block.block_hash is not None:  # a hashed block lies wholly in computed range
-                    assert (i + 1) * B <= seq.num_computed_tokens, (seq_id, i, block)
+        refs: dict[int, int] = {} if null is None else {null.block_id: 1}
+        for g, (group, tables) in enumerate(zip(self.groups, self.tables)):
+            for seq_id, table in tables.items():
+                seq = seqs[seq_id]
+                assert len(table) >= self.num_blocks_needed(seq.num_computed_tokens)
+                assert len(table) <= self.num_blocks_needed(seq.num_tokens)
+                hashes = self.req_to_block_hashes.get(seq_id, [])
+                assert len(hashes) <= seq.num_computed_tokens // B
+                live_from = group.num_dead_blocks(seq.num_computed_tokens, B)
+                for i, block in enumerate(table):
+                    if block is null:  # only dead positions are null, and only when sliding
+                        assert group.is_sliding and i < live_from, (g, seq_id, i)
+                        continue
+                    refs[block.block_id] = refs.get(block.block_id, 0) + 1
+                    if block.block_hash is not None:  # a hashed block lies wholly in computed range
+                        assert (i + 1) * B <= seq.num_computed_tokens, (seq_id, i, block)
         pool = self.block_pool
         for block in pool.blocks:  # invariant 2, per block (so also in sum)
             assert block.ref_count == refs.get(block.block_id, 0), block
@@ -422,17 +627,20 @@ class KVCacheManager:
             assert block.block_hash == block_hash
         hashed = [b for b in pool.blocks if b.block_hash is not None]
         assert len(hashed) == len(pool.cached_block_hash_to_block)
+        if null is not None:
+            assert null.block_hash is None
         if not self.enable_caching:
             assert not hashed and not self.req_to_block_hashes
 
     def _check_host_pool(self) -> None:
         if self.host_pool is None:
-            assert not self.swapped_tables
+            assert not any(self.host_tables)
             return
         refs: dict[int, int] = {}
-        for table in self.swapped_tables.values():
-            for block in table:
-                refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        for host_tables in self.host_tables:
+            for table in host_tables.values():
+                for block in self._live(table):
+                    refs[block.block_id] = refs.get(block.block_id, 0) + 1
         for block in self.host_pool.blocks:
             assert block.ref_count == refs.get(block.block_id, 0), block
             assert block.block_hash is None

@@ -59,11 +59,15 @@ from pagedllm.core.request import Sequence, SequenceStatus
 
 
 def check_request_fits_pool(
-    num_tokens: int, num_lockstep_seqs: int, num_blocks: int, block_size: int
+    num_tokens: int, num_lockstep_seqs: int, num_blocks: int, block_size: int,
+    blocks: int | None = None,
 ) -> None:
     """`Scheduler.check_request_fits` on the pool's numbers alone, so that a front end in
-    another process rejects by the same rule before the request ever reaches the core."""
-    blocks = -(-num_tokens // block_size)
+    another process rejects by the same rule before the request ever reaches the core.
+    `blocks`: what one sequence holds at its peak (KVCacheManager.peak_blocks; default: one
+    block table of `num_tokens`)."""
+    if blocks is None:
+        blocks = -(-num_tokens // block_size)
     if num_lockstep_seqs > 1 and blocks * num_lockstep_seqs > num_blocks:
         raise ValueError(
             f"Beam search with width {num_lockstep_seqs} needs up to "
@@ -148,6 +152,9 @@ class ScheduledSequence:
     # The sequence's length (prompt + output so far) when scheduled: a length-dependent
     # positional encoding (Phi-3 LongRoPE) picks its regime from it. 0: start_pos + len(token_ids).
     seq_len: int = 0
+    # Hybrid KV cache: (blocks_from, new_block_ids) of groups 1.. (group 0 is above); empty
+    # with one group.
+    group_deltas: tuple[tuple[int, list[int]], ...] = ()
 
 
 @dataclass
@@ -229,7 +236,9 @@ class Scheduler:
         their sharing. This is the bound the liveness argument (module docstring) rests on.
         """
         kv = self.kv_cache_manager
-        check_request_fits_pool(num_tokens, num_lockstep_seqs, kv.num_blocks, kv.block_size)
+        check_request_fits_pool(num_tokens, num_lockstep_seqs, kv.num_usable_blocks, kv.block_size,
+                                kv.peak_blocks(num_tokens, self.config.max_num_batched_tokens)
+                                if kv.is_hybrid or kv.null_block is not None else None)
 
     def add_sequence(self, seq: Sequence, lockstep: bool = False) -> None:
         """Queue a new sequence (status WAITING) behind all waiting ones.
@@ -402,6 +411,8 @@ class Scheduler:
                 new_block_ids=new_block_ids,
                 sample=seq.num_computed_tokens + n == seq.num_tokens,
                 seq_len=seq.num_tokens,
+                group_deltas=tuple(kv.take_table_delta(seq.seq_id, g)
+                                   for g in range(1, len(kv.groups))),
             ))
         swap_out, swap_in = kv.take_pending_swaps()
         return SchedulerOutput(
@@ -430,11 +441,10 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.swapped and budget > 0:
             group = self.swapped[0]
+            chunk = self.config.max_num_batched_tokens
             blocks = kv.num_swap_in_blocks(group) + sum(
-                kv.num_blocks_needed(s.num_tokens) - len(kv.swapped_tables[s.seq_id]) + 1
-                for s in group
-            )
-            if blocks > kv.num_blocks:  # could never come back: recompute it instead
+                kv.num_blocks_to_resume(s, chunk) for s in group)
+            if blocks > kv.num_usable_blocks:  # could never come back: recompute it instead
                 self.swapped.pop(0)
                 for seq in group:
                     kv.free(seq)

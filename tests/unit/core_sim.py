@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from pagedllm.core.kv_cache_groups import KVCacheGroups
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Sequence, SequenceStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -28,13 +29,26 @@ SWAPPED = SequenceStatus.SWAPPED
 
 
 class FakeStore:
-    """Token ids in device and host slots; applies swaps and copies in the runner's order."""
+    """Token ids in device and host slots; applies swaps and copies in the runner's order.
+
+    One runner table per KV cache group (hybrid: each group's blocks hold the same tokens for
+    its own layers; a sliding group's dead entries are null in the manager and stale, never
+    read, in the runner)."""
 
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
-        self.dev: dict[int, int] = {}
-        self.host: dict[int, int] = {}
-        self.tables = BlockTable(4, num_rows=2)  # the runner's copy, grown as it goes
+        self.dev: dict[tuple[int, int], int] = {}  # (group, slot) -> token
+        self.host: dict[tuple[int, int], int] = {}
+        self.tables = [BlockTable(4, num_rows=2) for _ in kv.groups]  # the runner's copies
+
+    def _live_ids(self, ids: list[int], g: int, table: list) -> list[int | None]:
+        """The manager's ids with null entries blanked (the runner may hold anything there)."""
+        null = self.kv.null_block
+        return [None if b is null else i for i, b in zip(ids, table)]
+
+    def _same(self, runner: list[int], g: int, table: list) -> bool:
+        mine = self._live_ids([b.block_id for b in table], g, table)
+        return len(runner) == len(mine) and all(m is None or m == r for r, m in zip(runner, mine))
 
     def execute(self, out: SchedulerOutput) -> None:
         B = self.kv.block_size
@@ -42,42 +56,63 @@ class FakeStore:
         def move(pairs, src_store, dst_store):
             snapshot = dict(src_store)
             for src, dst in pairs:
-                for off in range(B):
-                    dst_store.pop(dst * B + off, None)
-                    if src * B + off in snapshot:
-                        dst_store[dst * B + off] = snapshot[src * B + off]
+                for g in range(len(self.kv.groups)):
+                    for off in range(B):
+                        dst_store.pop((g, dst * B + off), None)
+                        if (g, src * B + off) in snapshot:
+                            dst_store[(g, dst * B + off)] = snapshot[(g, src * B + off)]
 
         for seq_id in out.released_seq_ids:
-            self.tables.release(seq_id)
-        rows = {s.seq.seq_id: self.tables.apply(s.seq.seq_id, s.blocks_from, s.new_block_ids)
-                for s in out.scheduled}
-        for s in out.scheduled:  # the runner's table is the scheduler's
-            assert self.tables.ids(s.seq.seq_id) == self.kv.get_block_ids(s.seq.seq_id), s.seq.seq_id
+            for t in self.tables:
+                t.release(seq_id)
+        rows = {}
+        for s in out.scheduled:
+            sid = s.seq.seq_id
+            deltas = ((s.blocks_from, s.new_block_ids),) + s.group_deltas
+            assert len(deltas) == len(self.kv.groups)
+            rows[sid] = [t.apply(sid, start, ids) for t, (start, ids) in zip(self.tables, deltas)]
+        for s in out.scheduled:  # the runner's tables are the scheduler's
+            for g, t in enumerate(self.tables):
+                table = self.kv.tables[g][s.seq.seq_id]
+                assert self._same(t.ids(s.seq.seq_id), g, table), (g, s.seq.seq_id)
         move(out.blocks_to_swap_out, self.dev, self.host)
         move(out.blocks_to_swap_in, self.host, self.dev)
         assert len({d for _, d in out.block_copies}) == len(out.block_copies)  # no race
         move(out.block_copies, self.dev, self.dev)
         for s in out.scheduled:
-            for i, tok in enumerate(s.token_ids):
-                pos = s.start_pos + i
-                block_id = int(self.tables.tensor[rows[s.seq.seq_id], pos // B])
-                block = self.kv.block_pool.blocks[block_id]
-                assert block.ref_count == 1 and block.block_hash is None  # invariant 3
-                self.dev[block.block_id * B + pos % B] = tok
+            for g, t in enumerate(self.tables):
+                for i, tok in enumerate(s.token_ids):
+                    pos = s.start_pos + i
+                    block_id = int(t.tensor[rows[s.seq.seq_id][g], pos // B])
+                    block = self.kv.block_pool.blocks[block_id]
+                    assert block is not self.kv.null_block, (g, s.seq.seq_id, pos)
+                    assert block.ref_count == 1 and block.block_hash is None, (  # invariant 3
+                        g, s.seq.seq_id, pos, s.start_pos, len(s.token_ids), block,
+                        [b.block_id for b in self.kv.tables[g][s.seq.seq_id]])
+                    self.dev[(g, block.block_id * B + pos % B)] = tok
 
     def check(self, sched: Scheduler) -> None:
         B = self.kv.block_size
         live = {s.seq_id for s in sched.all_unfinished()}
-        for seq_id, synced in self.kv._synced.items():  # rows kept between steps
-            assert seq_id in live, f"seq {seq_id}: a synced table after it finished"
-            assert self.tables.ids(seq_id)[:synced] == self.kv.get_block_ids(seq_id)[:synced]
+        null = self.kv.null_block
+        for g, synced_of in enumerate(self.kv.synced):
+            for seq_id, synced in synced_of.items():  # rows kept between steps
+                assert seq_id in live, f"seq {seq_id}: a synced table after it finished"
+                table = self.kv.tables[g][seq_id][:synced]
+                assert self._same(self.tables[g].ids(seq_id)[:synced], g, table), (g, seq_id)
         for s in sched.all_unfinished():
-            if s.status == SWAPPED:
-                table, store = [b.block_id for b in self.kv.swapped_tables[s.seq_id]], self.host
-            else:
-                table, store = self.kv.get_block_ids(s.seq_id), self.dev
-            for pos, tok in enumerate(s.all_token_ids[: s.num_computed_tokens]):
-                assert store.get(table[pos // B] * B + pos % B) == tok, (s.seq_id, pos)
+            for g, group in enumerate(self.kv.groups):
+                if s.status == SWAPPED:
+                    table, store = self.kv.host_tables[g][s.seq_id], self.host
+                else:
+                    table, store = self.kv.tables[g].get(s.seq_id, []), self.dev
+                first = group.first_live_position(s.num_computed_tokens)
+                for pos, tok in enumerate(s.all_token_ids[: s.num_computed_tokens]):
+                    if pos < first:  # no query reads it: the block may be gone
+                        continue
+                    block = table[pos // B]
+                    assert block is not null, (g, s.seq_id, pos)
+                    assert store.get((g, block.block_id * B + pos % B)) == tok, (g, s.seq_id, pos)
 
 
 @dataclass
@@ -120,8 +155,9 @@ class CoreSim:
         max_idle: int = 3,
         stop_prob: float = 0.03,
         policy: str = "fcfs",
+        groups: KVCacheGroups | None = None,
     ) -> None:
-        self.kv = KVCacheManager(num_blocks, block_size, enable_caching, num_host_blocks)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_caching, num_host_blocks, groups)
         self.sched = Scheduler(
             SchedulerConfig(max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
@@ -269,7 +305,7 @@ class CoreSim:
         kv = self.kv
         assert not self.sched.has_unfinished()
         assert all(s.is_finished for r in self.requests.values() for s in r.seqs)
-        assert kv.num_free_blocks == kv.num_blocks and kv.num_shared_blocks == 0
+        assert kv.num_free_blocks == kv.num_usable_blocks and kv.num_shared_blocks == 0
         assert kv.host_pool is None or kv.num_free_host_blocks == kv.host_pool.num_blocks
         assert self.counts["swap_out"] == kv.num_swapped_out
         assert self.counts["swap_in"] == kv.num_swapped_in

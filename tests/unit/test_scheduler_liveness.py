@@ -12,6 +12,7 @@ import random
 import pytest
 
 from pagedllm.core.request import SequenceStatus
+from pagedllm.core.kv_cache_groups import group_layers
 from tests.unit.core_sim import CoreSim, Stalled
 
 # A request accepted at add_request finishes within this many steps of its arrival (the
@@ -68,7 +69,7 @@ def test_three_request_mix_drains_over_many_configurations():
     assert preempted > 60 and swapped > 20
 
 
-def random_workload(seed: int, policy: str = "fcfs") -> CoreSim:
+def random_workload(seed: int, policy: str = "fcfs", hybrid: bool = False) -> CoreSim:
     """Random requests (plain, n = 2..3, beams of width 2..4), staggered arrivals, aborts at
     random points, tiny device pools and host pools of every size; run until drained.
     `policy="priority"`: each request gets a random priority in [-2, 2]."""
@@ -76,10 +77,15 @@ def random_workload(seed: int, policy: str = "fcfs") -> CoreSim:
     B = r.choice([1, 2, 4])
     nb = r.randint(8, 32)
     mode = r.choice([None, None, "swap", "recompute"])
+    groups = None
+    if hybrid:  # full + sliding, sliding only, two windows; windows from 1 token to 3 blocks
+        w = r.randint(1, 3 * B)
+        groups = group_layers(r.choice([[None, w], [w, None, w, w], [w, w],
+                                        [None, w, r.randint(1, 3 * B)]]))
     sim = CoreSim(nb, B, num_host_blocks=r.choice([0, 2, 4, 8, 16, 64]),
                   preemption_mode=mode, enable_caching=r.random() < 0.7,
                   max_num_seqs=r.randint(2, 16), max_num_batched_tokens=r.choice([4, 8, 16, 64]),
-                  max_model_len=nb * B, seed=seed, policy=policy)
+                  max_model_len=nb * B, seed=seed, policy=policy, groups=groups)
     shared = [r.randrange(4) for _ in range(3 * B)]  # a common prefix for cache hits
     num_requests = r.randint(4, 14)
     arrivals = sorted(r.randint(0, 40) for _ in range(num_requests))
@@ -169,3 +175,18 @@ def test_randomized_liveness_under_the_priority_policy():
         swapped += sim.counts["swap_out"]
         beams += any(r.kind == "beam" for r in sim.requests.values())
     assert preempted > 1000 and swapped > 500 and beams > 300
+
+
+def test_randomized_liveness_with_kv_cache_groups():
+    """The same workloads on a hybrid KV cache (a full and a sliding group, sliding groups only,
+    two windows): every request finishes or is refused, the runner's per-group tables follow
+    the deltas, every token a live window reads is where its table says, and sliding groups do
+    hand blocks back."""
+    freed = preempted = swapped = hits = 0
+    for seed in range(600):
+        sim = random_workload(seed, hybrid=True)
+        freed += sim.kv.num_dead_blocks_freed
+        preempted += sim.counts["preempted"] > 0
+        swapped += sim.counts["swap_out"] > 0
+        hits += sim.kv.prefix_cache_hits > 0
+    assert freed > 5000 and preempted > 50 and swapped > 15 and hits > 50, (freed, preempted, swapped, hits)
