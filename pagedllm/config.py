@@ -83,6 +83,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     # True: never compile or capture (overrides compile_batch_sizes and CUDA graphs).
     enforce_eager: bool = False
+    # True: one block table for every layer even when the model mixes sliding-window and full
+    # attention layers (docs/hybrid_kv_cache.md; vLLM's --disable-hybrid-kv-cache-manager).
+    disable_hybrid_kv_cache_manager: bool = False
     # GPU: decode-only steps of up to these padded batch sizes replay captured CUDA graphs
     # (worker/cuda_graphs.py); None: 1, 2, 4, 8, then every multiple of 8 up to max_num_seqs
     # (at most 512), as vLLM captures.

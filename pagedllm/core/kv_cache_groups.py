@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,16 @@ class KVCacheGroups:
         """Pool blocks one sequence of `num_tokens` holds at most, summed over groups."""
         return sum(g.max_live_blocks(num_tokens, block_size) for g in self.groups)
 
+    def peak_blocks(self, num_tokens: int, block_size: int, chunk: int) -> int:
+        """The most pool blocks one sequence of up to `num_tokens` holds in a step of at most
+        `chunk` new tokens (what "fits in an empty pool" means)."""
+        return sum(g.peak_blocks(num_tokens, block_size, chunk) for g in self.groups)
+
+    @property
+    def has_null_block(self) -> bool:
+        """A sliding group points its dead entries at a reserved block."""
+        return any(g.is_sliding for g in self.groups)
+
     def layer_blocks_per_sequence(self, num_tokens: int, block_size: int) -> int:
         """Layer-blocks (a block of one layer's K/V) the pool spends on one sequence: what is
         held, unused slots included."""
@@ -127,3 +138,28 @@ def group_layers(windows: Sequence[int | None]) -> KVCacheGroups:
         for start in range(0, len(layers), slots):
             groups.append(KVCacheGroup(tuple(layers[start:start + slots]), w))
     return KVCacheGroups(tuple(groups), slots)
+
+
+def layer_sliding_window(hf_config: Any, layer_idx: int) -> int | None:
+    """The attention window of one layer (None: full causal attention), as transformers decides."""
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None or getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    if hf_config.model_type == "qwen2":
+        return window if layer_idx >= getattr(hf_config, "max_window_layers", 0) else None
+    return window
+
+
+def hybrid_kv_cache_groups(hf_config: Any, disabled: bool = False) -> KVCacheGroups | None:
+    """The KV cache groups of a model that mixes attention types (sliding windows and full, or
+    two windows): its sliding layers then keep only their window's blocks. None for a model
+    with one attention type (one block table for every layer, as always) or when `disabled`
+    (`--disable-hybrid-kv-cache-manager`)."""
+    if disabled:
+        return None
+    windows = [layer_sliding_window(hf_config, i) for i in range(hf_config.num_hidden_layers)]
+    groups = group_layers(windows)
+    return groups if groups.is_hybrid else None

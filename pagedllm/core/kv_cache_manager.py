@@ -56,8 +56,9 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching)
         # Host memory for swapped-out blocks: ref counts and a free queue, never hashed.
         self.host_pool = BlockPool(num_host_blocks, False) if num_host_blocks else None
-        self.groups: tuple[KVCacheGroup, ...] = (
-            groups.groups if groups is not None else (KVCacheGroup((), None),))
+        self.kv_cache_groups = groups if groups is not None else KVCacheGroups(
+            (KVCacheGroup((), None),), 0)
+        self.groups: tuple[KVCacheGroup, ...] = self.kv_cache_groups.groups
         # Per group: seq_id -> device table, seq_id -> host table (swapped out).
         self.tables: list[dict[int, list[KVBlock]]] = [{} for _ in self.groups]
         self.host_tables: list[dict[int, list[KVBlock]]] = [{} for _ in self.groups]
@@ -65,7 +66,7 @@ class KVCacheManager:
         self.swapped_tables = self.host_tables[0]
         # The entry of a sliding table's dead positions (never freed, never hashed).
         self.null_block: KVBlock | None = None
-        if any(g.is_sliding for g in self.groups):
+        if self.kv_cache_groups.has_null_block:
             if num_blocks < 2:
                 raise ValueError("a sliding-window group needs at least 2 blocks (one is the null block)")
             self.null_block = self.block_pool.get_new_blocks(1)[0]
@@ -119,7 +120,7 @@ class KVCacheManager:
     def peak_blocks(self, num_tokens: int, chunk: int) -> int:
         """The most blocks one sequence of up to `num_tokens` holds in a step of at most
         `chunk` new tokens, over all groups (what "fits in an empty pool" means)."""
-        return sum(g.peak_blocks(num_tokens, self.block_size, chunk) for g in self.groups)
+        return self.kv_cache_groups.peak_blocks(num_tokens, self.block_size, chunk)
 
     def num_blocks_to_resume(self, seq: Sequence, chunk: int) -> int:
         """Free blocks beyond its host blocks that a swapped `seq` may take to finish: each

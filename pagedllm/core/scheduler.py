@@ -55,19 +55,22 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_groups import KVCacheGroups
 from pagedllm.core.request import Sequence, SequenceStatus
 
 
 def check_request_fits_pool(
     num_tokens: int, num_lockstep_seqs: int, num_blocks: int, block_size: int,
-    blocks: int | None = None,
+    groups: KVCacheGroups | None = None, chunk: int = 0,
 ) -> None:
     """`Scheduler.check_request_fits` on the pool's numbers alone, so that a front end in
     another process rejects by the same rule before the request ever reaches the core.
-    `blocks`: what one sequence holds at its peak (KVCacheManager.peak_blocks; default: one
-    block table of `num_tokens`)."""
-    if blocks is None:
-        blocks = -(-num_tokens // block_size)
+    `groups` (a KV cache with sliding groups): one sequence's peak over its groups in steps of
+    at most `chunk` tokens, against the pool less its null block."""
+    blocks = -(-num_tokens // block_size)
+    if groups is not None and groups.has_null_block:
+        blocks = groups.peak_blocks(num_tokens, block_size, chunk)
+        num_blocks -= 1
     if num_lockstep_seqs > 1 and blocks * num_lockstep_seqs > num_blocks:
         raise ValueError(
             f"Beam search with width {num_lockstep_seqs} needs up to "
@@ -236,9 +239,8 @@ class Scheduler:
         their sharing. This is the bound the liveness argument (module docstring) rests on.
         """
         kv = self.kv_cache_manager
-        check_request_fits_pool(num_tokens, num_lockstep_seqs, kv.num_usable_blocks, kv.block_size,
-                                kv.peak_blocks(num_tokens, self.config.max_num_batched_tokens)
-                                if kv.is_hybrid or kv.null_block is not None else None)
+        check_request_fits_pool(num_tokens, num_lockstep_seqs, kv.num_blocks, kv.block_size,
+                                kv.kv_cache_groups, self.config.max_num_batched_tokens)
 
     def add_sequence(self, seq: Sequence, lockstep: bool = False) -> None:
         """Queue a new sequence (status WAITING) behind all waiting ones.

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.scheduler import check_request_fits_pool
+from pagedllm.core.kv_cache_groups import hybrid_kv_cache_groups
 from pagedllm.engine.core_messages import CoreReady, EngineCoreOutputs
 from pagedllm.engine.errors import STALL_STEPS, SchedulerStallError
 from pagedllm.engine.generation_defaults import load_generation_defaults
@@ -87,6 +88,10 @@ class EngineInfo:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     # every --served-model-name (model_name is the first); empty: model_name only
     served_model_names: list[str] = field(default_factory=list)
+    # a hybrid KV cache (the core's KVCacheManager groups) and the step's token budget: the
+    # fit check's peak per sequence (core/scheduler.check_request_fits_pool)
+    kv_cache_groups: Any = None
+    max_num_batched_tokens: int = 0
 
 
 class RequestStream:
@@ -146,7 +151,8 @@ class AsyncLLMEngine:
         self.inputs = InputProcessor(
             tokenizer, info.vocab_size, info.max_model_len,
             functools.partial(_check_fits, num_blocks=info.num_blocks,
-                              block_size=info.block_size),
+                              block_size=info.block_size, groups=info.kv_cache_groups,
+                              chunk=info.max_num_batched_tokens),
             max_logprobs=info.max_logprobs, scheduling_policy=info.scheduling_policy,
             max_num_seqs=info.max_num_seqs,
         )
@@ -242,6 +248,9 @@ class AsyncLLMEngine:
             generation_defaults=load_generation_defaults(config.generation_config, source.path,
                                                          bool(source.gguf_file)),
             served_model_names=config.served_model_names,
+            kv_cache_groups=hybrid_kv_cache_groups(load_hf_config(source),
+                                                   config.disable_hybrid_kv_cache_manager),
+            max_num_batched_tokens=ready.max_num_batched_tokens,
         )
         metrics = None
         if with_metrics:
@@ -552,8 +561,8 @@ class AsyncLLMEngine:
 
 
 def _check_fits(num_tokens: int, num_lockstep_seqs: int = 1, *, num_blocks: int,
-                block_size: int) -> None:
-    check_request_fits_pool(num_tokens, num_lockstep_seqs, num_blocks, block_size)
+                block_size: int, groups: Any = None, chunk: int = 0) -> None:
+    check_request_fits_pool(num_tokens, num_lockstep_seqs, num_blocks, block_size, groups, chunk)
 
 
 def _request_error(request_id: str, message: str, kind: str) -> BaseException:

@@ -24,6 +24,7 @@ from typing import Any, Iterable
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_groups import hybrid_kv_cache_groups
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Sequence, SequenceStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, check_priority
@@ -82,6 +83,10 @@ class EngineCore:
         self.model = self.executor.model  # rank 0's (its shard under tensor parallelism)
         self.max_model_len = self._resolve_max_model_len()
         self.block_size = config.block_size
+        # Layers grouped by attention type when the model mixes them (docs/hybrid_kv_cache.md):
+        # a block then holds `slots` layers, and sliding groups keep only their window.
+        self.kv_cache_groups = hybrid_kv_cache_groups(self.hf_config,
+                                                      config.disable_hybrid_kv_cache_manager)
         self.memory_profile: MemoryProfile | None = None  # GPU: the figures the pool was sized by
         self.num_blocks = self._determine_num_blocks()
         self.num_host_blocks = int(config.swap_space * (1 << 30)) // self._bytes_per_block()
@@ -92,6 +97,7 @@ class EngineCore:
             self.block_size,
             enable_caching=config.enable_prefix_caching,
             num_host_blocks=self.num_host_blocks,
+            groups=self.kv_cache_groups,
         )
         self.max_num_batched_tokens = config.resolved_max_num_batched_tokens(self.max_model_len)
         self.scheduler = Scheduler(
@@ -159,9 +165,9 @@ class EngineCore:
         cfg = self.hf_config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        return CacheEngine.bytes_per_block(
-            cfg.num_hidden_layers, kv_heads, head_dim, self.block_size, self.kv_cache_dtype
-        )
+        # A hybrid cache's block holds one layer per slot, not every layer.
+        layers = self.kv_cache_groups.slots if self.kv_cache_groups else cfg.num_hidden_layers
+        return CacheEngine.bytes_per_block(layers, kv_heads, head_dim, self.block_size, self.kv_cache_dtype)
 
     def _determine_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -206,6 +212,14 @@ class EngineCore:
         per_block = self._bytes_per_block()
         tokens = self.num_blocks * self.block_size
         concurrency = tokens / self.max_model_len
+        groups = self.kv_cache_groups
+        if groups is not None:  # what one full-length sequence holds over its groups
+            chunk = self.config.resolved_max_num_batched_tokens(self.max_model_len)
+            concurrency = (self.num_blocks - 1) / groups.peak_blocks(self.max_model_len, self.block_size, chunk)
+            logger.info("Hybrid KV cache: %d groups of %d layers (%s); a block holds %d layers",
+                        len(groups.groups), groups.slots,
+                        ", ".join("full" if g.sliding_window is None else f"window {g.sliding_window}"
+                                  for g in groups.groups), groups.slots)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB of %s; maximum concurrency for "
             "%d tokens per request: %.2fx; swap space: %d blocks",
@@ -541,7 +555,7 @@ class EngineCore:
         tokens = KVCacheStatsTracker.stored_tokens(
             self.scheduler.running, kv.req_to_blocks, self.block_size, shared
         )
-        self._kv_stats.observe(self.num_blocks - kv.num_free_blocks, tokens, shared)
+        self._kv_stats.observe(kv.num_usable_blocks - kv.num_free_blocks, tokens, shared)
 
     # ---- statistics -----------------------------------------------------------------------
 
@@ -570,10 +584,13 @@ class EngineCore:
 
     def kv_cache_stats(self) -> KVCacheStats:
         kv = self.kv_cache_manager
-        return self._kv_stats.snapshot(
+        stats = self._kv_stats.snapshot(
             self.scheduler.num_preemptions, kv.prefix_cache_queries, kv.prefix_cache_hits,
             kv.num_swapped_out, kv.num_swapped_in,
         )
+        stats.num_kv_cache_groups = len(kv.groups)
+        stats.sliding_blocks_freed = kv.num_dead_blocks_freed
+        return stats
 
     def reset_kv_cache_peak(self) -> None:
         self._kv_stats.reset_peak()

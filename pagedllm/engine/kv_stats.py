@@ -31,6 +31,10 @@ class KVCacheStats:
     peak_shared_blocks: int = 0
     num_swapped_out: int = 0  # blocks copied to host memory by swap preemption, cumulative
     num_swapped_in: int = 0  # blocks copied back, cumulative
+    # A hybrid KV cache (docs/hybrid_kv_cache.md): its groups, and the blocks its sliding groups
+    # handed back as their windows moved on, cumulative.
+    num_kv_cache_groups: int = 1
+    sliding_blocks_freed: int = 0
 
 
 class KVCacheStatsTracker:

@@ -72,6 +72,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         "the torch / C-kernel path on CPU")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs nor compile, even with --compile-batch-sizes")
+    g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="keep every layer's blocks for the whole sequence even in models that mix "
+                        "sliding-window and full attention (default: sliding layers keep only their window)")
     g.add_argument("--cuda-graph-sizes", default=None,
                    type=lambda s: [int(x) for x in s.split(",") if x.strip()],
                    help="GPU: comma-separated decode batch sizes to capture as CUDA graphs "
@@ -231,7 +234,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "gpu_memory_utilization", "num_kv_blocks", "swap_space", "max_num_seqs",
         "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill",
         "preemption_mode", "tensor_parallel_size", "distributed_executor_backend", "data_parallel_size", "data_parallel_address", "quantization", "quant_compute", "kv_cache_dtype",
-        "attention_backend", "enforce_eager", "cuda_graph_sizes",
+        "attention_backend", "enforce_eager", "disable_hybrid_kv_cache_manager", "cuda_graph_sizes",
         "compile_batch_sizes", "num_threads", "served_model_name", "chat_template",
         "scheduling_policy", "generation_config", "max_logprobs", "structured_outputs_timeout",
         "revision", "tokenizer_revision", "download_dir", "gguf_file",

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.core.kv_cache_groups import hybrid_kv_cache_groups
 from pagedllm.executor.base import Executor
 from pagedllm.worker.worker import WorkerConfig
 
@@ -17,6 +18,7 @@ from pagedllm.worker.worker import WorkerConfig
 def worker_config(config: Any, model_path: str, gguf_file: str | None, hf_config: Any, dtype: torch.dtype,
                   device: torch.device, kv_cache_dtype: torch.dtype) -> WorkerConfig:
     """What every rank needs, from the engine's configuration and what it resolved."""
+    groups = kv_cache_groups(config, hf_config)
     return WorkerConfig(
         model_path=model_path, gguf_file=gguf_file, hf_config=hf_config, dtype=dtype,
         device_type=torch.device(device).type, kv_cache_dtype=kv_cache_dtype, block_size=config.block_size,
@@ -24,8 +26,15 @@ def worker_config(config: Any, model_path: str, gguf_file: str | None, hf_config
         tensor_parallel_size=config.tensor_parallel_size, num_threads=config.num_threads,
         # how long a rank waits in a collective for the others (a hung peer; a dead one is seen at once)
         collective_timeout_s=float(os.environ.get("PAGEDLLM_TP_TIMEOUT_S", "120")),
-        attention_backend=config.attention_backend, cuda_graph_sizes=cuda_graph_sizes(config, device),
+        attention_backend=config.attention_backend, kv_cache_groups=groups,
+        # CUDA graphs read one block table: a hybrid cache's decode steps run eager for now
+        cuda_graph_sizes=None if groups is not None else cuda_graph_sizes(config, device),
     )
+
+
+def kv_cache_groups(config: Any, hf_config: Any):
+    """The model's hybrid KV cache groups, unless disabled (None: one table for all layers)."""
+    return hybrid_kv_cache_groups(hf_config, getattr(config, "disable_hybrid_kv_cache_manager", False))
 
 
 def cuda_graph_sizes(config: Any, device: torch.device) -> list[int] | None:

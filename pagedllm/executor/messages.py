@@ -18,7 +18,8 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-# scheduled entry: (seq_id, token_ids, start_pos, blocks_from, new_block_ids, flags, seq_len)
+# scheduled entry: (seq_id, token_ids, start_pos, blocks_from, new_block_ids, flags, seq_len,
+# group_deltas)
 _SAMPLE, _ALL_LOGITS = 1, 2
 
 
@@ -37,6 +38,7 @@ class StepSequence(NamedTuple):
     sample: bool
     all_logits: bool
     seq_len: int = 0
+    group_deltas: tuple = ()  # a hybrid KV cache's other groups: ((blocks_from, ids), ...)
 
 
 @dataclass
@@ -56,7 +58,7 @@ def encode_step(scheduler_output: Any) -> bytes:
     for s in scheduler_output.scheduled:
         flags = (_SAMPLE if s.sample else 0) | (_ALL_LOGITS if s.all_logits else 0)
         entries.append((s.seq.seq_id, s.token_ids, s.start_pos, s.blocks_from, s.new_block_ids,
-                        flags, getattr(s, "seq_len", 0)))
+                        flags, getattr(s, "seq_len", 0), tuple(getattr(s, "group_deltas", ()))))
     msg = ("step", entries, list(getattr(scheduler_output, "block_copies", None) or ()),
            list(getattr(scheduler_output, "blocks_to_swap_out", None) or ()),
            list(getattr(scheduler_output, "blocks_to_swap_in", None) or ()),
@@ -68,6 +70,7 @@ def decode_step(msg: tuple) -> StepInput:
     """A worker's StepInput from a decoded ("step", ...) message."""
     _, entries, copies, swap_out, swap_in, released = msg
     scheduled = [StepSequence(SeqRef(seq_id), token_ids, start_pos, blocks_from, new_ids,
-                              bool(flags & _SAMPLE), bool(flags & _ALL_LOGITS), seq_len)
-                 for seq_id, token_ids, start_pos, blocks_from, new_ids, flags, seq_len in entries]
+                              bool(flags & _SAMPLE), bool(flags & _ALL_LOGITS), seq_len, deltas)
+                 for seq_id, token_ids, start_pos, blocks_from, new_ids, flags, seq_len, deltas
+                 in entries]
     return StepInput(scheduled, copies, swap_out, swap_in, released)

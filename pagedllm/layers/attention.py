@@ -50,6 +50,12 @@ class AttentionMetadata:
     prefill_seq_lens: list[int] = field(default_factory=list)
     # Masks shared by all layers of one forward, keyed by (kind, sequence, sliding window).
     _mask_cache: dict[Any, torch.Tensor | None] = field(default_factory=dict, repr=False, compare=False)
+    # A hybrid KV cache (core/kv_cache_groups.py): the metadata of groups 1.., the same batch
+    # with that group's block tables and slot mapping (this object is group 0's).
+    group_metadata: list["AttentionMetadata"] = field(default_factory=list, repr=False, compare=False)
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        return self if group == 0 else self.group_metadata[group - 1]
 
     @property
     def num_prefills(self) -> int:
@@ -107,6 +113,9 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        # The KV cache group whose block tables this layer reads (set by the runner; 0 unless
+        # the cache is hybrid).
+        self.kv_cache_group = 0
         self.logits_soft_cap = check_soft_cap(logits_soft_cap)
         self.backend = get_attn_backend()
         self.k_scale: torch.Tensor
@@ -143,7 +152,7 @@ class Attention(nn.Module):
             key,
             value,
             kv_cache,
-            attn_metadata,
+            attn_metadata.for_group(self.kv_cache_group),
             scale=self.scale,
             sliding_window=self.sliding_window,
             k_scale=self.k_scale,

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.core.kv_cache_groups import layer_sliding_window
 from pagedllm.distributed.parallel_state import TensorParallelGroup, gather_logits
 from pagedllm.distributed.sharding import column_shard, head_shard, row_shard, shard_range, vocab_shard
 from pagedllm.layers import kernel_choice
@@ -94,19 +95,6 @@ def quant_method_for(quant_config: QuantizationConfig | None, prefix: str) -> Li
     parent, _, leaf = prefix.rpartition(".")
     shards = [f"{parent}.{n}" for n in _SHARD_NAMES.get(leaf, [leaf])]
     return quant_config.get_linear_method(prefix, shards)
-
-
-def layer_sliding_window(hf_config: Any, layer_idx: int) -> int | None:
-    """The attention window of one layer (None: full causal attention), as transformers decides."""
-    window = getattr(hf_config, "sliding_window", None)
-    if window is None or getattr(hf_config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None:
-        return window if layer_types[layer_idx] == "sliding_attention" else None
-    if hf_config.model_type == "qwen2":
-        return window if layer_idx >= getattr(hf_config, "max_window_layers", 0) else None
-    return window
 
 
 class LlamaAttention(nn.Module):

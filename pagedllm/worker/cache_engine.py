@@ -31,7 +31,11 @@ class CacheEngine:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        layer_slots: list[int] | None = None,
     ) -> None:
+        """`layer_slots[i]`: the slot tensor layer i reads and writes (a hybrid KV cache,
+        core/kv_cache_groups.py: layers of different groups share a tensor, a block belonging
+        to one group at a time); None: a tensor per layer."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.num_layers = num_layers
@@ -45,9 +49,14 @@ class CacheEngine:
         # memory would still poison `softmax @ V` (0 * NaN = NaN).
         # Zero int8 blocks are all-zero scales and codes: value 0, like the float caches.
         shape = kv_cache_format.layer_shape(dtype, num_blocks, block_size, num_kv_heads, head_dim)
-        self.kv_caches: list[torch.Tensor] = [
-            _zeros_on_huge_pages(shape, dtype, self.device) for _ in range(num_layers)
+        if layer_slots is not None and len(layer_slots) != num_layers:
+            raise ValueError(f"layer_slots names {len(layer_slots)} layers, the model has {num_layers}")
+        slots = layer_slots if layer_slots is not None else list(range(num_layers))
+        # The distinct tensors (what copies and swaps move), and each layer's view of them.
+        self.slot_caches: list[torch.Tensor] = [
+            _zeros_on_huge_pages(shape, dtype, self.device) for _ in range(max(slots) + 1)
         ]
+        self.kv_caches: list[torch.Tensor] = [self.slot_caches[i] for i in slots]
         self._host_cache: torch.Tensor | None = None
 
     def allocate_host_pool(self, num_host_blocks: int) -> None:
@@ -59,7 +68,7 @@ class CacheEngine:
         if num_host_blocks <= 0:
             self._host_cache = None
             return
-        shape = [self.num_layers, *self.kv_caches[0].shape]
+        shape = [len(self.slot_caches), *self.slot_caches[0].shape]
         shape[2] = num_host_blocks
         pin = self.device.type == "cuda"
         self._host_cache = torch.empty(shape, dtype=self.dtype, device="cpu", pin_memory=pin)
@@ -76,8 +85,8 @@ class CacheEngine:
             raise RuntimeError("swap_out without a host pool (swap_space is 0)")
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
-        for layer, cache in enumerate(self.kv_caches):
-            self._host_cache[layer][:, dst] = cache[:, src].to("cpu")
+        for slot, cache in enumerate(self.slot_caches):
+            self._host_cache[slot][:, dst] = cache[:, src].to("cpu")
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy host block `src` into device block `dst` for every `(src, dst)`."""
@@ -87,8 +96,8 @@ class CacheEngine:
             raise RuntimeError("swap_in without a host pool (swap_space is 0)")
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
-        for layer, cache in enumerate(self.kv_caches):
-            cache[:, dst] = self._host_cache[layer][:, src].to(self.device)
+        for slot, cache in enumerate(self.slot_caches):
+            cache[:, dst] = self._host_cache[slot][:, src].to(self.device)
 
     @staticmethod
     def bytes_per_block(
@@ -100,7 +109,7 @@ class CacheEngine:
 
     @property
     def total_bytes(self) -> int:
-        return sum(c.numel() * c.element_size() for c in self.kv_caches)
+        return sum(c.numel() * c.element_size() for c in self.slot_caches)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy the contents of block `src` into block `dst` for every `(src, dst)`, all layers,
@@ -109,7 +118,7 @@ class CacheEngine:
             return
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
-        for cache in self.kv_caches:
+        for cache in self.slot_caches:
             cache[:, dst] = cache[:, src]  # advanced indexing reads all sources first
 
 

@@ -34,13 +34,15 @@ rank 0 gets logits back (`execute_model` returns None on the other ranks).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.core.kv_cache_groups import KVCacheGroups
+from pagedllm.layers.attention import Attention, AttentionMetadata
 from pagedllm.layers.sampler import Sampler, SamplerOutput
 from pagedllm.layers.rotary import head_dim_of
 from pagedllm.worker.block_table import BlockTable
@@ -88,9 +90,21 @@ class ModelRunner:
         compile_batch_sizes: list[int] | None = None,
         kv_cache_dtype: torch.dtype | None = None,
         cuda_graph_sizes: list[int] | None = None,
+        kv_cache_groups: KVCacheGroups | None = None,
     ) -> None:
         """`kv_cache_dtype`: the cache's storage dtype (layers/kv_cache_format.py); None: `dtype`.
-        `cuda_graph_sizes`: the decode buckets to capture (GPU, a capture-safe attention backend)."""
+        `cuda_graph_sizes`: the decode buckets to capture (GPU, a capture-safe attention backend).
+        `kv_cache_groups`: a hybrid KV cache's groups (docs/hybrid_kv_cache.md): a block table
+        per group, one cache tensor per slot shared by the groups' layers."""
+        hybrid = kv_cache_groups is not None and kv_cache_groups.is_hybrid
+        if hybrid and (compile_batch_sizes or cuda_graph_sizes):
+            raise ValueError("compile_batch_sizes and cuda_graph_sizes are not supported with a hybrid KV "
+                             "cache yet (their graphs read one block table); pass "
+                             "disable_hybrid_kv_cache_manager=True to use them")
+        self.kv_cache_groups = kv_cache_groups if hybrid else None
+        layer_slots = None
+        if self.kv_cache_groups is not None:
+            layer_slots = self._assign_groups(model, hf_config, self.kv_cache_groups)
         self.model = model
         self.hf_config = hf_config
         self.block_size = block_size
@@ -107,9 +121,12 @@ class ModelRunner:
             block_size=block_size,
             dtype=kv_cache_dtype or dtype,
             device=self.device,
+            layer_slots=layer_slots,
         )
         max_len = max_model_len or int(getattr(hf_config, "max_position_embeddings", 0) or 4096)
-        self.block_table = BlockTable(-(-max_len // block_size) + 1)
+        num_groups = 1 if self.kv_cache_groups is None else len(self.kv_cache_groups.groups)
+        self.block_tables = [BlockTable(-(-max_len // block_size) + 1) for _ in range(num_groups)]
+        self.block_table = self.block_tables[0]
         self.sampler = Sampler()
         self.input_batch = InputBatch(self.vocab_size, self.device)
         self.decode_graphs: DecodeGraphs | None = None
@@ -132,6 +149,24 @@ class ModelRunner:
     def kv_caches(self) -> list[torch.Tensor]:
         return self.cache_engine.kv_caches
 
+    @staticmethod
+    def _assign_groups(model: nn.Module, hf_config: Any, groups: KVCacheGroups) -> list[int]:
+        """Tell each attention layer its group; returns each layer's slot tensor. The layers'
+        own windows must be the groups' (they are what the kernels mask by)."""
+        layers = [m for m in model.modules() if isinstance(m, Attention)]
+        if len(layers) != groups.num_layers:
+            raise ValueError(f"the KV cache groups name {groups.num_layers} layers, the model has "
+                             f"{len(layers)} attention layers")
+        slots = [0] * len(layers)
+        for layer, (g, slot) in groups.layer_slot().items():
+            window = groups.groups[g].sliding_window
+            if layers[layer].sliding_window != window:
+                raise ValueError(f"layer {layer}: its sliding window is {layers[layer].sliding_window}, "
+                                 f"its KV cache group's {window}")
+            layers[layer].kv_cache_group = g
+            slots[layer] = slot
+        return slots
+
     def prepare_input(self, scheduled: list[Any]) -> ModelInput:
         """Input ids, positions, slot mapping and attention metadata for a non-empty step."""
         B = self.block_size
@@ -144,6 +179,7 @@ class ModelRunner:
         token_ids: list[int] = []
         lens, starts, ctx_lens, n_blocks_of, rows = [], [], [], [], []
         table = self.block_table
+        group_rows: list[list[int]] = [[] for _ in self.block_tables[1:]]
         for i in order:
             s = scheduled[i]
             token_ids.extend(s.token_ids)
@@ -152,6 +188,13 @@ class ModelRunner:
             if q_lens[i] == 0:
                 raise ValueError(f"Sequence {s.seq.seq_id} is scheduled with no tokens")
             row = table.apply(s.seq.seq_id, s.blocks_from, s.new_block_ids)  # usually 0-1 ids
+            if group_rows:
+                deltas = getattr(s, "group_deltas", ())
+                if len(deltas) != len(group_rows):
+                    raise ValueError(f"Sequence {s.seq.seq_id}: {len(deltas)} group table deltas for "
+                                     f"{len(group_rows) + 1} KV cache groups")
+                for rows_g, t, (start, ids) in zip(group_rows, self.block_tables[1:], deltas):
+                    rows_g.append(t.apply(s.seq.seq_id, start, ids))
             if table.num_blocks(row) < n_blocks:
                 raise ValueError(
                     f"Sequence {s.seq.seq_id}: block table has {table.num_blocks(row)} blocks, "
@@ -176,6 +219,8 @@ class ModelRunner:
         # own blocks hold 0 or other valid ids: masked, never attended.
         block_tables = table.tensor[:, :max_blocks].index_select(0, torch.tensor(rows, dtype=torch.long))
         slot_mapping = block_tables[seq_of_token, positions // B] * B + positions % B
+        group_tables = [t.tensor[:, :max_blocks].index_select(0, torch.tensor(r, dtype=torch.long))
+                        for t, r in zip(self.block_tables[1:], group_rows)]
 
         query_starts = query_starts_t.tolist()
         num_prefills = len(order) - num_decodes
@@ -184,13 +229,19 @@ class ModelRunner:
             "positions": positions,
             "slot_mapping": slot_mapping,
         }
+        max_decode_blocks = -(-max(ctx_lens[:num_decodes], default=0) // B)
+        max_prefill_blocks = max(n_blocks_of[num_decodes:], default=0)
+        for g, tables in enumerate([block_tables, *group_tables]):
+            key = "" if g == 0 else f"/{g}"
+            if g:
+                host["slot_mapping" + key] = tables[seq_of_token, positions // B] * B + positions % B
+            if num_decodes:
+                host["decode_block_tables" + key] = tables[:num_decodes, :max_decode_blocks]
+            if num_prefills:
+                host["prefill_tables" + key] = tables[num_decodes:, :max_prefill_blocks]
         if num_decodes:
-            max_decode_blocks = -(-max(ctx_lens[:num_decodes]) // B)
-            host["decode_block_tables"] = block_tables[:num_decodes, :max_decode_blocks]
             host["decode_context_lens"] = torch.tensor(ctx_lens[:num_decodes], dtype=torch.long)
         if num_prefills:
-            max_prefill_blocks = max(n_blocks_of[num_decodes:])
-            host["prefill_tables"] = block_tables[num_decodes:, :max_prefill_blocks]
             first = query_starts[num_decodes]
             host["prefill_query_start_loc"] = torch.tensor(
                 [q - first for q in query_starts[num_decodes:]] + [num_tokens - first], dtype=torch.long)
@@ -215,6 +266,13 @@ class ModelRunner:
             prefill_seq_lens=[max(getattr(scheduled[i], "seq_len", 0), ctx_lens[num_decodes + j])
                               for j, i in enumerate(order[num_decodes:])],
         )
+        for g in range(1, len(self.block_tables)):  # the same batch through each group's tables
+            padded = dev_t.get(f"prefill_tables/{g}")
+            attn_metadata.group_metadata.append(dataclasses.replace(
+                attn_metadata, slot_mapping=dev_t[f"slot_mapping/{g}"],
+                decode_block_tables=dev_t.get(f"decode_block_tables/{g}"),
+                prefill_block_tables=[padded[j, : n_blocks_of[num_decodes + j]] for j in range(num_prefills)],
+                prefill_block_tables_padded=padded, group_metadata=[]))
 
         # Logits rows: every row of an all_logits sequence (its last row doubles as its sample
         # row), the last row of the other sampled sequences.
@@ -263,7 +321,8 @@ class ModelRunner:
     @torch.no_grad()
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput | None:
         for seq_id in getattr(scheduler_output, "released_seq_ids", ()):
-            self.block_table.release(seq_id)
+            for table in self.block_tables:
+                table.release(seq_id)
         batch = self.input_batch
         for spec in getattr(scheduler_output, "new_sampling_rows", ()):
             batch.add(spec)
@@ -364,7 +423,8 @@ class ModelRunner:
         inp = self.prepare_input(steps)
         logits = self.run_model(inp)
         for s in steps:
-            self.block_table.release(s.seq.seq_id)
+            for table in self.block_tables:
+                table.release(s.seq.seq_id)
         return 0 if logits is None else int(logits.shape[0])  # logits rows (rank 0)
 
 

@@ -43,6 +43,8 @@ class WorkerConfig:
     attention_backend: str = "auto"
     # GPU: the decode buckets to capture as CUDA graphs (None: eager; worker/cuda_graphs.py)
     cuda_graph_sizes: list[int] | None = None
+    # A hybrid KV cache's groups (core/kv_cache_groups.py); None: one table for every layer.
+    kv_cache_groups: Any = None
 
 
 class Worker:
@@ -101,7 +103,8 @@ class Worker:
         c = self.config
         self.model_runner = ModelRunner(self.model, c.hf_config, num_blocks, c.block_size, c.dtype, self.device,
                                         max_model_len=max_model_len, compile_batch_sizes=compile_batch_sizes,
-                                        kv_cache_dtype=c.kv_cache_dtype, cuda_graph_sizes=self.graph_sizes)
+                                        kv_cache_dtype=c.kv_cache_dtype, cuda_graph_sizes=self.graph_sizes,
+                                        kv_cache_groups=c.kv_cache_groups)
         self.model_runner.cache_engine.allocate_host_pool(num_host_blocks)
         self.model_runner.capture_cuda_graphs()
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.core.kv_cache_groups import hybrid_kv_cache_groups
 from tests.integration.model_fixtures import FakeScheduledSequence, FakeSchedulerOutput, FakeSeq, ToyBlocks
 
 MAX_TOKENS = 32
@@ -103,6 +104,9 @@ def check_engine_greedy(arch: str, path: Path, hf_model, mode: str, references: 
 
     prompts = tiny_prompts(hf_model.config.vocab_size)
     kwargs = dict(block_size=BLOCK_SIZE, enable_prefix_caching=False) | MODES[mode] | llm_kwargs
+    groups = hybrid_kv_cache_groups(hf_model.config, kwargs.get("disable_hybrid_kv_cache_manager", False))
+    if groups is not None:  # a block holds `slots` layers, not all: the same bytes of cache
+        kwargs["num_kv_blocks"] = -(-kwargs["num_kv_blocks"] * groups.num_layers // groups.slots)
     llm = LLM(str(path), **kwargs)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -126,6 +130,8 @@ def check_engine_greedy(arch: str, path: Path, hf_model, mode: str, references: 
         if mode == "preempt-swap":
             assert stats.num_swapped_out > 0
     assert stats.used_blocks == 0
+    if groups is not None:  # its sliding layers kept only their window (docs/hybrid_kv_cache.md)
+        assert stats.num_kv_cache_groups > 1 and stats.sliding_blocks_freed > 0, stats
     return ours
 
 
