@@ -34,6 +34,7 @@ NON_DEFAULT = {
     "kv_cache_dtype": (["--kv-cache-dtype", "fp8"], "fp8"),
     "attention_backend": (["--attention-backend", "triton"], "triton"),
     "enforce_eager": (["--enforce-eager"], True),
+    "disable_hybrid_kv_cache_manager": (["--disable-hybrid-kv-cache-manager"], True),
     "cuda_graph_sizes": (["--cuda-graph-sizes", "1,2,4"], [1, 2, 4]),
     "compile_batch_sizes": (["--compile-batch-sizes", "1,2"], [1, 2]),
     "num_threads": (["--num-threads", "2"], 2),
