@@ -16,8 +16,8 @@ What differs from Llama (model/llama.py), as transformers 5.24's `modeling_gemma
   dtype as transformers does it, then float32 for the sampler.
 - The LM head is tied to the embedding (`tie_word_embeddings`, every released Gemma 2).
 
-Every block of a sequence is kept for every layer, the sliding ones included (docs/gemma.md:
-what that costs). `use_bidirectional_attention` (an encoder use of the checkpoint) is refused.
+Sliding layers keep only their window's blocks (the hybrid KV cache, docs/hybrid_kv_cache.md;
+docs/gemma.md: what keeping them all costs). `use_bidirectional_attention` (an encoder use of the checkpoint) is refused.
 Tensor parallelism is Llama's: heads, intermediate size and vocabulary split, norms replicated.
 """
 
