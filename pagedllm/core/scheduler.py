@@ -414,7 +414,7 @@ class Scheduler:
                 sample=seq.num_computed_tokens + n == seq.num_tokens,
                 seq_len=seq.num_tokens,
                 group_deltas=tuple(kv.take_table_delta(seq.seq_id, g)
-                                   for g in range(1, len(kv.groups))),
+                                   for g in range(1, len(kv.groups))) if kv.is_hybrid else (),
             ))
         swap_out, swap_in = kv.take_pending_swaps()
         return SchedulerOutput(

@@ -19,6 +19,9 @@ def worker_config(config: Any, model_path: str, gguf_file: str | None, hf_config
                   device: torch.device, kv_cache_dtype: torch.dtype) -> WorkerConfig:
     """What every rank needs, from the engine's configuration and what it resolved."""
     groups = kv_cache_groups(config, hf_config)
+    if groups is not None and config.cuda_graph_sizes and not config.enforce_eager:
+        raise ValueError("cuda_graph_sizes is not supported with a hybrid KV cache yet (its graphs read one "
+                         "block table); drop it, or pass disable_hybrid_kv_cache_manager=True")
     return WorkerConfig(
         model_path=model_path, gguf_file=gguf_file, hf_config=hf_config, dtype=dtype,
         device_type=torch.device(device).type, kv_cache_dtype=kv_cache_dtype, block_size=config.block_size,
