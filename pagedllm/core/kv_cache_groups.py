@@ -1,8 +1,9 @@
 """KV cache groups: layers grouped by attention type, so that each group keeps only the blocks
 its attention can still read (issue 25; docs/hybrid_kv_cache.md).
 
-A model whose layers all attend the same way (full causal, or one sliding window everywhere)
-has one group holding every layer: the engine behaves exactly as with one block table.
+A model whose layers all attend the same way has one group holding every layer. Full causal
+everywhere: no groups at all, the engine behaves exactly as with one block table. One sliding
+window everywhere (Mistral, Phi-3-mini-4k): one sliding group, whose dead blocks go back.
 A hybrid model (Gemma 2: sliding and full alternate; Gemma 3: five sliding to one full) gets
 one table per group per sequence. All groups draw from one block pool, as in vLLM v1: every
 group holds the same number of layers (`slots`), the cache keeps one K/V tensor per slot, and
@@ -154,12 +155,12 @@ def layer_sliding_window(hf_config: Any, layer_idx: int) -> int | None:
 
 
 def hybrid_kv_cache_groups(hf_config: Any, disabled: bool = False) -> KVCacheGroups | None:
-    """The KV cache groups of a model that mixes attention types (sliding windows and full, or
-    two windows): its sliding layers then keep only their window's blocks. None for a model
-    with one attention type (one block table for every layer, as always) or when `disabled`
-    (`--disable-hybrid-kv-cache-manager`)."""
+    """The KV cache groups of a model with sliding-window layers (mixed with full ones, or one
+    window everywhere): its sliding layers then keep only their window's blocks. None for a
+    model whose layers all attend fully (one block table for every layer, as always) or when
+    `disabled` (`--disable-hybrid-kv-cache-manager`)."""
     if disabled:
         return None
     windows = [layer_sliding_window(hf_config, i) for i in range(hf_config.num_hidden_layers)]
     groups = group_layers(windows)
-    return groups if groups.is_hybrid else None
+    return groups if groups.has_null_block else None

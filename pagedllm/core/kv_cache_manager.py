@@ -59,6 +59,7 @@ class KVCacheManager:
         self.kv_cache_groups = groups if groups is not None else KVCacheGroups(
             (KVCacheGroup((), None),), 0)
         self.groups: tuple[KVCacheGroup, ...] = self.kv_cache_groups.groups
+        self._per_group = groups is not None and (groups.is_hybrid or groups.has_null_block)
         # Per group: seq_id -> device table, seq_id -> host table (swapped out).
         self.tables: list[dict[int, list[KVBlock]]] = [{} for _ in self.groups]
         self.host_tables: list[dict[int, list[KVBlock]]] = [{} for _ in self.groups]
@@ -135,7 +136,9 @@ class KVCacheManager:
 
     @property
     def is_hybrid(self) -> bool:
-        return len(self.groups) > 1
+        """Per-group tables (prefix hits as one list per group): several groups, or a single
+        sliding-window group (a model with one window on every layer)."""
+        return self._per_group
 
     def _is_null(self, block: KVBlock) -> bool:
         return block is self.null_block

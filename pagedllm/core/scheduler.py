@@ -68,9 +68,11 @@ def check_request_fits_pool(
     `groups` (a KV cache with sliding groups): one sequence's peak over its groups in steps of
     at most `chunk` tokens, against the pool less its null block."""
     blocks = -(-num_tokens // block_size)
+    where = ""
     if groups is not None and groups.has_null_block:
         blocks = groups.peak_blocks(num_tokens, block_size, chunk)
         num_blocks -= 1
+        where = f" at its peak over {len(groups.groups)} KV cache group(s)"
     if num_lockstep_seqs > 1 and blocks * num_lockstep_seqs > num_blocks:
         raise ValueError(
             f"Beam search with width {num_lockstep_seqs} needs up to "
@@ -80,7 +82,7 @@ def check_request_fits_pool(
     if blocks > num_blocks:
         raise ValueError(
             f"The request needs {blocks} KV cache blocks ({num_tokens} tokens at block_size="
-            f"{block_size}) but the whole pool has {num_blocks} blocks "
+            f"{block_size}{where}) but the whole pool has {num_blocks} blocks "
             f"({num_blocks * block_size} tokens); raise kv_cache_space or lower "
             "max_tokens."
         )

@@ -216,7 +216,7 @@ class EngineCore:
         if groups is not None:  # what one full-length sequence holds over its groups
             chunk = self.config.resolved_max_num_batched_tokens(self.max_model_len)
             concurrency = (self.num_blocks - 1) / groups.peak_blocks(self.max_model_len, self.block_size, chunk)
-            logger.info("Hybrid KV cache: %d groups of %d layers (%s); a block holds %d layers",
+            logger.info("KV cache groups: %d of %d layers (%s); a block holds %d layers",
                         len(groups.groups), groups.slots,
                         ", ".join("full" if g.sliding_window is None else f"window {g.sliding_window}"
                                   for g in groups.groups), groups.slots)

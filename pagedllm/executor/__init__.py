@@ -19,7 +19,8 @@ def worker_config(config: Any, model_path: str, gguf_file: str | None, hf_config
                   device: torch.device, kv_cache_dtype: torch.dtype) -> WorkerConfig:
     """What every rank needs, from the engine's configuration and what it resolved."""
     groups = kv_cache_groups(config, hf_config)
-    if groups is not None and config.cuda_graph_sizes and not config.enforce_eager:
+    hybrid = groups is not None and groups.is_hybrid  # one sliding group keeps one table
+    if hybrid and config.cuda_graph_sizes and not config.enforce_eager:
         raise ValueError("cuda_graph_sizes is not supported with a hybrid KV cache yet (its graphs read one "
                          "block table); drop it, or pass disable_hybrid_kv_cache_manager=True")
     return WorkerConfig(
@@ -31,7 +32,7 @@ def worker_config(config: Any, model_path: str, gguf_file: str | None, hf_config
         collective_timeout_s=float(os.environ.get("PAGEDLLM_TP_TIMEOUT_S", "120")),
         attention_backend=config.attention_backend, kv_cache_groups=groups,
         # CUDA graphs read one block table: a hybrid cache's decode steps run eager for now
-        cuda_graph_sizes=None if groups is not None else cuda_graph_sizes(config, device),
+        cuda_graph_sizes=None if hybrid else cuda_graph_sizes(config, device),
     )
 
 

@@ -107,6 +107,11 @@ def check_engine_greedy(arch: str, path: Path, hf_model, mode: str, references: 
     groups = hybrid_kv_cache_groups(hf_model.config, kwargs.get("disable_hybrid_kv_cache_manager", False))
     if groups is not None:  # a block holds `slots` layers, not all: the same bytes of cache
         kwargs["num_kv_blocks"] = -(-kwargs["num_kv_blocks"] * groups.num_layers // groups.slots)
+        if mode.startswith("preempt") and all(g.is_sliding for g in groups.groups):
+            # Windows only: 14 blocks hold all four decoding at once. Prefill in chunks of 16
+            # and give the pool the longest one's peak alone, so that they do not.
+            kwargs |= dict(enable_chunked_prefill=True, max_num_batched_tokens=16)
+            kwargs["num_kv_blocks"] = groups.peak_blocks(max(PROMPT_LENGTHS) + MAX_TOKENS, BLOCK_SIZE, 16) + 1
     llm = LLM(str(path), **kwargs)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -131,8 +136,34 @@ def check_engine_greedy(arch: str, path: Path, hf_model, mode: str, references: 
             assert stats.num_swapped_out > 0
     assert stats.used_blocks == 0
     if groups is not None:  # its sliding layers kept only their window (docs/hybrid_kv_cache.md)
-        assert stats.num_kv_cache_groups > 1 and stats.sliding_blocks_freed > 0, stats
+        assert stats.num_kv_cache_groups == len(groups.groups) and stats.sliding_blocks_freed > 0, stats
     return ours
+
+
+def check_prefix_hits_greedy(arch: str, path: Path, hf_model, **llm_kwargs: Any) -> None:
+    """The same prompts twice with prefix caching, the second time grown by 5 generated tokens:
+    the second pass hits (with a sliding window: in every group, each window's blocks only)
+    and still equals transformers' `generate` on the longer prompts."""
+    from pagedllm import LLM, SamplingParams
+
+    prompts = tiny_prompts(hf_model.config.vocab_size)
+    llm = LLM(str(path), block_size=BLOCK_SIZE, enable_prefix_caching=True, num_kv_blocks=512, **llm_kwargs)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        first = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        longer = [p + o.outputs[0].token_ids[:5] for p, o in zip(prompts, first)]
+        second = llm.generate([{"prompt_token_ids": p} for p in longer], params, use_tqdm=False)
+        stats = llm.kv_cache_stats()
+    finally:
+        llm.shutdown()
+    ours = [o.outputs[0].token_ids for o in second]
+    theirs = [hf_greedy(hf_model, p) for p in longer]
+    record(arch, "prefix-hit", ours == theirs, hit_tokens=stats.prefix_cache_hits)
+    assert stats.prefix_cache_hits > 0, stats
+    groups = hybrid_kv_cache_groups(hf_model.config, llm_kwargs.get("disable_hybrid_kv_cache_manager", False))
+    assert stats.num_kv_cache_groups == (1 if groups is None else len(groups.groups)), stats
+    for p, a, b in zip(longer, ours, theirs):
+        assert a == b, f"{arch} [prefix-hit] {len(p)} tokens: ours {a} != transformers {b}"
 
 
 @torch.no_grad()

@@ -17,6 +17,7 @@ from tests.integration.arch_parity import (
     MODES,
     build_tiny,
     check_engine_greedy,
+    check_prefix_hits_greedy,
     hf_greedy,
     our_prefill_logits,
     prefill_logits_max_abs,
@@ -55,6 +56,11 @@ tiny = tiny_checkpoint_fixture(CONFIGS, _config)
 def test_greedy_matches_transformers(tiny, mode):
     name, path, hf, refs = tiny
     check_engine_greedy(name, path, hf, mode, refs)
+
+
+def test_prefix_cache_hits_match_transformers(tiny):
+    name, path, hf, _ = tiny
+    check_prefix_hits_greedy(name, path, hf)
 
 
 def test_checkpoint_is_fused_and_logits_match(tiny):

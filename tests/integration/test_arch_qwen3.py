@@ -15,6 +15,7 @@ from tests.integration.arch_parity import (
     MODES,
     build_tiny,
     check_engine_greedy,
+    check_prefix_hits_greedy,
     our_prefill_logits,
     prefill_logits_max_abs,
     tiny_checkpoint_fixture,
@@ -43,6 +44,11 @@ tiny = tiny_checkpoint_fixture(CONFIGS, _config)
 def test_greedy_matches_transformers(tiny, mode):
     name, path, hf, refs = tiny
     check_engine_greedy(name, path, hf, mode, refs)
+
+
+def test_prefix_cache_hits_match_transformers(tiny):
+    name, path, hf, _ = tiny
+    check_prefix_hits_greedy(name, path, hf)
 
 
 def test_logits_match_and_qk_norms_matter(tiny, monkeypatch):

@@ -175,6 +175,27 @@ def test_one_attention_type_is_the_manager_it_always_was():
     assert plain.num_free_blocks == grouped.num_free_blocks == 12
 
 
+def test_one_window_on_every_layer_is_one_sliding_group_that_drops_blocks():
+    """Mistral / Phi-3-mini-4k: no second group, but the window still lets blocks go."""
+    kv = KVCacheManager(16, B, True, 0, group_layers([W] * 3))
+    assert kv.is_hybrid and len(kv.groups) == 1 and kv.null_block.block_id == 0
+    seq = make_seq(range(10))
+    run(kv, seq)
+    assert ids(kv, seq, 0) == [1, 2, 3]
+    decode(kv, seq)
+    decode(kv, seq)  # c = 11: positions 0-3 are behind every query's window
+    assert ids(kv, seq, 0) == [0, 2, 3] and kv.num_dead_blocks_freed == 1
+    decode(kv, seq)  # c = 12: one new block, from the free queue's head
+    assert ids(kv, seq, 0) == [0, 2, 3, 4]
+    kv.check_invariants([seq])
+    kv.free(seq)
+    assert kv.num_free_blocks == kv.num_usable_blocks == 15
+    # the blocks a window needs are cached: a second prompt hits on them (the dead one is null)
+    again = make_seq(list(range(10)) + [7, 7, 1])
+    hits, n = kv.get_computed_blocks(again)
+    assert n == 12 and [b.block_id for b in hits[0]] == [0, 2, 3]
+
+
 @pytest.mark.parametrize("chunk", [1, 4, 16])
 def test_peak_blocks_bounds_what_a_run_holds(chunk):
     kv = hybrid(num_blocks=64, caching=False)

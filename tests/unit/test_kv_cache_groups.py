@@ -72,3 +72,27 @@ def test_gemma3_at_8k_holds_close_to_the_theoretical_minimum():
     everything = len(windows) * (L // B)
     assert minimum <= held <= 1.1 * minimum, (held, minimum)
     assert everything / held > 3.5  # the issue's ~3.9x more concurrent 8k sequences
+
+
+def test_groups_from_hf_configs():
+    """Full attention everywhere: no groups (the manager it always was); one window everywhere
+    (Mistral, Phi-3-mini-4k): one sliding group; Qwen2/3 sliding above max_window_layers and
+    Gemma's layer_types: mixed groups; the flag turns them all off."""
+    from types import SimpleNamespace as NS
+
+    from pagedllm.core.kv_cache_groups import hybrid_kv_cache_groups
+
+    llama = NS(model_type="llama", num_hidden_layers=4, sliding_window=None)
+    mistral = NS(model_type="mistral", num_hidden_layers=4, sliding_window=16)
+    qwen2 = NS(model_type="qwen2", num_hidden_layers=4, sliding_window=16, use_sliding_window=True,
+               max_window_layers=1)
+    qwen2_off = NS(model_type="qwen2", num_hidden_layers=4, sliding_window=16, use_sliding_window=False)
+    gemma = NS(model_type="gemma2", num_hidden_layers=4, sliding_window=16,
+               layer_types=["sliding_attention", "full_attention"] * 2)
+    assert hybrid_kv_cache_groups(llama) is None and hybrid_kv_cache_groups(qwen2_off) is None
+    one = hybrid_kv_cache_groups(mistral)
+    assert not one.is_hybrid and one.has_null_block and one.groups[0].layer_ids == (0, 1, 2, 3)
+    mixed = hybrid_kv_cache_groups(qwen2)
+    assert [g.sliding_window for g in mixed.groups] == [None, 16, 16, 16] and mixed.slots == 1
+    assert [g.layer_ids for g in hybrid_kv_cache_groups(gemma).groups] == [(1, 3), (0, 2)]
+    assert all(hybrid_kv_cache_groups(c, disabled=True) is None for c in (mistral, qwen2, gemma))
