@@ -66,6 +66,15 @@ def cache_config_labels(config: Any, num_blocks: int, block_size: int) -> dict[s
     return labels
 
 
+def kv_cache_group_attention(groups: Any) -> list[str]:
+    """The `attention` label of each KV cache group ("full", "sliding_window=W"); empty when
+    the core keeps one table for every layer (no groups, so no per-group series)."""
+    if groups is None:
+        return []
+    return ["full" if g.sliding_window is None else f"sliding_window={g.sliding_window}"
+            for g in groups.groups]
+
+
 @dataclass
 class _Seen:
     """What the previous steps showed of one request."""
@@ -82,7 +91,10 @@ class EngineMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
                  num_engines: int = 1, kernel_info: dict[str, str] | None = None,
                  max_model_len: int = 2048,
-                 cache_info: list[dict[str, str]] | None = None) -> None:
+                 cache_info: list[dict[str, str]] | None = None,
+                 kv_cache_group_attention: list[str] | None = None) -> None:
+        """`kv_cache_group_attention`: each KV cache group's attention ("full",
+        "sliding_window=W") for the per-group series; None or empty: one table, no such series."""
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
         reg, names = self.registry, ["model_name", "engine"]
@@ -212,6 +224,17 @@ class EngineMetrics:
         self.queue_time = histogram("pagedllm:request_queue_time_seconds",
                                     "Time from arrival to the first step that ran the request.",
                                     REQUEST_LATENCY_BUCKETS)
+        # A hybrid / sliding KV cache (docs/hybrid_kv_cache.md): vLLM has no per-group series.
+        attention = kv_cache_group_attention or []
+        group_used = Gauge("pagedllm:kv_cache_group_used_blocks",
+                           "KV cache blocks held by each KV cache group's block tables.",
+                           ["model_name", "engine", "kv_cache_group", "attention"], registry=reg)
+        self.kv_cache_group_used_blocks = [
+            [group_used.labels(model_name, e, str(g), a) for g, a in enumerate(attention)]
+            for e in engines]
+        self.sliding_blocks_freed = counter(
+            "pagedllm:kv_cache_sliding_blocks_freed",
+            "Blocks that sliding-window groups gave back as their windows moved on.")
         if kernel_info is None:
             from pagedllm.kernels.status import kernel_status
 
@@ -312,6 +335,7 @@ class EngineMetrics:
             ((self.prefix_cache_queries, self.v_prefix_queries), "prefix_cache_queries"),
             ((self.prefix_cache_hits, self.v_prefix_hits), "prefix_cache_hits"),
             ((self.num_preemptions, self.v_preemptions), "num_preemptions"),
+            ((self.sliding_blocks_freed,), "sliding_blocks_freed"),
         ):
             value = getattr(stats, name)
             delta = value - last.get(name, 0)
@@ -319,6 +343,8 @@ class EngineMetrics:
                 for c in counters:
                     c[e].inc(delta)
             last[name] = value
+        for gauge_, used in zip(self.kv_cache_group_used_blocks[e], stats.kv_used_blocks_by_group):
+            gauge_.set(used)
         for n in getattr(stats, "iteration_tokens", ()):
             self.v_iteration[e].observe(n)
 

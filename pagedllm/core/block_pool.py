@@ -51,6 +51,7 @@ class KVBlock:
     block_id: int
     ref_count: int = 0
     block_hash: BlockHash | None = None  # set only while full, hashed and listed in the pool's map
+    group: int = 0  # the KV cache group whose tables hold it (core/kv_cache_groups.py); -1: reserved
     # Links of the free queue; both None while the block is not in it.
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
@@ -113,7 +114,7 @@ class FreeKVBlockQueue:
 class BlockPool:
     """All physical blocks, their ref counts, the free queue and `hash -> block` map."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, num_groups: int = 1) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -124,6 +125,9 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[BlockHash, KVBlock] = {}
         # Blocks with ref_count > 1, kept up to date by touch/free so statistics cost O(1).
         self.num_shared_blocks = 0
+        # Blocks with ref_count > 0 per KV cache group (a block serves one group at a time),
+        # kept up to date by the same transitions: per-group statistics cost O(1) too.
+        self.num_used_by_group = [0] * num_groups
 
     @property
     def num_free_blocks(self) -> int:
@@ -138,8 +142,9 @@ class BlockPool:
         """Fraction of blocks held by some sequence (cached free blocks count as free)."""
         return self.num_used_blocks / self.num_blocks
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
-        """Take `num_blocks` from the head of the free queue (LRU first), evicting their hashes."""
+    def get_new_blocks(self, num_blocks: int, group: int = 0) -> list[KVBlock]:
+        """Take `num_blocks` from the head of the free queue (LRU first), evicting their hashes,
+        for KV cache group `group`."""
         if num_blocks > self.num_free_blocks:
             raise ValueError(
                 f"cannot get {num_blocks} free blocks: only {self.num_free_blocks} are free"
@@ -150,8 +155,18 @@ class BlockPool:
             assert block.ref_count == 0
             self._evict_cached_block(block)
             block.ref_count = 1
+            block.group = group
             blocks.append(block)
+        self.num_used_by_group[group] += num_blocks
         return blocks
+
+    def take_reserved_block(self) -> KVBlock:
+        """A block taken out of circulation for good (the null block of sliding tables):
+        held, never freed, counted in no group."""
+        block = self.get_new_blocks(1)[0]
+        self.num_used_by_group[0] -= 1
+        block.group = -1
+        return block
 
     def _evict_cached_block(self, block: KVBlock) -> None:
         if block.block_hash is None:
@@ -170,6 +185,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_count == 0:
                 self.free_block_queue.remove(block)
+                self.num_used_by_group[block.group] += 1
             elif block.ref_count == 1:
                 self.num_shared_blocks += 1
             block.ref_count += 1
@@ -185,6 +201,7 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_block_queue.append(block)
+                self.num_used_by_group[block.group] -= 1
             elif block.ref_count == 1:
                 self.num_shared_blocks -= 1
 

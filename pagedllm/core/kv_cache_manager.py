@@ -53,12 +53,13 @@ class KVCacheManager:
             raise ValueError(f"num_host_blocks must be non-negative, got {num_host_blocks}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
-        # Host memory for swapped-out blocks: ref counts and a free queue, never hashed.
-        self.host_pool = BlockPool(num_host_blocks, False) if num_host_blocks else None
         self.kv_cache_groups = groups if groups is not None else KVCacheGroups(
             (KVCacheGroup((), None),), 0)
         self.groups: tuple[KVCacheGroup, ...] = self.kv_cache_groups.groups
+        self.block_pool = BlockPool(num_blocks, enable_caching, len(self.groups))
+        # Host memory for swapped-out blocks: ref counts and a free queue, never hashed.
+        self.host_pool = (BlockPool(num_host_blocks, False, len(self.groups)) if num_host_blocks
+                          else None)
         self._per_group = groups is not None and (groups.is_hybrid or groups.has_null_block)
         # Per group: seq_id -> device table, seq_id -> host table (swapped out).
         self.tables: list[dict[int, list[KVBlock]]] = [{} for _ in self.groups]
@@ -70,7 +71,7 @@ class KVCacheManager:
         if self.kv_cache_groups.has_null_block:
             if num_blocks < 2:
                 raise ValueError("a sliding-window group needs at least 2 blocks (one is the null block)")
-            self.null_block = self.block_pool.get_new_blocks(1)[0]
+            self.null_block = self.block_pool.take_reserved_block()
         self.num_dead_blocks_freed = 0  # sliding blocks returned to the pool, cumulative
         # Chain hashes of each sequence's full computed blocks, in order (the next block's
         # parent); kept even where the pool holds a duplicate and did not cache the block.
@@ -105,6 +106,11 @@ class KVCacheManager:
     def num_shared_blocks(self) -> int:
         """Blocks referenced by more than one sequence right now."""
         return self.block_pool.num_shared_blocks
+
+    @property
+    def num_used_blocks_by_group(self) -> list[int]:
+        """Blocks each KV cache group's tables hold now (the null block in none), O(1)."""
+        return list(self.block_pool.num_used_by_group)
 
     @property
     def num_free_host_blocks(self) -> int:
@@ -386,12 +392,12 @@ class KVCacheManager:
             synced = self.synced[g]
             if cow and synced.get(sid, 0) > cow[0]:
                 synced[sid] = cow[0]  # the runner's copy is stale from there
-            for i, new_block in zip(cow, self.block_pool.get_new_blocks(len(cow))):
+            for i, new_block in zip(cow, self.block_pool.get_new_blocks(len(cow), g)):
                 old_block = table[i]
                 table[i] = new_block
                 self._pending_copies.append((old_block.block_id, new_block.block_id))
                 self.block_pool.free_blocks([old_block])  # still held by its other owners
-            table.extend(self.block_pool.get_new_blocks(num_new))
+            table.extend(self.block_pool.get_new_blocks(num_new, g))
             self.tables[g][sid] = table
         return True
 
@@ -497,6 +503,18 @@ class KVCacheManager:
                     seen.setdefault(block.block_id, block)
         return list(seen.values())
 
+    def _allocate_per_group(self, src: list[dict[int, list[KVBlock]]], seqs: list[Sequence],
+                            pool: BlockPool) -> tuple[list[KVBlock], list[KVBlock]]:
+        """The distinct blocks of `seqs`' tables in `src`, and as many new blocks of `pool`,
+        each taken for the group its source block serves."""
+        distinct: list[KVBlock] = []
+        new: list[KVBlock] = []
+        for g, tables in enumerate(src):
+            blocks = self._distinct(tables.get(s.seq_id, []) for s in seqs)
+            distinct += blocks
+            new += pool.get_new_blocks(len(blocks), g)
+        return distinct, new
+
     def _all_tables(self, which: list[dict[int, list[KVBlock]]], seqs: list[Sequence]):
         return [t.get(s.seq_id, []) for t in which for s in seqs]
 
@@ -530,8 +548,7 @@ class KVCacheManager:
         if not self.can_swap_out(seqs):
             raise ValueError("not enough free host blocks to swap out")
         assert self.host_pool is not None
-        distinct = self._distinct(self._all_tables(self.tables, seqs))
-        host_blocks = self.host_pool.get_new_blocks(len(distinct))
+        distinct, host_blocks = self._allocate_per_group(self.tables, seqs, self.host_pool)
         to_host = {d.block_id: h for d, h in zip(distinct, host_blocks)}
         cow_source = {dst: src for src, dst in self._pending_copies}
         self._pending_copies = [(s, d) for s, d in self._pending_copies if d not in to_host]
@@ -548,10 +565,9 @@ class KVCacheManager:
         pool is short. Their full blocks are published to the prefix cache again."""
         assert self.host_pool is not None
         null = self.null_block
-        distinct = self._distinct(self._all_tables(self.host_tables, seqs))
-        if len(distinct) > self.block_pool.num_free_blocks:
+        if self.num_swap_in_blocks(seqs) > self.block_pool.num_free_blocks:
             return False
-        dev_blocks = self.block_pool.get_new_blocks(len(distinct))
+        distinct, dev_blocks = self._allocate_per_group(self.host_tables, seqs, self.block_pool)
         to_dev = {h.block_id: d for h, d in zip(distinct, dev_blocks)}
         self._pending_swap_in.extend((h.block_id, d.block_id) for h, d in zip(distinct, dev_blocks))
         self.num_swapped_in += len(distinct)
@@ -623,6 +639,12 @@ class KVCacheManager:
         pool = self.block_pool
         for block in pool.blocks:  # invariant 2, per block (so also in sum)
             assert block.ref_count == refs.get(block.block_id, 0), block
+        for g, tables in enumerate(self.tables):  # a block serves one group; counts follow
+            ids = {b.block_id for table in tables.values() for b in table if b is not null}
+            assert all(pool.blocks[i].group == g for i in ids), ("block in another group", g)
+        assert pool.num_used_by_group == [
+            sum(1 for b in pool.blocks if b.ref_count and b.group == g)
+            for g in range(len(self.groups))], ("per-group used counts", pool.num_used_by_group)
         free = list(pool.free_block_queue)
         assert len(free) == len(pool.free_block_queue)
         assert len({b.block_id for b in free}) == len(free)

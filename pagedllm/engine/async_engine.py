@@ -254,13 +254,15 @@ class AsyncLLMEngine:
         )
         metrics = None
         if with_metrics:
-            from pagedllm.metrics import EngineMetrics, cache_config_labels
+            from pagedllm.metrics import (EngineMetrics, cache_config_labels,
+                                          kv_cache_group_attention)
 
             metrics = EngineMetrics(
                 info.model_name, num_engines=len(clients), kernel_info=info.kernel_info or None,
                 max_model_len=info.max_model_len,
                 cache_info=[cache_config_labels(config, c.ready.num_blocks, c.ready.block_size)
-                            for c in clients])
+                            for c in clients],
+                kv_cache_group_attention=kv_cache_group_attention(info.kv_cache_groups))
         engine = cls(clients, tokenizer, info, metrics)
         engine.ray_replicas = ray_replicas
         return engine

@@ -216,10 +216,12 @@ class EngineCore:
         if groups is not None:  # what one full-length sequence holds over its groups
             chunk = self.config.resolved_max_num_batched_tokens(self.max_model_len)
             concurrency = (self.num_blocks - 1) / groups.peak_blocks(self.max_model_len, self.block_size, chunk)
-            logger.info("KV cache groups: %d of %d layers (%s); a block holds %d layers",
+            logger.info("KV cache groups: %d, of %d layer(s) each (%s); a block holds %d layer(s); "
+                        "a %d-token sequence holds at most %d blocks in a step of %d tokens",
                         len(groups.groups), groups.slots,
                         ", ".join("full" if g.sliding_window is None else f"window {g.sliding_window}"
-                                  for g in groups.groups), groups.slots)
+                                  for g in groups.groups), groups.slots, self.max_model_len,
+                        groups.peak_blocks(self.max_model_len, self.block_size, chunk), chunk)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB of %s; maximum concurrency for "
             "%d tokens per request: %.2fx; swap space: %d blocks",
@@ -567,12 +569,14 @@ class EngineCore:
             num_running=len({s.request_id for s in sched.running}),
             num_waiting=len({s.request_id for s in sched.waiting}),
             num_swapped=len({s.request_id for g in swapped for s in g}),
-            kv_used_blocks=kv.num_blocks - kv.num_free_blocks,
-            kv_num_blocks=kv.num_blocks,
+            kv_used_blocks=kv.num_usable_blocks - kv.num_free_blocks,  # not the null block
+            kv_num_blocks=kv.num_usable_blocks,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=sched.num_preemptions,
             num_steps=self._num_steps,
+            kv_used_blocks_by_group=kv.num_used_blocks_by_group if kv.is_hybrid else [],
+            sliding_blocks_freed=kv.num_dead_blocks_freed,
             iteration_tokens=self._drain_step_tokens(),
         )
 
@@ -589,6 +593,7 @@ class EngineCore:
             kv.num_swapped_out, kv.num_swapped_in,
         )
         stats.num_kv_cache_groups = len(kv.groups)
+        stats.used_blocks_by_group = kv.num_used_blocks_by_group
         stats.sliding_blocks_freed = kv.num_dead_blocks_freed
         return stats
 

@@ -99,6 +99,10 @@ class CoreStats(msgspec.Struct, array_like=True):
     # core_loop's "send if changed" never drops a step's count.
     num_steps: int = 0
     iteration_tokens: list[int] = []
+    # A hybrid or sliding KV cache (docs/hybrid_kv_cache.md): blocks each group holds now
+    # (empty: one table for every layer), and the blocks sliding windows gave back, cumulative.
+    kv_used_blocks_by_group: list[int] = []
+    sliding_blocks_freed: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

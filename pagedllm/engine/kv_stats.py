@@ -8,7 +8,7 @@ block, so it stays small). `shared_blocks` counts blocks held by more than one s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from pagedllm.core.block_pool import KVBlock
@@ -35,6 +35,7 @@ class KVCacheStats:
     # handed back as their windows moved on, cumulative.
     num_kv_cache_groups: int = 1
     sliding_blocks_freed: int = 0
+    used_blocks_by_group: list[int] = field(default_factory=list)  # now, per group
 
 
 class KVCacheStatsTracker:

@@ -136,8 +136,11 @@ def test_swap_moves_live_blocks_only_and_brings_the_nulls_back():
     kv.swap_out([seq])
     kv.check_invariants([seq])
     assert kv.num_free_host_blocks == 16 - num_full - len(live)
+    assert kv.num_used_blocks_by_group == [0, 0]
+    assert kv.host_pool.num_used_by_group == [num_full, len(live)]
     assert kv.swap_in([seq])
     kv.check_invariants([seq])
+    assert kv.num_used_blocks_by_group == [num_full, len(live)]  # each back in its own group
     back = ids(kv, seq, 1)
     assert back[: len(back) - len(live)] == [0] * (len(back) - len(live))
     out, inn = kv.take_pending_swaps()
@@ -156,6 +159,8 @@ def test_fork_shares_every_group_and_copies_on_write_per_group():
     decode(kv, child, 2)
     copies = kv.take_pending_copies()
     assert len(copies) == 2  # the shared last block, once in each group, for the parent
+    # full: 4 shared + 1 copy; sliding: its first block died (c = 14 reads keys 7..), 3 + 1
+    assert kv.num_used_blocks_by_group == [4 + 1, 3 + 1]
     assert ids(kv, parent, 0)[-1] != ids(kv, child, 0)[-1]
     assert ids(kv, parent, 1)[-1] != ids(kv, child, 1)[-1]
     kv.check_invariants([parent, child])
@@ -208,3 +213,23 @@ def test_peak_blocks_bounds_what_a_run_holds(chunk):
         decode(kv, seq)
         peak = max(peak, kv.num_usable_blocks - kv.num_free_blocks)
     assert peak <= kv.peak_blocks(seq.num_tokens, chunk)
+
+
+def test_used_blocks_by_group_count_hits_frees_and_dead_blocks_exactly():
+    """The O(1) per-group counts behind /metrics' pagedllm:kv_cache_group_used_blocks."""
+    kv = hybrid()
+    assert kv.num_used_blocks_by_group == [0, 0]  # the null block is in no group
+    _cached_prompt(kv, 20)  # freed: its cached blocks count as free
+    assert kv.num_used_blocks_by_group == [0, 0]
+    b = make_seq(list(range(100, 120)) + [1])
+    run(kv, b)  # its prefix hits leave the free queue under the group that cached them
+    assert kv.prefix_cache_hits > 0
+    assert kv.num_used_blocks_by_group == [len(ids(kv, b, 0)), len(
+        [i for i in ids(kv, b, 1) if i != 0])]
+    for _ in range(8):
+        decode(kv, b)
+    kv.check_invariants([b])
+    assert kv.num_used_blocks_by_group[1] == 3 and kv.num_dead_blocks_freed > 0
+    kv.free(b)
+    assert kv.num_used_blocks_by_group == [0, 0]
+    kv.check_invariants([])
