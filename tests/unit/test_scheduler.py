@@ -431,3 +431,31 @@ def test_a_recomputed_sequence_is_released_and_sent_whole_again():
     out = sched.schedule()
     assert out.released_seq_ids == [0]
     assert [(sid, start) for sid, start, _ in deltas(out)] == [(1, 0)]  # b, whole again
+
+
+def test_a_recompute_preempted_sequence_waits_until_its_whole_length_fits():
+    """Readmitted on its first chunk, a preempted sequence would be preempted again as soon as
+    the running ones grow: it comes back only when the free blocks hold all its tokens."""
+    # (no prefix caching: b's cached blocks would otherwise make it wait for them)
+    sched, kv = make_scheduler(num_blocks=10, block_size=4, caching=False, max_num_batched_tokens=8)
+    new = Seqs()
+    a, b = new(16), new(16)  # 4 blocks each; a decodes, b is preempted once the pool is short
+    for s in (a, b):
+        sched.add_sequence(s)
+    while b.num_computed_tokens < 16:  # a's prompt in two chunks, then b's while a decodes
+        finish_step(sched, sched.schedule())
+    while not b.num_preemptions:  # both decode; a grows until b is pushed out
+        finish_step(sched, sched.schedule())
+    assert b in sched.waiting and sched.running == [a]
+    # b now needs ceil(b.num_tokens / 4) = 5 blocks; while fewer are free it is not readmitted
+    # (before: its first 8-token chunk fit, it ran, and was preempted again the next steps)
+    while kv.num_free_blocks < -(-b.num_tokens // 4):
+        out = sched.schedule()
+        assert [s.seq for s in out.scheduled] == [a], plan(out)
+        finish_step(sched, out)
+        if a.num_tokens >= 36:
+            sched.finish_sequence(a, SequenceStatus.FINISHED_LENGTH)
+    out = sched.schedule()
+    assert b in [s.seq for s in out.scheduled]
+    assert b.num_preemptions == 1
+    kv.check_invariants([s for s in (a, b) if not s.is_finished])
