@@ -6,7 +6,8 @@ swapped-out groups come back (oldest first), then waiting ones are admitted FCFS
 chunks from what remains. When a running sequence cannot get a block, the most recently arrived
 running request is preempted and the allocation retried, as vLLM v0 did: a request with several
 running sequences (n > 1, beam search) is swapped out whole to host memory, keeping its sharing;
-a single sequence is recomputed (blocks freed, requeued at the front of the waiting queue);
+a single sequence is recomputed (blocks freed, requeued at the front of the waiting queue,
+readmitted only once the free blocks hold its whole length: `_fits_whole`);
 `preemption_mode` forces either. A step that preempted admits nothing new and swaps nothing in,
 so the pool can drain; nothing new is admitted while a group waits in host memory.
 
