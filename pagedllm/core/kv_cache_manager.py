@@ -302,7 +302,9 @@ class KVCacheManager:
         if table is None:
             return
         hashes = self.req_to_block_hashes.setdefault(seq.seq_id, [])
-        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        # Computed positions can run ahead of the known tokens while a step's accepted draft
+        # tokens are not appended yet (speculative decoding): those blocks hash next time.
+        num_full = min(min(seq.num_computed_tokens, seq.num_tokens) // self.block_size, len(table))
         for i in range(len(hashes), num_full):
             block_hash = self._block_hash(seq, i, hashes[-1] if hashes else None)
             hashes.append(block_hash)
@@ -400,6 +402,26 @@ class KVCacheManager:
             table.extend(self.block_pool.get_new_blocks(num_new, g))
             self.tables[g][sid] = table
         return True
+
+    def trim(self, seq: Sequence, num_tokens: int) -> int:
+        """Give back every block past the first `num_tokens` slots of `seq`'s tables (rejected
+        draft tokens' blocks, speculative decoding); returns how many went. Those blocks were
+        written this step only, so none is hashed; the runner's copies are re-sent from the
+        first dropped entry."""
+        keep = self.num_blocks_needed(num_tokens)
+        gone_total = 0
+        for g, tables in enumerate(self.tables):
+            table = tables.get(seq.seq_id)
+            if table is None or len(table) <= keep:
+                continue
+            gone = self._live(table[keep:])
+            del table[keep:]
+            self.block_pool.free_blocks(reversed(gone))
+            gone_total += len(gone)
+            synced = self.synced[g]
+            if synced.get(seq.seq_id, 0) > keep:
+                synced[seq.seq_id] = keep
+        return gone_total
 
     def _drop_dead(self, table: list[KVBlock], dead: int) -> None:
         """Free a sliding table's first `dead` entries (oldest first: evicted first) and point

@@ -66,6 +66,9 @@ class Sequence:
     # Structured outputs: this sample's grammar matcher (xgrammar's, each sample its own),
     # advanced by every accepted token, dropped when it finishes. Engine-side; opaque to core/.
     grammar: Any = None
+    # Speculative decoding: the draft tokens proposed for its next decode step (engine-set;
+    # the scheduler runs them after its last token when the budget allows).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def prompt_len(self) -> int:

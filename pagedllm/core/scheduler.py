@@ -161,6 +161,9 @@ class ScheduledSequence:
     # Hybrid KV cache: (blocks_from, new_block_ids) of groups 1.. (group 0 is above); empty
     # with one group.
     group_deltas: tuple[tuple[int, list[int]], ...] = ()
+    # Speculative decoding: the draft tokens at the end of `token_ids` (after the sequence's
+    # last known token), each position's logits verify the next; empty: no proposal.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -380,6 +383,8 @@ class Scheduler:
             if num_new <= 0:  # nothing to run until the engine appends a token
                 index += 1
                 continue
+            if num_new == 1 and seq.spec_token_ids:  # a decode with a proposal: as budget allows
+                num_new += min(len(seq.spec_token_ids), budget - 1)
             allocated = True
             while allocated and not kv.allocate_slots(seq, num_new):
                 gone = self._preempt_last()
@@ -408,16 +413,20 @@ class Scheduler:
         scheduled = []
         for seq, n in steps:
             blocks_from, new_block_ids = kv.take_table_delta(seq.seq_id)
+            known = min(n, seq.num_tokens - seq.num_computed_tokens)
+            drafts = seq.spec_token_ids[: n - known]
             scheduled.append(ScheduledSequence(
                 seq=seq,
-                token_ids=seq.token_ids_slice(seq.num_computed_tokens, seq.num_computed_tokens + n),
+                token_ids=seq.token_ids_slice(seq.num_computed_tokens, seq.num_computed_tokens + known)
+                + drafts,
                 start_pos=seq.num_computed_tokens,
                 blocks_from=blocks_from,
                 new_block_ids=new_block_ids,
-                sample=seq.num_computed_tokens + n == seq.num_tokens,
+                sample=seq.num_computed_tokens + known == seq.num_tokens,
                 seq_len=seq.num_tokens,
                 group_deltas=tuple(kv.take_table_delta(seq.seq_id, g)
                                    for g in range(1, len(kv.groups))) if kv.is_hybrid else (),
+                draft_token_ids=drafts,
             ))
         swap_out, swap_in = kv.take_pending_swaps()
         return SchedulerOutput(
@@ -575,17 +584,31 @@ class Scheduler:
                 in_flight.update(kv.hashes_filled_by(seq, n))
         return left
 
-    def update_after_step(self, output: SchedulerOutput) -> None:
+    def update_after_step(self, output: SchedulerOutput,
+                          num_accepted: dict[int, int] | None = None) -> None:
         """Mark this step's tokens computed and publish blocks they filled to the prefix cache.
 
+        `num_accepted` (speculative decoding): seq id -> how many of its draft tokens the
+        target accepted; the rejected ones are not computed and the blocks only they used go
+        back (`KVCacheManager.trim`), so the tables are exactly what the accepted tokens need.
         Sequences finished since `schedule` (aborted mid-step) are skipped: their blocks are gone.
         """
+        kv = self.kv_cache_manager
         for entry in output.scheduled:
             seq = entry.seq
             if seq.is_finished:
                 continue
             seq.num_computed_tokens += len(entry.token_ids)
-            self.kv_cache_manager.cache_full_blocks(seq)
+            seq.spec_token_ids = []
+            if entry.draft_token_ids:
+                accepted = (num_accepted or {}).get(seq.seq_id, 0)
+                if not 0 <= accepted <= len(entry.draft_token_ids):
+                    raise ValueError(f"seq {seq.seq_id}: {accepted} of {len(entry.draft_token_ids)} "
+                                     "draft tokens accepted")
+                seq.num_computed_tokens -= len(entry.draft_token_ids) - accepted
+                # the accepted drafts and the token sampled after them: num_computed + 1 slots
+                kv.trim(seq, seq.num_computed_tokens + 1)
+            kv.cache_full_blocks(seq)
 
     # ---- finishing ------------------------------------------------------------------------
 
