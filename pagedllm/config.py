@@ -86,6 +86,9 @@ class EngineConfig:
     # True: one block table for every layer even when the model mixes sliding-window and full
     # attention layers (docs/hybrid_kv_cache.md; vLLM's --disable-hybrid-kv-cache-manager).
     disable_hybrid_kv_cache_manager: bool = False
+    # Speculative decoding (docs/speculative_decoding.md): vLLM's dict (or its JSON string),
+    # e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}.
+    speculative_config: Any = None
     # GPU: decode-only steps of up to these padded batch sizes replay captured CUDA graphs
     # (worker/cuda_graphs.py); None: 1, 2, 4, 8, then every multiple of 8 up to max_num_seqs
     # (at most 512), as vLLM captures.

@@ -44,6 +44,8 @@ from pagedllm.engine.sequence_update import SequenceUpdater
 from pagedllm.kernels.status import log_kernel_status
 from pagedllm.layers.kv_cache_format import resolve_kv_cache_dtype
 from pagedllm.layers.sampler import Sampler
+from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.proposer import NgramProposer, SpecDecodeStats
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.executor import create_executor
 from pagedllm.layers.rotary import long_context_threshold
@@ -133,6 +135,9 @@ class EngineCore:
             self._load_tokenizer, self.vocab_size, sorted(self.eos_token_ids),
             compile_timeout_s=config.structured_outputs_timeout)
         self.requests: dict[str, RequestState] = {}
+        spec = SpeculativeConfig.from_value(config.speculative_config)
+        self.proposer = NgramProposer(spec, self.max_model_len) if spec is not None else None
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec is not None else None
         self._seq_counter = itertools.count()
         # Sampling rows the runner has not been given yet (each sequence's, once).
         self._new_rows: list[SamplingRowSpec] = []
@@ -389,6 +394,8 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """Run one scheduler step; an output for every request that advanced."""
+        if self.proposer is not None:
+            self._propose()
         sched_out = self.scheduler.schedule()
         self._watch_progress(sched_out)
         if not sched_out.scheduled:
@@ -414,7 +421,7 @@ class EngineCore:
         runner_out = self.executor.execute_model(self._with_new_rows(sched_out))
         self._num_steps += 1
         self._step_tokens.append(sched_out.num_batched_tokens)
-        self.scheduler.update_after_step(sched_out)
+        self.scheduler.update_after_step(sched_out, runner_out.num_accepted if runner_out else None)
         self._observe_kv_usage()
         self._process_outputs(sched_out, runner_out, outputs)
         self._observe_kv_usage()  # finished sequences gave their blocks back
@@ -429,6 +436,24 @@ class EngineCore:
                 del self.requests[rid]
         return EngineCoreOutputs(list(outputs.values()), timestamp=time.time(),
                                  engine_index=self.engine_index)
+
+    def _propose(self) -> None:
+        """Draft tokens for the running sequences about to decode, unless the batch is at
+        `disable_by_batch_size`. Beams and constrained samples (grammars, allowed / bad
+        words: their masks are per position) decode one token at a time."""
+        running = self.scheduler.running
+        limit = self.proposer.config.disable_by_batch_size
+        if limit is not None and len(running) >= limit:
+            return
+        candidates = []
+        for seq in running:
+            if seq.num_computed_tokens != seq.num_tokens - 1 or not seq.output_token_ids:
+                continue
+            state = self.requests.get(seq.request_id)
+            if state is None or state.beam is not None or state.constraint is not None:
+                continue
+            candidates.append((seq, state.params))
+        self.proposer.propose(candidates)
 
     def _watch_progress(self, sched_out: SchedulerOutput) -> None:
         """The watchdog: raise `SchedulerStallError` naming the stuck requests when
@@ -500,7 +525,13 @@ class EngineCore:
                     if state.finished:  # beam search reports once, at the end
                         self._output_for(outputs, state.request_id)
                 continue
-            sample_i += 1
+            sample_i += 1 + len(item.draft_token_ids)
+            if item.draft_token_ids:
+                self.spec_stats.observe(len(item.draft_token_ids),
+                                        runner_out.num_accepted.get(item.seq.seq_id, 0))
+                r = self._append_verified(state, item, sampled, r,
+                                          runner_out.num_accepted.get(item.seq.seq_id, 0), outputs)
+                continue
             targets = [item.seq]
             if state.params.n > 1 and not state.forked:
                 # First sample of an n > 1 request: fork n - 1 children that share the
@@ -518,6 +549,25 @@ class EngineCore:
                     delta.finish_reason = status.finish_reason
                     delta.stop_reason = stop_reason
                 out.samples.append(delta)
+
+    def _append_verified(self, state: RequestState, item, sampled, r: int, accepted: int,
+                         outputs: dict[str, EngineCoreOutput]) -> int:
+        """A decode with draft tokens: its accepted drafts and the token after them, in
+        order, until one ends the sequence (the rest are dropped); the next row of `sampled`."""
+        seq = item.seq
+        delta = SampleDelta(seq.index, [], [] if state.params.logprobs is not None else None)
+        for i in range(accepted + 1):
+            token, logprob, status, stop_reason = self.updater.append_token(state, seq, sampled, r + i)
+            delta.new_token_ids.append(token)
+            if delta.new_logprobs is not None:
+                delta.new_logprobs.append(logprob)
+            if status is not None:
+                self.scheduler.finish_sequence(seq, status)
+                delta.finish_reason = status.finish_reason
+                delta.stop_reason = stop_reason
+                break
+        self._output_for(outputs, state.request_id).samples.append(delta)
+        return r + accepted + 1
 
     def _fork(self, state: RequestState, parent: Sequence, idx: int) -> Sequence:
         """Sample `idx` of an n > 1 request, made at the first sample with the seq id the

@@ -75,6 +75,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="keep every layer's blocks for the whole sequence even in models that mix "
                         "sliding-window and full attention (default: sliding layers keep only their window)")
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4}\' (docs/speculative_decoding.md)')
     g.add_argument("--cuda-graph-sizes", default=None,
                    type=lambda s: [int(x) for x in s.split(",") if x.strip()],
                    help="GPU: comma-separated decode batch sizes to capture as CUDA graphs "
@@ -237,7 +240,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "attention_backend", "enforce_eager", "disable_hybrid_kv_cache_manager", "cuda_graph_sizes",
         "compile_batch_sizes", "num_threads", "served_model_name", "chat_template",
         "scheduling_policy", "generation_config", "max_logprobs", "structured_outputs_timeout",
-        "revision", "tokenizer_revision", "download_dir", "gguf_file",
+        "revision", "tokenizer_revision", "download_dir", "gguf_file", "speculative_config",
     ):
         kwargs[name] = getattr(args, name)
     positional, model = getattr(args, "model_tag", None), args.model

@@ -189,8 +189,13 @@ class InputBatch:
 
     def metadata(self, rows: list[int], device: torch.device,
                  token_bitmask: torch.Tensor | None = None,
-                 bitmask_rows: list[int] | None = None) -> SamplingMetadata:
-        """The sampler's inputs for `rows` (in the order of the logits rows)."""
+                 bitmask_rows: list[int] | None = None,
+                 extra_outputs: list[list[int]] | None = None) -> SamplingMetadata:
+        """The sampler's inputs for `rows` (in the order of the logits rows; a row may repeat).
+
+        `extra_outputs[i]`: tokens that logits row i sees after its sequence's outputs (the
+        draft tokens before a verified position, speculative decoding): min_tokens and the
+        penalties then count them, from the lists (the sequence's kept counts stay its own)."""
         n = len(rows)
         lo = rows[0] if rows else 0
         if rows == list(range(lo, lo + n)):  # the usual case: views, no copy
@@ -212,10 +217,13 @@ class InputBatch:
         num_random = count("random")
         min_tokens_mask: list[set[int] | None] = [None] * n
         logit_bias: list[dict[int, float] | None] = [None] * n
+        outputs = [self.output_ids[r] for r in rows]
+        if extra_outputs is not None:
+            outputs = [o + e if e else o for o, e in zip(outputs, extra_outputs)]
         if self._min_tokens_rows or self._bias_rows:
             for i, r in enumerate(rows):
                 spec = self.specs[r]
-                if r in self._min_tokens_rows and len(self.output_ids[r]) < spec.params.min_tokens:
+                if r in self._min_tokens_rows and len(outputs[i]) < spec.params.min_tokens:
                     min_tokens_mask[i] = set(spec.min_tokens_blocked)
                 if r in self._bias_rows:
                     logit_bias[i] = spec.params.logit_bias
@@ -226,9 +234,11 @@ class InputBatch:
             presence_penalties=f["presence"], frequency_penalties=f["frequency"],
             repetition_penalties=f["repetition"],
             prompt_token_ids=[s.prompt_token_ids for s in specs],
-            output_token_ids=[self.output_ids[r] for r in rows],
+            output_token_ids=outputs,
             generators=[self.generators[r] for r in rows],
-            penalty_counts=None if no_penalties else [self.penalty_counts[r] for r in rows],
+            penalty_counts=None if no_penalties else [
+                None if extra_outputs is not None and extra_outputs[i] else self.penalty_counts[r]
+                for i, r in enumerate(rows)],
             num_logprobs=[s.params.logprobs for s in specs],
             logit_bias=logit_bias,
             min_tokens_mask=min_tokens_mask,
@@ -252,10 +262,13 @@ class InputBatch:
 
 def sample_batch(sampler, batch: InputBatch, logits: torch.Tensor, rows: list[int],
                  logits_rows: list[int], mask_keys: list[int],
-                 masks: dict[int, torch.Tensor] | None) -> SamplerOutput:
+                 masks: dict[int, torch.Tensor] | None,
+                 extra_outputs: list[list[int]] | None = None) -> SamplerOutput:
     """Draw one token for each of `rows` from `logits[logits_rows[i]]`. `masks`: seq id ->
     packed allowed-token row; row i takes the mask of `mask_keys[i]` (a fork its parent's: at
-    the first sample their grammars are in the same state)."""
+    the first sample their grammars are in the same state). With `extra_outputs` (draft
+    tokens each row sees, speculative decoding) the rows may repeat and nothing is recorded:
+    the caller records the tokens it keeps."""
     if logits_rows != list(range(logits.shape[0])):
         logits = logits.index_select(0, torch.tensor(logits_rows, device=logits.device))
     token_bitmask = bitmask_rows = None
@@ -264,7 +277,8 @@ def sample_batch(sampler, batch: InputBatch, logits: torch.Tensor, rows: list[in
         if keyed:
             bitmask_rows = [i for i, _ in keyed]
             token_bitmask = torch.stack([m for _, m in keyed])
-    md = batch.metadata(rows, logits.device, token_bitmask, bitmask_rows)
+    md = batch.metadata(rows, logits.device, token_bitmask, bitmask_rows, extra_outputs)
     out = sampler(logits, md)
-    batch.record(rows, out.sampled_token_ids)
+    if extra_outputs is None:
+        batch.record(rows, out.sampled_token_ids)
     return out

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from pagedllm.core.kv_cache_groups import KVCacheGroups
+from pagedllm.spec_decode.verify import rows_to_keep
 from pagedllm.layers.attention import Attention, AttentionMetadata
 from pagedllm.layers.sampler import Sampler, SamplerOutput
 from pagedllm.layers.rotary import head_dim_of
@@ -61,6 +62,9 @@ class ModelRunnerOutput:
     # The tokens drawn for the sampled sequences that have a sampling row, in scheduled order,
     # each followed by its n > 1 forks at its first sample (InputBatch.start_rows).
     sampled: SamplerOutput | None = None
+    # Speculative decoding: seq id -> how many of its draft tokens the target accepted; such a
+    # sequence has that many rows in `sampled` plus one (and 1 + its drafts in sample_logits).
+    num_accepted: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -287,9 +291,10 @@ class ModelRunner:
                 logits_rows.extend(range(first, first + n))
                 if s.sample:
                     sample_indices.append(len(logits_rows) - 1)
-            elif s.sample:
-                sample_indices.append(len(logits_rows))
-                logits_rows.append(first + n - 1)
+            elif s.sample:  # the last row, and with draft tokens the rows verifying them
+                nd = len(getattr(s, "draft_token_ids", ()))
+                sample_indices.extend(range(len(logits_rows), len(logits_rows) + nd + 1))
+                logits_rows.extend(range(first + n - 1 - nd, first + n))
         return ModelInput(
             input_ids=dev_t["input_ids"],
             positions=dev_t["positions"],
@@ -349,33 +354,61 @@ class ModelRunner:
         else:
             sample_logits = logits[torch.tensor(inp.sample_indices, dtype=torch.long, device=self.device)]
         all_logits = {seq_id: logits[at : at + n] for seq_id, at, n in inp.all_logits_slices}
-        return ModelRunnerOutput(sample_logits=sample_logits, all_logits=all_logits,
-                                 sampled=self._sample(scheduler_output, scheduled, sample_logits))
+        out = ModelRunnerOutput(sample_logits=sample_logits, all_logits=all_logits)
+        out.sampled = self._sample(scheduler_output, scheduled, sample_logits, out.num_accepted)
+        return out
 
-    def _sample(self, scheduler_output: Any, scheduled: list[Any],
-                sample_logits: torch.Tensor) -> SamplerOutput | None:
+    def _sample(self, scheduler_output: Any, scheduled: list[Any], sample_logits: torch.Tensor,
+                num_accepted: dict[int, int]) -> SamplerOutput | None:
         """One token for every sampled sequence with a row (and its forks at the first sample),
-        after the structured-output masks the core filled during the forward."""
+        after the structured-output masks the core filled during the forward. A sequence with
+        draft tokens draws one at each verified position (spec_decode/verify.py); its accepted
+        drafts and the next token are kept, their counts go to `num_accepted`."""
         batch = self.input_batch
         rows: list[int] = []
         logits_rows: list[int] = []
         mask_keys: list[int] = []
+        extras: list[list[int]] = []
+        spans: list[tuple[int, list[int]]] = []  # per sampled row group: first row, drafts
+        spec_seqs: list[int] = []
         j = 0
         for s in scheduled:
             if not s.sample:
                 continue
             seq_id = s.seq.seq_id
+            drafts = list(getattr(s, "draft_token_ids", ()))
             if seq_id in batch:
-                for row in batch.start_rows(seq_id):
-                    rows.append(row)
-                    logits_rows.append(j)
-                    mask_keys.append(seq_id)
-            j += 1
+                if drafts:
+                    row = batch.row_of[seq_id]
+                    spans.append((len(rows), drafts))
+                    spec_seqs.append(seq_id)
+                    for p in range(len(drafts) + 1):
+                        rows.append(row)
+                        logits_rows.append(j + p)
+                        mask_keys.append(seq_id)
+                        extras.append(drafts[:p])
+                else:
+                    for row in batch.start_rows(seq_id):
+                        spans.append((len(rows), []))
+                        rows.append(row)
+                        logits_rows.append(j)
+                        mask_keys.append(seq_id)
+                        extras.append([])
+            j += 1 + len(drafts)
         if not rows:
             return None
         pending = getattr(scheduler_output, "token_masks", None)
         masks = pending.result() if pending is not None else None
-        return sample_batch(self.sampler, batch, sample_logits, rows, logits_rows, mask_keys, masks)
+        if not spec_seqs:
+            return sample_batch(self.sampler, batch, sample_logits, rows, logits_rows, mask_keys, masks)
+        out = sample_batch(self.sampler, batch, sample_logits, rows, logits_rows, mask_keys, masks,
+                           extra_outputs=extras)
+        keep, accepted = rows_to_keep(out.sampled_token_ids, spans)
+        num_accepted.update(zip(spec_seqs, (n for (_, d), n in zip(spans, accepted) if d)))
+        out = SamplerOutput(*([column[i] for i in keep] for column in (
+            out.sampled_token_ids, out.sampled_logprobs, out.sampled_ranks, out.top_logprobs)))
+        batch.record([rows[i] for i in keep], out.sampled_token_ids)
+        return out
 
     def run_model(self, inp: ModelInput) -> torch.Tensor | None:
         """float32 logits of the rows `inp.logits_rows`: from a compiled decode graph where one

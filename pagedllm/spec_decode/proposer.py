@@ -1,0 +1,67 @@
+"""Draft tokens for the running decodes of the next step, in the engine core (rank 0)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from pagedllm.core.request import Sequence
+from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.ngram import propose_ngram
+
+BUILT_METHODS = ("ngram",)
+
+
+class SpecDecodeStats:
+    """Cumulative counts under vLLM's metric names (vllm:spec_decode_num_drafts, ...): drafts
+    (steps of a sequence with a proposal), their tokens, the accepted ones, and accepted per
+    position (position j: the j-th draft token of a proposal)."""
+
+    def __init__(self, k: int) -> None:
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * k
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.accepted_per_pos[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+class NgramProposer:
+    """vLLM's "ngram" method over each sequence's own prompt and output."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        if config.method not in BUILT_METHODS:
+            raise ValueError(f"speculative method {config.method!r} is not built in pagedllm yet; "
+                             f"built: {list(BUILT_METHODS)}.")
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.max_model_len = max_model_len
+
+    def propose(self, running: Iterable[tuple[Sequence, Any]]) -> int:
+        """Set `spec_token_ids` of each (sequence, its sampling params) about to decode; the
+        number of sequences given a proposal. A proposal never runs past max_tokens (one token
+        is always sampled after the drafts) or max_model_len."""
+        cfg = self.config
+        n = 0
+        for seq, params in running:
+            k = min(self.k, params.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - seq.num_tokens)
+            if k <= 0:
+                continue
+            tokens = np.fromiter(seq.all_token_ids, dtype=np.int64, count=seq.num_tokens)
+            draft = propose_ngram(tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
+            if draft.size:
+                seq.spec_token_ids = draft.tolist()
+                n += 1
+        return n
