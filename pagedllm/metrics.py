@@ -235,6 +235,13 @@ class EngineMetrics:
         self.sliding_blocks_freed = counter(
             "pagedllm:kv_cache_sliding_blocks_freed",
             "Blocks that sliding-window groups gave back as their windows moved on.")
+        # Speculative decoding (vllm/v1/spec_decode/metrics.py's names and labels).
+        self.v_spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.v_spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.v_spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self._spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted tokens per draft position.",
+                                     ["model_name", "engine", "position"], registry=reg)
         if kernel_info is None:
             from pagedllm.kernels.status import kernel_status
 
@@ -336,6 +343,9 @@ class EngineMetrics:
             ((self.prefix_cache_hits, self.v_prefix_hits), "prefix_cache_hits"),
             ((self.num_preemptions, self.v_preemptions), "num_preemptions"),
             ((self.sliding_blocks_freed,), "sliding_blocks_freed"),
+            ((self.v_spec_drafts,), "spec_num_drafts"),
+            ((self.v_spec_draft_tokens,), "spec_num_draft_tokens"),
+            ((self.v_spec_accepted,), "spec_num_accepted_tokens"),
         ):
             value = getattr(stats, name)
             delta = value - last.get(name, 0)
@@ -343,6 +353,12 @@ class EngineMetrics:
                 for c in counters:
                     c[e].inc(delta)
             last[name] = value
+        for pos, value in enumerate(stats.spec_accepted_per_pos):
+            key = f"spec_pos_{pos}"
+            delta = value - last.get(key, 0)
+            if delta > 0:
+                self._spec_per_pos.labels(self.model_name, str(e), str(pos)).inc(delta)
+            last[key] = value
         for gauge_, used in zip(self.kv_cache_group_used_blocks[e], stats.kv_used_blocks_by_group):
             gauge_.set(used)
         for n in getattr(stats, "iteration_tokens", ()):

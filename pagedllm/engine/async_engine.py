@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.scheduler import check_request_fits_pool
 from pagedllm.core.kv_cache_groups import hybrid_kv_cache_groups
+from pagedllm.engine.stat_logger import PeriodicStatLogger
 from pagedllm.engine.core_messages import CoreReady, EngineCoreOutputs
 from pagedllm.engine.errors import STALL_STEPS, SchedulerStallError
 from pagedllm.engine.generation_defaults import load_generation_defaults
@@ -147,6 +148,7 @@ class AsyncLLMEngine:
         self.tokenizer = tokenizer
         self.info = info
         self.metrics = metrics
+        self.stat_logger = PeriodicStatLogger()  # vLLM's periodic "Avg ... throughput" line
         self.on_fatal = on_fatal
         self.inputs = InputProcessor(
             tokenizer, info.vocab_size, info.max_model_len,
@@ -519,6 +521,8 @@ class AsyncLLMEngine:
                                      outputs.engine_index)
             if outputs.stats is not None:
                 self.metrics.update_from_stats(outputs.stats, outputs.engine_index)
+        if outputs.stats is not None:
+            self.stat_logger.observe(outputs.stats, outputs.engine_index)
 
     def _fail_requests(self, core_ids: list[str], engine_index: int,
                        error: BaseException) -> None:

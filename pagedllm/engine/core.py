@@ -628,7 +628,16 @@ class EngineCore:
             kv_used_blocks_by_group=kv.num_used_blocks_by_group if kv.is_hybrid else [],
             sliding_blocks_freed=kv.num_dead_blocks_freed,
             iteration_tokens=self._drain_step_tokens(),
+            **self._spec_stats_fields(),
         )
+
+    def _spec_stats_fields(self) -> dict[str, Any]:
+        st = self.spec_stats
+        if st is None:
+            return {}
+        return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
+                    spec_num_accepted_tokens=st.num_accepted_tokens,
+                    spec_accepted_per_pos=list(st.accepted_per_pos))
 
     def _drain_step_tokens(self) -> list[int]:
         """The tokens of each step since the last call (each step counted once)."""

@@ -103,6 +103,12 @@ class CoreStats(msgspec.Struct, array_like=True):
     # (empty: one table for every layer), and the blocks sliding windows gave back, cumulative.
     kv_used_blocks_by_group: list[int] = []
     sliding_blocks_freed: int = 0
+    # Speculative decoding, cumulative (vLLM's vllm:spec_decode_* counters); empty per-position
+    # list: speculation off.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
