@@ -35,6 +35,8 @@ NON_DEFAULT = {
     "attention_backend": (["--attention-backend", "triton"], "triton"),
     "enforce_eager": (["--enforce-eager"], True),
     "disable_hybrid_kv_cache_manager": (["--disable-hybrid-kv-cache-manager"], True),
+    "speculative_config": (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+                           '{"method": "ngram", "num_speculative_tokens": 3}'),
     "cuda_graph_sizes": (["--cuda-graph-sizes", "1,2,4"], [1, 2, 4]),
     "compile_batch_sizes": (["--compile-batch-sizes", "1,2"], [1, 2]),
     "num_threads": (["--num-threads", "2"], 2),
