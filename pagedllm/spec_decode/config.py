@@ -108,6 +108,10 @@ class SpeculativeConfig:
         if tp != 1:
             raise ValueError(f"draft_tensor_parallel_size={tp!r} is not supported: the proposer runs on rank 0 "
                              "(draft_tensor_parallel_size=1).")
+        if method != "draft_model":
+            for key in ("quantization", "max_model_len", "revision"):
+                if key in d:
+                    raise ValueError(f"speculative_config {key!r} is for method 'draft_model', not {method!r}.")
         if method != "suffix":
             for key in _KEYS:
                 if key.startswith("suffix_decoding_") and key in d:

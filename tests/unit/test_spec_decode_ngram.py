@@ -75,6 +75,8 @@ def test_config_defaults_and_spellings():
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "rank 0"),
     ({"method": "warp", "num_speculative_tokens": 2}, "Unknown speculative method"),
     ("{not json", "not valid JSON"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "awq"}, "for method 'draft_model'"),
+    ({"method": "ngram", "num_speculative_tokens": float("nan")}, "positive integer"),
 ])
 def test_config_refusals_name_what(value, words):
     with pytest.raises(ValueError, match=words):
