@@ -45,7 +45,7 @@ from pagedllm.kernels.status import log_kernel_status
 from pagedllm.layers.kv_cache_format import resolve_kv_cache_dtype
 from pagedllm.layers.sampler import Sampler
 from pagedllm.spec_decode.config import SpeculativeConfig
-from pagedllm.spec_decode.proposer import NgramProposer, SpecDecodeStats
+from pagedllm.spec_decode.proposer import SpecDecodeStats, make_proposer
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.executor import create_executor
 from pagedllm.layers.rotary import long_context_threshold
@@ -136,7 +136,7 @@ class EngineCore:
             compile_timeout_s=config.structured_outputs_timeout)
         self.requests: dict[str, RequestState] = {}
         spec = SpeculativeConfig.from_value(config.speculative_config)
-        self.proposer = NgramProposer(spec, self.max_model_len) if spec is not None else None
+        self.proposer = make_proposer(spec, self.max_model_len) if spec is not None else None
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec is not None else None
         self._seq_counter = itertools.count()
         # Sampling rows the runner has not been given yet (each sequence's, once).
@@ -418,10 +418,14 @@ class EngineCore:
             item.all_logits = state.num_prompt_logprobs is not None and not state.prompt_logprobs_done
         # The token masks depend only on tokens already accepted: filled while the forward runs.
         sched_out.token_masks = self.structured.submit_masks(self._mask_entries(sched_out))
+        if self.proposer is not None:
+            self.proposer.annotate(sched_out)
         runner_out = self.executor.execute_model(self._with_new_rows(sched_out))
         self._num_steps += 1
         self._step_tokens.append(sched_out.num_batched_tokens)
         self.scheduler.update_after_step(sched_out, runner_out.num_accepted if runner_out else None)
+        if self.proposer is not None:
+            self.proposer.after_step(sched_out, runner_out.num_accepted if runner_out else {})
         self._observe_kv_usage()
         self._process_outputs(sched_out, runner_out, outputs)
         self._observe_kv_usage()  # finished sequences gave their blocks back

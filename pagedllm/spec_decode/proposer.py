@@ -14,6 +14,33 @@ from pagedllm.spec_decode.ngram import propose_ngram
 BUILT_METHODS = ("ngram",)
 
 
+class Proposer:
+    """What the engine core calls on a proposer, once per step (every hook but `propose` is a
+    no-op here): `propose` before the schedule (sets `Sequence.spec_token_ids`), `annotate`
+    on the step's `SchedulerOutput` before it runs, `after_step` with the runner's accepted
+    counts, `on_finished` when a sequence ends (a proposer that learns from finished outputs)."""
+
+    config: SpeculativeConfig
+
+    def propose(self, running: Iterable[tuple[Sequence, Any]]) -> int:
+        raise NotImplementedError
+
+    def annotate(self, sched_out: Any) -> None:
+        return None
+
+    def after_step(self, sched_out: Any, num_accepted: dict[int, int]) -> None:
+        return None
+
+    def on_finished(self, seq: Sequence) -> None:
+        return None
+
+    def max_draft_len(self, seq: Sequence, params: Any) -> int:
+        """The most draft tokens `seq` may get: `num_speculative_tokens`, never past max_tokens
+        (one token is always sampled after the drafts) or max_model_len."""
+        return min(self.config.num_speculative_tokens, params.max_tokens - seq.num_output_tokens - 1,
+                   self.max_model_len - seq.num_tokens)
+
+
 class SpecDecodeStats:
     """Cumulative counts under vLLM's metric names (vllm:spec_decode_num_drafts, ...): drafts
     (steps of a sequence with a proposal), their tokens, the accepted ones, and accepted per
@@ -37,7 +64,7 @@ class SpecDecodeStats:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """vLLM's "ngram" method over each sequence's own prompt and output."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
@@ -55,8 +82,7 @@ class NgramProposer:
         cfg = self.config
         n = 0
         for seq, params in running:
-            k = min(self.k, params.max_tokens - seq.num_output_tokens - 1,
-                    self.max_model_len - seq.num_tokens)
+            k = self.max_draft_len(seq, params)
             if k <= 0:
                 continue
             tokens = np.fromiter(seq.all_token_ids, dtype=np.int64, count=seq.num_tokens)
@@ -65,3 +91,11 @@ class NgramProposer:
                 seq.spec_token_ids = draft.tolist()
                 n += 1
         return n
+
+
+def make_proposer(config: SpeculativeConfig, max_model_len: int) -> Proposer:
+    """The engine core's proposer for `config.method` (refused by name where not built)."""
+    if config.method == "ngram":
+        return NgramProposer(config, max_model_len)
+    raise ValueError(f"speculative method {config.method!r} is not built in pagedllm yet; "
+                     f"built: {list(BUILT_METHODS)}.")
