@@ -69,6 +69,9 @@ class Sequence:
     # Speculative decoding: the draft tokens proposed for its next decode step (engine-set;
     # the scheduler runs them after its last token when the budget allows).
     spec_token_ids: list[int] = field(default_factory=list)
+    # A draft model's KV is written for positions [0, draft_num_computed) (engine-set; never
+    # more than num_computed_tokens: a rollback or recompute clamps it; spec_decode/draft_model.py).
+    draft_num_computed: int = 0
 
     @property
     def prompt_len(self) -> int:

@@ -164,6 +164,10 @@ class ScheduledSequence:
     # Speculative decoding: the draft tokens at the end of `token_ids` (after the sequence's
     # last known token), each position's logits verify the next; empty: no proposal.
     draft_token_ids: list[int] = field(default_factory=list)
+    # A draft model (spec_decode/draft_model.py): the tokens it runs this step, at positions
+    # `draft_start ..`, before the target (engine-set, after the schedule).
+    draft_start: int = 0
+    draft_input_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -285,6 +289,7 @@ class Scheduler:
         sequences sit at the front of the waiting queue, oldest first.
         """
         self.kv_cache_manager.free(seq)
+        seq.spec_token_ids = []  # a proposal is for the step it was made for
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._requeue_for_recompute(seq)
@@ -306,7 +311,13 @@ class Scheduler:
         self.waiting.insert(i, seq)
 
     def _preempt_by_swap(self, group: list[Sequence]) -> None:
-        """Move the group's blocks to host memory; it comes back, whole, before new arrivals."""
+        """Move the group's blocks to host memory; it comes back, whole, before new arrivals.
+        Slots given this step to a member's drafts (past its known tokens) go back first: the
+        drafts will not run."""
+        for seq in group:
+            if seq.spec_token_ids:
+                self.kv_cache_manager.trim(seq, seq.num_tokens)
+                seq.spec_token_ids = []
         self.kv_cache_manager.swap_out(group)
         for seq in group:
             self.running.remove(seq)

@@ -49,11 +49,13 @@ from pagedllm.spec_decode.proposer import SpecDecodeStats, make_proposer
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.executor import create_executor
 from pagedllm.layers.rotary import long_context_threshold
-from pagedllm.model_source import ModelSource, load_hf_config, resolve_model_source, resolve_tokenizer_source
+from pagedllm.model_source import (ModelSource, load_hf_config, resolve_model, resolve_model_source,
+                                   resolve_tokenizer_source)
 from pagedllm.tokenizer import load_tokenizer
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.device import resolve_device, resolve_dtype
 from pagedllm.worker.input_batch import SamplingRowSpec
+from pagedllm.worker.worker import DraftModelConfig
 from pagedllm.worker.memory_sizing import MemoryProfile, size_kv_cache
 
 logger = logging.getLogger(__name__)
@@ -79,9 +81,11 @@ class EngineCore:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.hf_config = load_hf_config(self.source)
         self.vocab_size = int(self.hf_config.vocab_size)
+        spec = SpeculativeConfig.from_value(config.speculative_config)
+        self.draft = self._draft_model_config(spec) if spec is not None and spec.method == "draft_model" else None
         # Every rank's weights (tensor parallelism: worker processes load their shards meanwhile).
         self.executor = create_executor(config, self.source.path, self.source.gguf_file, self.hf_config,
-                                        self.dtype, self.device, self.kv_cache_dtype)
+                                        self.dtype, self.device, self.kv_cache_dtype, draft=self.draft)
         self.model = self.executor.model  # rank 0's (its shard under tensor parallelism)
         self.max_model_len = self._resolve_max_model_len()
         self.block_size = config.block_size
@@ -135,8 +139,12 @@ class EngineCore:
             self._load_tokenizer, self.vocab_size, sorted(self.eos_token_ids),
             compile_timeout_s=config.structured_outputs_timeout)
         self.requests: dict[str, RequestState] = {}
-        spec = SpeculativeConfig.from_value(config.speculative_config)
-        self.proposer = make_proposer(spec, self.max_model_len) if spec is not None else None
+        self.proposer = None
+        if spec is not None:
+            draft_len = None if self.draft is None else self._draft_max_model_len(spec)
+            self.proposer = make_proposer(spec, self.max_model_len, draft_max_model_len=draft_len,
+                                          max_catchup_tokens=self.max_num_batched_tokens)
+            self.proposer.follows = self._follows_proposals
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec is not None else None
         self._seq_counter = itertools.count()
         # Sampling rows the runner has not been given yet (each sequence's, once).
@@ -167,12 +175,50 @@ class EngineCore:
         return wanted
 
     def _bytes_per_block(self) -> int:
-        cfg = self.hf_config
+        """One block over every layer; with a draft model, its layers' K/V of the same block too."""
+        # A hybrid cache's block holds one layer per slot, not every layer.
+        layers = self.kv_cache_groups.slots if self.kv_cache_groups else self.hf_config.num_hidden_layers
+        per_block = self._model_block_bytes(self.hf_config, layers)
+        if self.draft is not None:
+            per_block += self._model_block_bytes(self.draft.hf_config, self.draft.hf_config.num_hidden_layers)
+        return per_block
+
+    def _model_block_bytes(self, cfg: Any, layers: int) -> int:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        # A hybrid cache's block holds one layer per slot, not every layer.
-        layers = self.kv_cache_groups.slots if self.kv_cache_groups else cfg.num_hidden_layers
         return CacheEngine.bytes_per_block(layers, kv_heads, head_dim, self.block_size, self.kv_cache_dtype)
+
+    def _draft_model_config(self, spec: SpeculativeConfig) -> DraftModelConfig:
+        """The draft model of `speculative_config` (method draft_model), checked against the
+        target: one process (no tensor parallelism), one block table (no hybrid or sliding KV
+        cache groups: their freed blocks would be the draft's too), the target's vocabulary."""
+        config = self.config
+        if config.tensor_parallel_size > 1:
+            raise ValueError("speculative method 'draft_model' with tensor_parallel_size > 1 is not built in "
+                             "pagedllm yet (the draft runs beside rank 0's shard); use method 'ngram' or one rank.")
+        if hybrid_kv_cache_groups(self.hf_config, config.disable_hybrid_kv_cache_manager) is not None:
+            raise ValueError("speculative method 'draft_model' is not built for a model with sliding-window "
+                             "KV cache groups (the draft's K/V would lose the blocks the window frees); pass "
+                             "disable_hybrid_kv_cache_manager=True, or use method 'ngram'.")
+        source = resolve_model(spec.model, revision=spec.revision, download_dir=config.download_dir)
+        hf_config = load_hf_config(source)
+        draft_vocab = int(getattr(hf_config, "vocab_size", 0) or 0)
+        if draft_vocab != self.vocab_size:
+            raise ValueError(f"the draft model {spec.model!r} has a vocabulary of {draft_vocab} tokens, the target "
+                             f"{self.vocab_size}: a draft model needs the target's tokenizer.")
+        logger.info("Speculative decoding: draft model %s (%s, %d layers), %d tokens per proposal",
+                    source.name, type(hf_config).__name__, hf_config.num_hidden_layers,
+                    spec.num_speculative_tokens)
+        return DraftModelConfig(source.path, source.gguf_file, hf_config, quantization=spec.quantization)
+
+    def _draft_max_model_len(self, spec: SpeculativeConfig) -> int:
+        """How far the draft proposes: its `max_model_len` (speculative_config) or its own
+        maximum; sequences longer than that decode one token at a time (as vLLM)."""
+        own = int(getattr(self.draft.hf_config, "max_position_embeddings", 0) or self.max_model_len)
+        if spec.max_model_len is not None and spec.max_model_len > own:
+            raise ValueError(f"speculative_config max_model_len={spec.max_model_len} is larger than the draft "
+                             f"model's maximum context length ({own}).")
+        return min(spec.max_model_len or own, self.max_model_len)
 
     def _determine_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -448,16 +494,20 @@ class EngineCore:
         running = self.scheduler.running
         limit = self.proposer.config.disable_by_batch_size
         if limit is not None and len(running) >= limit:
+            self.proposer.deactivate()
             return
         candidates = []
         for seq in running:
             if seq.num_computed_tokens != seq.num_tokens - 1 or not seq.output_token_ids:
                 continue
-            state = self.requests.get(seq.request_id)
-            if state is None or state.beam is not None or state.constraint is not None:
-                continue
-            candidates.append((seq, state.params))
+            if self._follows_proposals(seq):
+                candidates.append((seq, self.requests[seq.request_id].params))
         self.proposer.propose(candidates)
+
+    def _follows_proposals(self, seq: Sequence) -> bool:
+        """Whether `seq` may get proposals: not a beam, not a constrained sample."""
+        state = self.requests.get(seq.request_id)
+        return state is not None and state.beam is None and state.constraint is None
 
     def _watch_progress(self, sched_out: SchedulerOutput) -> None:
         """The watchdog: raise `SchedulerStallError` naming the stuck requests when
@@ -581,6 +631,7 @@ class EngineCore:
                                     seq_id=state.fork_seq_ids[idx - 1])
         child.grammar = state.constraint.new_matcher() if state.constraint else None
         child.num_computed_tokens = parent.num_computed_tokens
+        child.draft_num_computed = parent.draft_num_computed  # the shared blocks hold its K/V too
         self.scheduler.fork_sequence(parent, child)
         state.seqs.append(child)
         return child

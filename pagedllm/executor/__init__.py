@@ -52,10 +52,11 @@ def cuda_graph_sizes(config: Any, device: torch.device) -> list[int] | None:
 
 
 def create_executor(config: Any, model_path: str, gguf_file: str | None, hf_config: Any, dtype: torch.dtype,
-                    device: torch.device, kv_cache_dtype: torch.dtype) -> Executor:
+                    device: torch.device, kv_cache_dtype: torch.dtype, draft: Any = None) -> Executor:
     """The executor for `config` (an EngineConfig), with every rank's weights loaded; the model
     is checked to split over `tensor_parallel_size` ranks before any worker starts."""
     wc = worker_config(config, model_path, gguf_file, hf_config, dtype, device, kv_cache_dtype)
+    wc.draft = draft  # a speculative draft model (rank 0 only: the engine refuses it under TP)
     if config.tensor_parallel_size == 1:
         from pagedllm.executor.uniproc import UniprocExecutor
 

@@ -11,7 +11,7 @@ from pagedllm.core.request import Sequence
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.ngram import propose_ngram
 
-BUILT_METHODS = ("ngram",)
+BUILT_METHODS = ("ngram", "draft_model")
 
 
 class Proposer:
@@ -26,6 +26,10 @@ class Proposer:
         raise NotImplementedError
 
     def annotate(self, sched_out: Any) -> None:
+        return None
+
+    def deactivate(self) -> None:
+        """This step proposes nothing (`disable_by_batch_size`)."""
         return None
 
     def after_step(self, sched_out: Any, num_accepted: dict[int, int]) -> None:
@@ -93,9 +97,17 @@ class NgramProposer(Proposer):
         return n
 
 
-def make_proposer(config: SpeculativeConfig, max_model_len: int) -> Proposer:
-    """The engine core's proposer for `config.method` (refused by name where not built)."""
+def make_proposer(config: SpeculativeConfig, max_model_len: int, draft_max_model_len: int | None = None,
+                  max_catchup_tokens: int = 2048) -> Proposer:
+    """The engine core's proposer for `config.method` (refused by name where not built).
+    `draft_max_model_len`: how far a draft model proposes; `max_catchup_tokens`: the most
+    tokens a draft model runs for one sequence in one step (spec_decode/draft_model.py)."""
     if config.method == "ngram":
         return NgramProposer(config, max_model_len)
+    if config.method == "draft_model":
+        from pagedllm.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config, max_model_len, draft_max_model_len or max_model_len,
+                                  max_catchup_tokens)
     raise ValueError(f"speculative method {config.method!r} is not built in pagedllm yet; "
                      f"built: {list(BUILT_METHODS)}.")

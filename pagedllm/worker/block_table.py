@@ -62,6 +62,11 @@ class BlockTable:
     def num_blocks(self, row: int) -> int:
         return self._len[row]
 
+    def num_blocks_of(self, seq_id: int) -> int:
+        """How many ids `seq_id`'s table holds (0: none): a delta from there changes nothing."""
+        row = self._row_of.get(seq_id)
+        return 0 if row is None else self._len[row]
+
     def ids(self, seq_id: int) -> list[int]:
         """The table held for `seq_id` (tests compare it with the scheduler's view)."""
         row = self._row_of.get(seq_id)

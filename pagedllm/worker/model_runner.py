@@ -65,6 +65,8 @@ class ModelRunnerOutput:
     # Speculative decoding: seq id -> how many of its draft tokens the target accepted; such a
     # sequence has that many rows in `sampled` plus one (and 1 + its drafts in sample_logits).
     num_accepted: dict[int, int] = field(default_factory=dict)
+    # A draft model's proposals this step: seq id -> the draft tokens it verified.
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -77,6 +79,8 @@ class ModelInput:
     logits_rows: list[int]  # hidden rows to project to logits
     sample_indices: list[int]  # per sampled sequence (scheduled order): its row in the logits
     all_logits_slices: list[tuple[int, int, int]]  # (seq_id, first logits row, number of rows)
+    # Per scheduled sequence (scheduled order): the row of its first token in `input_ids`.
+    first_rows: list[int] = field(default_factory=list)
     # A decode-only step whose every sequence samples one row: it may run a compiled graph.
     decode_only: bool = False
 
@@ -144,6 +148,8 @@ class ModelRunner:
                 batch_sizes=compile_batch_sizes,
                 device=self.device,
             )
+        # Speculative decoding's draft model (worker/draft_runner.py), attached by the worker.
+        self.drafter: Any = None
         self.cuda_graphs: CudaGraphRunner | None = None
         if cuda_graph_sizes:
             self.cuda_graphs = CudaGraphRunner(model, self.kv_caches, block_size, max_len, scratch_block=num_blocks,
@@ -302,6 +308,7 @@ class ModelRunner:
             logits_rows=logits_rows,
             sample_indices=sample_indices,
             all_logits_slices=all_logits_slices,
+            first_rows=[row_of[i] for i in range(len(scheduled))],
             decode_only=num_decodes == len(order) and not all_logits_slices and len(sample_indices) == len(order),
         )
 
@@ -334,16 +341,21 @@ class ModelRunner:
         for seq_id in getattr(scheduler_output, "finished_seq_ids", ()):
             batch.remove(seq_id)
         # Swaps before copies: a swap-out frees blocks a copy may fill; a copy may read a
-        # block that was just swapped in.
-        self.cache_engine.swap_out(list(getattr(scheduler_output, "blocks_to_swap_out", ())))
-        self.cache_engine.swap_in(list(getattr(scheduler_output, "blocks_to_swap_in", ())))
+        # block that was just swapped in. A draft model's KV lives in the same blocks.
+        caches = [self.cache_engine] + ([self.drafter.cache_engine] if self.drafter is not None else [])
         copies = getattr(scheduler_output, "block_copies", None)
-        if copies:
-            self.cache_engine.copy_blocks(list(copies))
+        for cache in caches:
+            cache.swap_out(list(getattr(scheduler_output, "blocks_to_swap_out", ())))
+            cache.swap_in(list(getattr(scheduler_output, "blocks_to_swap_in", ())))
+            if copies:
+                cache.copy_blocks(list(copies))
         scheduled = list(scheduler_output.scheduled)
         if not scheduled:
             return ModelRunnerOutput(torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device))
-        inp = self.prepare_input(scheduled)
+        inp = self.prepare_input(scheduled)  # applies the table changes the draft reads too
+        drafts = self.drafter.propose(scheduled) if self.drafter is not None else {}
+        if drafts:
+            self._fill_drafts(inp, scheduled, drafts)
         logits = self.run_model(inp)
         if logits is None:  # a tensor-parallel rank other than 0: rank 0 has the logits
             return None
@@ -354,12 +366,26 @@ class ModelRunner:
         else:
             sample_logits = logits[torch.tensor(inp.sample_indices, dtype=torch.long, device=self.device)]
         all_logits = {seq_id: logits[at : at + n] for seq_id, at, n in inp.all_logits_slices}
-        out = ModelRunnerOutput(sample_logits=sample_logits, all_logits=all_logits)
-        out.sampled = self._sample(scheduler_output, scheduled, sample_logits, out.num_accepted)
+        out = ModelRunnerOutput(sample_logits=sample_logits, all_logits=all_logits, draft_token_ids=drafts)
+        out.sampled = self._sample(scheduler_output, scheduled, sample_logits, out.num_accepted, drafts)
         return out
 
+    def _fill_drafts(self, inp: ModelInput, scheduled: list[Any], drafts: dict[int, list[int]]) -> None:
+        """Put the draft model's tokens where the step's placeholder drafts are."""
+        rows: list[int] = []
+        values: list[int] = []
+        for i, s in enumerate(scheduled):
+            d = drafts.get(s.seq.seq_id)
+            if d:
+                at = inp.first_rows[i] + len(s.token_ids) - len(d)
+                rows.extend(range(at, at + len(d)))
+                values.extend(d)
+        inp.input_ids[torch.tensor(rows, dtype=torch.long, device=self.device)] = torch.tensor(
+            values, dtype=inp.input_ids.dtype, device=self.device)
+
     def _sample(self, scheduler_output: Any, scheduled: list[Any], sample_logits: torch.Tensor,
-                num_accepted: dict[int, int]) -> SamplerOutput | None:
+                num_accepted: dict[int, int], draft_tokens: dict[int, list[int]] | None = None,
+                ) -> SamplerOutput | None:
         """One token for every sampled sequence with a row (and its forks at the first sample),
         after the structured-output masks the core filled during the forward. A sequence with
         draft tokens draws one at each verified position (spec_decode/verify.py); its accepted
@@ -376,7 +402,7 @@ class ModelRunner:
             if not s.sample:
                 continue
             seq_id = s.seq.seq_id
-            drafts = list(getattr(s, "draft_token_ids", ()))
+            drafts = (draft_tokens or {}).get(seq_id) or list(getattr(s, "draft_token_ids", ()))
             if seq_id in batch:
                 if drafts:
                     row = batch.row_of[seq_id]

@@ -17,10 +17,21 @@ import torch
 from pagedllm.distributed import cpu_binding, parallel_state
 from pagedllm.layers.backends import select_attn_backend, set_attn_backend
 from pagedllm.model.loader import load_model
+from pagedllm.worker.draft_runner import DraftModelRunner
 from pagedllm.worker.memory_sizing import MemoryProfile
 from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DraftModelConfig:
+    """Speculative decoding's draft model (spec_decode/draft_model.py), loaded beside the target."""
+
+    model_path: str
+    gguf_file: str | None
+    hf_config: Any
+    quantization: str | None = None
 
 
 @dataclass
@@ -45,6 +56,7 @@ class WorkerConfig:
     cuda_graph_sizes: list[int] | None = None
     # A hybrid KV cache's groups (core/kv_cache_groups.py); None: one table for every layer.
     kv_cache_groups: Any = None
+    draft: DraftModelConfig | None = None
 
 
 class Worker:
@@ -58,6 +70,7 @@ class Worker:
         # may live beside a tensor-parallel one, e.g. a test's reference).
         self.tp = parallel_state.TensorParallelGroup(0, 1, "none")
         self.model: torch.nn.Module | None = None
+        self.draft_model: torch.nn.Module | None = None
         self.model_runner: ModelRunner | None = None
         self.attn_backend: type | None = None
         self._previous_binding: cpu_binding.CpuBinding | None = None
@@ -83,6 +96,11 @@ class Worker:
                                 tp=self.tp if self.tp.world_size > 1 else None)
         self.attn_backend = select_attn_backend(c.attention_backend, self.device, c.kv_cache_dtype)
         set_attn_backend(self.model, self.attn_backend)
+        if c.draft is not None:
+            d = c.draft
+            self.draft_model = load_model(d.model_path, d.gguf_file, d.hf_config, c.dtype, self.device,
+                                          quantization=d.quantization, quant_compute=c.quant_compute)
+            set_attn_backend(self.draft_model, self.attn_backend)
 
     @property
     def graph_sizes(self) -> list[int] | None:
@@ -106,6 +124,11 @@ class Worker:
                                         kv_cache_dtype=c.kv_cache_dtype, cuda_graph_sizes=self.graph_sizes,
                                         kv_cache_groups=c.kv_cache_groups)
         self.model_runner.cache_engine.allocate_host_pool(num_host_blocks)
+        if self.draft_model is not None:  # its KV in the same block ids (worker/draft_runner.py)
+            draft = ModelRunner(self.draft_model, c.draft.hf_config, num_blocks, c.block_size, c.dtype, self.device,
+                                max_model_len=max_model_len, kv_cache_dtype=c.kv_cache_dtype)
+            draft.cache_engine.allocate_host_pool(num_host_blocks)
+            self.model_runner.drafter = DraftModelRunner(draft, self.model_runner.block_tables)
         self.model_runner.capture_cuda_graphs()
 
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput | None:

@@ -83,3 +83,27 @@ def test_a_bad_accept_count_is_refused():
     out = sched.schedule()
     with pytest.raises(ValueError, match="3 of 2 draft tokens"):
         sched.update_after_step(out, {a.seq_id: 3})
+
+
+def test_a_sample_swapped_out_after_its_drafts_got_slots_keeps_only_its_tokens_blocks():
+    """Two samples of one request: the first gets slots for its drafts, the second finds no
+    block and swaps the pair out in the same step. The drafts will not run: their block goes
+    back before the swap (else the swapped table outgrows the sequence)."""
+    from pagedllm.core.kv_cache_manager import KVCacheManager
+    from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+
+    kv = KVCacheManager(5, 4, enable_caching=False, num_host_blocks=16)
+    sched = Scheduler(SchedulerConfig(preemption_mode="swap", max_num_batched_tokens=32), kv)
+    new = Seqs()
+    a, b = new(6, request_id="r", index=0), new(8, request_id="r", index=1)
+    for s in (a, b):
+        sched.add_sequence(s)
+    finish_step(sched, sched.schedule(), token=70)  # a: 7 tokens (2 blocks), b: 9 (2 blocks + 1 next)
+    assert kv.num_free_blocks == 1
+    a.spec_token_ids = [11, 12, 13]  # positions 6..9: a third block
+    out = sched.schedule()
+    assert [s.seq_id for s in out.scheduled] == [] and set(out.preempted) == {a.seq_id, b.seq_id}
+    assert a.status == SequenceStatus.SWAPPED and a.spec_token_ids == []
+    assert len(kv.host_tables[0][a.seq_id]) == 2  # not 3
+    kv.check_invariants([a, b])
+    sched.update_after_step(out)

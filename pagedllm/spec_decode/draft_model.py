@@ -1,0 +1,96 @@
+"""The draft-model method, engine-core side: which tokens the draft model runs each step.
+
+The draft model lives beside the target in the runner (worker/draft_runner.py) and keeps its
+own KV cache in the *same* blocks: one block id addresses the target's and the draft's K/V of
+the same positions, so the block manager, prefix cache, copy-on-write, swap and recompute
+preemption move both at once and a block costs both models' bytes (engine/core.py sizes the
+pool so). What the core tracks is how far the draft's KV goes: `Sequence.draft_num_computed`.
+
+A step of a sequence that speculates:
+- before the schedule, `propose` gives it `k` placeholder drafts (their slots are allocated and
+  counted against the token budget like any draft);
+- after the schedule, `annotate` names the tokens the draft runs first: those the draft has
+  not seen, up to and including the sequence's last token (`draft_input_ids` from
+  `draft_start`); its last row's argmax is the first draft, then k - 1 one-token passes give
+  the rest (the runner fills the placeholders before the target's forward);
+- after the step, `after_step` moves `draft_num_computed` to what the draft wrote that is
+  still true: the inputs, and of the drafts it ran (all but the last) the accepted ones.
+
+The draft proposes greedily (its argmax): a point-mass proposal, verified exactly as the
+n-gram method's (spec_decode/verify.py), as vLLM v1 does for its draft proposers.
+
+Sequences that do not speculate this step (a prefill chunk, a step with too long a catch-up)
+still run their new tokens through the draft when the step speculates at all, so that the
+draft keeps up with the prompt; at most `max_catchup_tokens` per sequence and step. A step
+where speculation is off (`disable_by_batch_size`) runs no draft at all; the draft catches up
+later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from pagedllm.core.request import Sequence
+from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.proposer import Proposer
+
+# What a draft token is until the draft model has run (never a real token id: the target's
+# embedding would refuse it if it ever reached the forward).
+DRAFT_PLACEHOLDER = -1
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft_max_model_len: int,
+                 max_catchup_tokens: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.draft_max_model_len = draft_max_model_len
+        self.max_catchup_tokens = max_catchup_tokens
+        # Which sequences the draft follows (the core's rule: no beams, no constrained samples).
+        self.follows: Callable[[Sequence], bool] = lambda seq: True
+        self._active = False  # this step speculates (set by propose)
+
+    def propose(self, running: Iterable[tuple[Sequence, Any]]) -> int:
+        self._active = True
+        n = 0
+        for seq, params in running:
+            k = min(self.max_draft_len(seq, params), self.draft_max_model_len - seq.num_tokens)
+            # the draft runs what it lacks up to the last token before it can propose
+            lag = seq.num_tokens - min(seq.draft_num_computed, seq.num_computed_tokens)
+            if k <= 0 or lag > self.max_catchup_tokens:
+                continue
+            seq.spec_token_ids = [DRAFT_PLACEHOLDER] * k
+            n += 1
+        return n
+
+    def deactivate(self) -> None:
+        """This step does not speculate: the draft runs nothing."""
+        self._active = False
+
+    def annotate(self, sched_out: Any) -> None:
+        if not self._active:
+            return
+        for item in sched_out.scheduled:
+            seq = item.seq
+            if not self.follows(seq):
+                continue
+            start = min(seq.draft_num_computed, item.start_pos)
+            known_end = item.start_pos + len(item.token_ids) - len(item.draft_token_ids)
+            # a proposal needs the draft to reach the last token; catch-up alone is capped
+            end = known_end if item.draft_token_ids else min(known_end, start + self.max_catchup_tokens)
+            if end > self.draft_max_model_len:
+                continue
+            seq.draft_num_computed = start
+            if end > start:
+                item.draft_start = start
+                item.draft_input_ids = seq.token_ids_slice(start, end)
+
+    def after_step(self, sched_out: Any, num_accepted: dict[int, int]) -> None:
+        for item in sched_out.scheduled:
+            if not item.draft_input_ids or item.seq.is_finished:
+                continue
+            done = item.draft_start + len(item.draft_input_ids)
+            if item.draft_token_ids:  # it also ran every draft but the last
+                done += min(num_accepted.get(item.seq.seq_id, 0), len(item.draft_token_ids) - 1)
+            item.seq.draft_num_computed = min(done, item.seq.num_computed_tokens)

@@ -1,0 +1,97 @@
+"""The draft model in the runner (speculative decoding's draft-model method): it runs before
+the target in the same step and fills the step's placeholder drafts with its greedy tokens.
+
+The draft has a ModelRunner of its own (its model, its KV tensors) that reads the *target's*
+block tables: the same block ids hold both models' K/V of the same positions (the engine core
+side: spec_decode/draft_model.py). The target runner applies the step's table changes first;
+the draft then builds its inputs through the same `prepare_input` with no table change.
+
+One step: a first pass over every sequence's `draft_input_ids` (what the draft lacks up to its
+last token, or a prefill chunk it follows) whose last rows give each proposal's first draft;
+then one-token passes for the rest, each draft fed back at the next position (the slots the
+scheduler allocated for the drafts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pagedllm.worker.block_table import BlockTable
+
+
+@dataclass
+class DraftStep:
+    """A duck-typed ScheduledSequence for the draft's `prepare_input`: no table change."""
+
+    seq: Any
+    token_ids: list[int]
+    start_pos: int
+    blocks_from: int
+    sample: bool
+    new_block_ids: list[int] = field(default_factory=list)
+    all_logits: bool = False
+    draft_token_ids: tuple = ()
+
+
+@dataclass
+class _SeqRef:
+    seq_id: int
+
+
+class DraftModelRunner:
+    def __init__(self, runner: Any, block_tables: list[BlockTable]) -> None:
+        """`runner`: the draft model's ModelRunner (same num_blocks and block_size as the
+        target's); it is made to read `block_tables`, the target runner's."""
+        if len(block_tables) != 1:
+            raise ValueError("a draft model needs one block table (no hybrid KV cache)")
+        self.runner = runner
+        runner.block_tables = block_tables
+        runner.block_table = block_tables[0]
+
+    @property
+    def cache_engine(self):
+        return self.runner.cache_engine
+
+    @torch.no_grad()
+    def propose(self, scheduled: list[Any]) -> dict[int, list[int]]:
+        """seq id -> its drafts (as many as its placeholders), for the sequences that have
+        placeholders; every sequence with `draft_input_ids` has them run."""
+        table = self.runner.block_table
+        first: list[DraftStep] = []
+        wanted: dict[int, int] = {}
+        starts: dict[int, int] = {}
+        for s in scheduled:
+            ids = getattr(s, "draft_input_ids", None)
+            seq_id = s.seq.seq_id
+            n_drafts = len(getattr(s, "draft_token_ids", ()))
+            if not ids:
+                if n_drafts:
+                    raise ValueError(f"sequence {seq_id}: {n_drafts} draft placeholders but no draft inputs")
+                continue
+            if n_drafts:
+                wanted[seq_id] = n_drafts
+                starts[seq_id] = s.draft_start + len(ids)  # the first draft's position
+            first.append(DraftStep(_SeqRef(seq_id), list(ids), s.draft_start,
+                                   blocks_from=table.num_blocks_of(seq_id), sample=bool(n_drafts)))
+        if not first:
+            return {}
+        tokens = self._greedy(first)
+        drafts = {seq_id: [t] for seq_id, t in zip(wanted, tokens)}
+        for p in range(1, max(wanted.values(), default=0)):
+            batch = [DraftStep(_SeqRef(seq_id), [drafts[seq_id][-1]], starts[seq_id] + p - 1,
+                               blocks_from=table.num_blocks_of(seq_id), sample=True)
+                     for seq_id, n in wanted.items() if n > p]
+            for step, t in zip(batch, self._greedy(batch)):
+                drafts[step.seq.seq_id].append(t)
+        return drafts
+
+    def _greedy(self, steps: list[DraftStep]) -> list[int]:
+        """One draft forward; the argmax of each sampled step's last row, in order."""
+        inp = self.runner.prepare_input(steps)
+        logits = self.runner.run_model(inp)
+        if logits is None or logits.shape[0] == 0:
+            return []
+        return logits.argmax(dim=-1).tolist()
