@@ -44,6 +44,7 @@ from pagedllm.engine.sequence_update import SequenceUpdater
 from pagedllm.kernels.status import log_kernel_status
 from pagedllm.layers.kv_cache_format import resolve_kv_cache_dtype
 from pagedllm.layers.sampler import Sampler
+from pagedllm.spec_decode.backoff import SpecBackoff
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.proposer import SpecDecodeStats, make_proposer
 from pagedllm.structured_output import StructuredOutputManager
@@ -146,6 +147,7 @@ class EngineCore:
                                           max_catchup_tokens=self.max_num_batched_tokens)
             self.proposer.follows = self._follows_proposals
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec is not None else None
+        self.spec_backoff = SpecBackoff()  # proposals that keep missing pause (spec_decode/backoff.py)
         self._seq_counter = itertools.count()
         # Sampling rows the runner has not been given yet (each sequence's, once).
         self._new_rows: list[SamplingRowSpec] = []
@@ -496,11 +498,14 @@ class EngineCore:
         if limit is not None and len(running) >= limit:
             self.proposer.deactivate()
             return
+        backoff, step = self.spec_backoff, self._num_steps
+        if len(backoff) > 2 * len(running) + 64:
+            backoff.forget_all_but({seq.seq_id for seq in running})
         candidates = []
         for seq in running:
             if seq.num_computed_tokens != seq.num_tokens - 1 or not seq.output_token_ids:
                 continue
-            if self._follows_proposals(seq):
+            if self._follows_proposals(seq) and backoff.allows(seq.seq_id, step):
                 candidates.append((seq, self.requests[seq.request_id].params))
         self.proposer.propose(candidates)
 
@@ -581,8 +586,9 @@ class EngineCore:
                 continue
             sample_i += 1 + len(item.draft_token_ids)
             if item.draft_token_ids:
-                self.spec_stats.observe(len(item.draft_token_ids),
-                                        runner_out.num_accepted.get(item.seq.seq_id, 0))
+                accepted = runner_out.num_accepted.get(item.seq.seq_id, 0)
+                self.spec_stats.observe(len(item.draft_token_ids), accepted)
+                self.spec_backoff.observe(item.seq.seq_id, accepted, self._num_steps)
                 r = self._append_verified(state, item, sampled, r,
                                           runner_out.num_accepted.get(item.seq.seq_id, 0), outputs)
                 continue

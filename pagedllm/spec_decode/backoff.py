@@ -1,0 +1,46 @@
+"""Per-sequence back-off of proposals that keep failing: speculation's cost stays bounded where
+nothing is accepted (a draft model that guesses badly, text with nothing to copy).
+
+Each sequence keeps a moving average of the tokens accepted per proposal (weight 0.2 on the
+latest; 1 at first). While it is under `min_accepted` the sequence gets no proposal for a
+pause of 1, 2, 4, ... decode steps (at most `max_pause`), one probe after each; back above,
+the pause starts again from 1. With nothing accepted a sequence speculates on about one step
+in `max_pause`; one that gains half a token per proposal speculates on nearly every step
+(tests/unit/test_spec_decode_backoff.py).
+"""
+
+from __future__ import annotations
+
+
+class SpecBackoff:
+    def __init__(self, min_accepted: float = 0.15, max_pause: int = 64, weight: float = 0.2) -> None:
+        self.min_accepted = min_accepted
+        self.max_pause = max_pause
+        self.weight = weight
+        self._mean: dict[int, float] = {}  # seq id -> moving mean of accepted tokens per proposal
+        self._pause: dict[int, int] = {}  # seq id -> its next pause in steps
+        self._paused_until: dict[int, int] = {}  # seq id -> first step it may propose again
+
+    def allows(self, seq_id: int, step: int) -> bool:
+        return self._paused_until.get(seq_id, 0) <= step
+
+    def observe(self, seq_id: int, num_accepted: int, step: int) -> None:
+        """A proposal of `seq_id` verified at `step`."""
+        mean = (1 - self.weight) * self._mean.get(seq_id, 1.0) + self.weight * num_accepted
+        self._mean[seq_id] = mean
+        if mean >= self.min_accepted:
+            self._pause.pop(seq_id, None)
+            self._paused_until.pop(seq_id, None)
+            return
+        pause = self._pause.get(seq_id, 1)
+        self._paused_until[seq_id] = step + 1 + pause
+        self._pause[seq_id] = min(2 * pause, self.max_pause)
+
+    def forget_all_but(self, live: set[int]) -> None:
+        """Drop the state of sequences that are gone."""
+        for d in (self._mean, self._pause, self._paused_until):
+            for seq_id in [s for s in d if s not in live]:
+                del d[seq_id]
+
+    def __len__(self) -> int:
+        return len(self._mean)
