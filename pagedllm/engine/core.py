@@ -508,11 +508,21 @@ class EngineCore:
             if self._follows_proposals(seq) and backoff.allows(seq.seq_id, step):
                 candidates.append((seq, self.requests[seq.request_id].params))
         self.proposer.propose(candidates)
+        for seq, _ in candidates:  # a draft the constraint refuses ends the proposal
+            constraint = self.requests[seq.request_id].constraint
+            if constraint is not None and seq.spec_token_ids:
+                n = self.structured.valid_draft_prefix(constraint, seq.grammar, seq.output_token_ids,
+                                                       seq.spec_token_ids)
+                del seq.spec_token_ids[n:]
 
     def _follows_proposals(self, seq: Sequence) -> bool:
-        """Whether `seq` may get proposals: not a beam, not a constrained sample."""
+        """Whether `seq` may get proposals: not a beam; a constrained sample (grammar,
+        allowed_token_ids, bad_words) only from proposers whose tokens are known before the
+        step, so that they are checked against the constraint (not a draft model's)."""
         state = self.requests.get(seq.request_id)
-        return state is not None and state.beam is None and state.constraint is None
+        if state is None or state.beam is not None:
+            return False
+        return state.constraint is None or self.draft is None
 
     def _watch_progress(self, sched_out: SchedulerOutput) -> None:
         """The watchdog: raise `SchedulerStallError` naming the stuck requests when
@@ -543,8 +553,8 @@ class EngineCore:
         return sched_out
 
     def _mask_entries(self, sched_out: SchedulerOutput) -> list:
-        """(seq id, constraint, matcher, output ids) of the constrained sequences that sample
-        this step: the runner's sampler waits for their rows after the forward."""
+        """(seq id, constraint, matcher, output ids, drafts) of the constrained sequences that
+        sample this step: the runner's sampler waits for their rows after the forward."""
         entries = []
         for item in sched_out.scheduled:
             if not item.sample:
@@ -552,7 +562,7 @@ class EngineCore:
             state = self.requests[item.seq.request_id]
             if state.constraint is not None and state.beam is None:
                 entries.append((item.seq.seq_id, state.constraint, item.seq.grammar,
-                                item.seq.output_token_ids))
+                                item.seq.output_token_ids, item.draft_token_ids))
         return entries
 
     def _process_outputs(

@@ -243,17 +243,62 @@ class StructuredOutputManager:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-masks")
         return self._pool.submit(self.build_masks, entries)
 
-    def build_masks(self, entries: list[tuple[int, RequestConstraint, Any, Sequence[int]]]
-                    ) -> dict[int, torch.Tensor]:
-        bitmask = torch.full((len(entries), self.bitmask_width), -1, dtype=torch.int32)
-        for i, (_, constraint, matcher, output_ids) in enumerate(entries):
-            if matcher is not None and not matcher.is_terminated():
-                matcher.fill_next_token_bitmask(bitmask, i)
-            if constraint.allowed_row is not None:
-                bitmask[i] &= constraint.allowed_row
-            if constraint.bad_words_ids:
-                clear_token_bits(bitmask[i], banned_tokens(constraint.bad_words_ids, output_ids))
-        return {key: bitmask[i] for i, (key, *_rest) in enumerate(entries)}
+    def build_masks(self, entries: list[tuple]) -> dict[Any, torch.Tensor]:
+        """The rows of `entries`: (key, constraint, matcher, output ids[, draft tokens]). An
+        entry with k drafts (speculative decoding) gets k + 1 rows, keyed (key, j): the mask
+        after its output and its first j drafts (the matcher steps through them, then is
+        rolled back)."""
+        num_rows = sum(1 + len(e[4]) if len(e) > 4 else 1 for e in entries)
+        bitmask = torch.full((num_rows, self.bitmask_width), -1, dtype=torch.int32)
+        keys: list[Any] = []
+        for key, constraint, matcher, output_ids, *rest in entries:
+            drafts = list(rest[0]) if rest else []
+            if not drafts:
+                self._fill_row(bitmask, len(keys), constraint, matcher, output_ids)
+                keys.append(key)
+                continue
+            history = list(output_ids)
+            for j in range(len(drafts) + 1):
+                self._fill_row(bitmask, len(keys), constraint, matcher, history)
+                keys.append((key, j))
+                if j == len(drafts):
+                    break
+                if matcher is not None and not matcher.accept_token(drafts[j]):
+                    raise RuntimeError(f"draft token {drafts[j]} passed the grammar at proposal time, not now")
+                history.append(drafts[j])
+            if matcher is not None:
+                matcher.rollback(len(drafts))
+        return {key: bitmask[i] for i, key in enumerate(keys)}
+
+    @staticmethod
+    def _fill_row(bitmask: torch.Tensor, i: int, constraint: RequestConstraint, matcher: Any,
+                  output_ids: Sequence[int]) -> None:
+        if matcher is not None and not matcher.is_terminated():
+            matcher.fill_next_token_bitmask(bitmask, i)
+        if constraint.allowed_row is not None:
+            bitmask[i] &= constraint.allowed_row
+        if constraint.bad_words_ids:
+            clear_token_bits(bitmask[i], banned_tokens(constraint.bad_words_ids, output_ids))
+
+    def valid_draft_prefix(self, constraint: RequestConstraint, matcher: Any, output_ids: Sequence[int],
+                           drafts: Sequence[int]) -> int:
+        """How many leading drafts the constraint allows after `output_ids` (the grammar
+        accepts them in order; allowed_token_ids and bad_words permit them): a draft the
+        grammar refuses ends the proposal. The matcher is left as it was."""
+        n = 0
+        history = list(output_ids)
+        for token in drafts:
+            if constraint.allowed_row is not None and not token_allowed(constraint.allowed_row, token):
+                break
+            if constraint.bad_words_ids and token in banned_tokens(constraint.bad_words_ids, history):
+                break
+            if matcher is not None and (matcher.is_terminated() or not matcher.accept_token(token)):
+                break
+            history.append(token)
+            n += 1
+        if matcher is not None and n:
+            matcher.rollback(n)
+        return n
 
     def shutdown(self) -> None:
         self._compiler.shutdown()
@@ -282,6 +327,11 @@ def pack_token_ids(token_ids: Sequence[int], vocab_size: int) -> torch.Tensor:
     weights = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int64), torch.arange(32))
     packed = (bits.view(width, 32).to(torch.int64) * weights).sum(dim=1)
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def token_allowed(row: torch.Tensor, token: int) -> bool:
+    """Whether `token`'s bit is set in a packed int32 row."""
+    return bool((int(row[token >> 5]) >> (token & 31)) & 1)
 
 
 def clear_token_bits(row: torch.Tensor, token_ids: Sequence[int]) -> None:

@@ -10,7 +10,8 @@ then covers every position up to `start_pos + len(token_ids) - 1`; worker/block_
 
 Sampling happens here, on the persistent batch (worker/input_batch.py, vLLM v1's InputBatch):
 `new_sampling_rows` (one `SamplingRowSpec` per sequence, sent once) and `finished_seq_ids` keep
-it, `token_masks` (a future of seq id -> packed allowed-token row, filled by the core while the
+it, `token_masks` (a future of seq id -> packed allowed-token row, (seq id, j) -> the row after
+a speculating sequence's first j drafts, filled by the core while the
 forward runs) constrains it, and the core gets back the sampled ids and logprobs
 (`ModelRunnerOutput.sampled`). Sequences without a row (beam search) get their logits row.
 
@@ -411,7 +412,7 @@ class ModelRunner:
                     for p in range(len(drafts) + 1):
                         rows.append(row)
                         logits_rows.append(j + p)
-                        mask_keys.append(seq_id)
+                        mask_keys.append((seq_id, p))  # the mask after its first p drafts
                         extras.append(drafts[:p])
                 else:
                     for row in batch.start_rows(seq_id):
