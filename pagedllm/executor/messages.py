@@ -2,8 +2,10 @@
 
 The scheduler runs once, in the engine core; a worker never sees a request or a `Sequence`, only
 what its model runner reads (worker/model_runner.py's contract): per scheduled sequence its id,
-the tokens run this step, their first position, the change to its block table and whether it
-samples / wants every row's logits; the tables released since the previous step; and the step's
+the tokens run this step, their first position, the change to its block table, whether it
+samples / wants every row's logits and its draft tokens (speculative decoding: the runner
+projects a logits row for each, and every rank must project the same rows, or the vocab-parallel
+gather of the logits mixes rows); the tables released since the previous step; and the step's
 swap-out, swap-in and copy-on-write block pairs.
 
 Block tables travel as the scheduler's own deltas (`blocks_from`, `new_block_ids`: usually
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 # scheduled entry: (seq_id, token_ids, start_pos, blocks_from, new_block_ids, flags, seq_len,
-# group_deltas)
+# group_deltas, draft_token_ids)
 _SAMPLE, _ALL_LOGITS = 1, 2
 
 
@@ -39,6 +41,7 @@ class StepSequence(NamedTuple):
     all_logits: bool
     seq_len: int = 0
     group_deltas: tuple = ()  # a hybrid KV cache's other groups: ((blocks_from, ids), ...)
+    draft_token_ids: tuple = ()  # the last len() of token_ids are drafts (speculative decoding)
 
 
 @dataclass
@@ -58,7 +61,8 @@ def encode_step(scheduler_output: Any) -> bytes:
     for s in scheduler_output.scheduled:
         flags = (_SAMPLE if s.sample else 0) | (_ALL_LOGITS if s.all_logits else 0)
         entries.append((s.seq.seq_id, s.token_ids, s.start_pos, s.blocks_from, s.new_block_ids,
-                        flags, getattr(s, "seq_len", 0), tuple(getattr(s, "group_deltas", ()))))
+                        flags, getattr(s, "seq_len", 0), tuple(getattr(s, "group_deltas", ())),
+                        tuple(getattr(s, "draft_token_ids", ()))))
     msg = ("step", entries, list(getattr(scheduler_output, "block_copies", None) or ()),
            list(getattr(scheduler_output, "blocks_to_swap_out", None) or ()),
            list(getattr(scheduler_output, "blocks_to_swap_in", None) or ()),
@@ -70,7 +74,7 @@ def decode_step(msg: tuple) -> StepInput:
     """A worker's StepInput from a decoded ("step", ...) message."""
     _, entries, copies, swap_out, swap_in, released = msg
     scheduled = [StepSequence(SeqRef(seq_id), token_ids, start_pos, blocks_from, new_ids,
-                              bool(flags & _SAMPLE), bool(flags & _ALL_LOGITS), seq_len, deltas)
-                 for seq_id, token_ids, start_pos, blocks_from, new_ids, flags, seq_len, deltas
+                              bool(flags & _SAMPLE), bool(flags & _ALL_LOGITS), seq_len, deltas, drafts)
+                 for seq_id, token_ids, start_pos, blocks_from, new_ids, flags, seq_len, deltas, drafts
                  in entries]
     return StepInput(scheduled, copies, swap_out, swap_in, released)

@@ -72,6 +72,26 @@ def test_the_step_message_forwards_the_schedulers_deltas():
     assert worker.num_live == 2  # b released
 
 
+def test_the_step_message_carries_draft_tokens():
+    """Speculative decoding: a worker's runner projects a logits row per draft token like rank
+    0's (the vocab-parallel gather needs the same rows on every rank), so the drafts travel."""
+    from pagedllm.core.kv_cache_manager import KVCacheManager
+    from pagedllm.core.request import Sequence
+    from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), KVCacheManager(num_blocks=16, block_size=4))
+    a = Sequence(seq_id=0, request_id="a", prompt_token_ids=list(range(10, 16)), arrival_time=0.0)
+    sched.add_sequence(a)
+    sched.update_after_step(sched.schedule())
+    a.append_token(7)
+    a.spec_token_ids = [11, 12, 13]
+    out = sched.schedule()
+    assert out.scheduled[0].draft_token_ids == [11, 12, 13]
+    got, _ = _roundtrip(out)
+    assert list(got.scheduled[0].draft_token_ids) == [11, 12, 13]
+    assert got.scheduled[0].token_ids == [7, 11, 12, 13]
+
+
 def test_a_decode_step_message_is_small():
     """256 decoding sequences with 64-block tables: a few bytes per sequence, never the tables."""
     step = FakeSchedulerOutput([FakeScheduledSequence(FakeSeq(i), [5], 1000, [])
