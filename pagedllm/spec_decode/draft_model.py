@@ -19,11 +19,11 @@ A step of a sequence that speculates:
 The draft proposes greedily (its argmax): a point-mass proposal, verified exactly as the
 n-gram method's (spec_decode/verify.py), as vLLM v1 does for its draft proposers.
 
-Sequences that do not speculate this step (a prefill chunk, a step with too long a catch-up)
-still run their new tokens through the draft when the step speculates at all, so that the
-draft keeps up with the prompt; at most `max_catchup_tokens` per sequence and step. A step
-where speculation is off (`disable_by_batch_size`) runs no draft at all; the draft catches up
-later.
+Prefill chunks run through the draft in the same steps as through the target (when the step
+speculates at all), so that the draft keeps up with the prompt; a decode without a proposal
+(paused by the back-off, spec_decode/backoff.py) runs nothing and catches up at its next
+proposal, unless its lag reaches half of `max_catchup_tokens` (the most one sequence runs in
+one step). A step where speculation is off (`disable_by_batch_size`) runs no draft at all.
 """
 
 from __future__ import annotations
@@ -77,6 +77,12 @@ class DraftModelProposer(Proposer):
                 continue
             start = min(seq.draft_num_computed, item.start_pos)
             known_end = item.start_pos + len(item.token_ids) - len(item.draft_token_ids)
+            # A decode without a proposal (paused by the back-off) catches up later, at its
+            # next proposal, unless its lag nears what one step may run.
+            if (not item.draft_token_ids and len(item.token_ids) == 1
+                    and known_end - start < self.max_catchup_tokens // 2):
+                seq.draft_num_computed = start
+                continue
             # a proposal needs the draft to reach the last token; catch-up alone is capped
             end = known_end if item.draft_token_ids else min(known_end, start + self.max_catchup_tokens)
             if end > self.draft_max_model_len:
