@@ -408,13 +408,14 @@ class EngineCore:
         """Drop requests wherever they are; their blocks return to the pool at once."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for rid in ids:
-            state = self.requests.pop(rid, None)
+            state = self.requests.get(rid)
             if state is None:
                 continue
             for seq in state.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish_sequence(seq, SequenceStatus.FINISHED_ABORTED)
                 seq.grammar = None  # frees the grammar state now
+            self._drop_request(rid)
         self._observe_kv_usage()  # kv_cache_stats() shows the freed blocks at once
 
     def finish_samples(self, samples: Iterable[tuple[str, int]]) -> None:
@@ -429,8 +430,16 @@ class EngineCore:
                     self.scheduler.finish_sequence(seq, SequenceStatus.FINISHED_STOPPED)
                     seq.grammar = None
             if state.finished:
-                del self.requests[rid]
+                self._drop_request(rid)
         self._observe_kv_usage()
+
+    def _drop_request(self, rid: str) -> None:
+        """The one place a request leaves the core (finished, stopped by a string, aborted):
+        the proposer forgets its sequences (suffix decoding: their per-sequence trees)."""
+        state = self.requests.pop(rid)
+        if self.proposer is not None:
+            for seq in state.seqs:
+                self.proposer.on_finished(seq)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -485,7 +494,7 @@ class EngineCore:
                 out.finished = True
                 if state.beam is not None:
                     out.beam_completions = state.beam_outputs or []
-                del self.requests[rid]
+                self._drop_request(rid)
         return EngineCoreOutputs(list(outputs.values()), timestamp=time.time(),
                                  engine_index=self.engine_index)
 

@@ -85,7 +85,12 @@ class SpeculativeConfig:
                              "target's tokenizer).")
         if method != "draft_model" and model is not None:
             raise ValueError(f"speculative_config 'model' is for method 'draft_model', not {method!r}.")
+        if method == "suffix":
+            _check_suffix_knobs(d)
         k = d.get("num_speculative_tokens")
+        if k is None and method == "suffix":
+            # vLLM: suffix decoding sizes each draft itself; k is only a cap (the tree depth)
+            k = min(d.get("suffix_decoding_max_tree_depth", 24), 64)
         if k is None:
             raise ValueError("speculative_config needs 'num_speculative_tokens'.")
         _positive_int("num_speculative_tokens", k, upper=64)
@@ -121,6 +126,23 @@ class SpeculativeConfig:
         if method == "ngram":
             out.update(prompt_lookup_min=lo, prompt_lookup_max=hi)
         return cls(**out)
+
+
+def _check_suffix_knobs(d: dict[str, Any]) -> None:
+    """vLLM's ranges: tree depth >= 1, cached requests >= 0 (0: no global tree), spec factor
+    >= 0, min token probability in [0, 1]."""
+    if "suffix_decoding_max_tree_depth" in d:
+        _positive_int("suffix_decoding_max_tree_depth", d["suffix_decoding_max_tree_depth"])
+    n = d.get("suffix_decoding_max_cached_requests", 0)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"speculative_config suffix_decoding_max_cached_requests must be an integer >= 0, "
+                         f"got {n!r}.")
+    for name, upper in (("suffix_decoding_max_spec_factor", None), ("suffix_decoding_min_token_prob", 1.0)):
+        v = d.get(name, 0.0)
+        if (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0
+                or (upper is not None and v > upper) or v == float("inf")):
+            rng = "in [0, 1]" if upper is not None else "a finite number >= 0"
+            raise ValueError(f"speculative_config {name} must be {rng}, got {v!r}.")
 
 
 def _positive_int(name: str, value: Any, upper: int | None = None) -> None:

@@ -11,7 +11,7 @@ from pagedllm.core.request import Sequence
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.ngram import propose_ngram
 
-BUILT_METHODS = ("ngram", "draft_model")
+BUILT_METHODS = ("ngram", "suffix", "draft_model")
 
 
 class Proposer:
@@ -72,9 +72,8 @@ class NgramProposer(Proposer):
     """vLLM's "ngram" method over each sequence's own prompt and output."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        if config.method not in BUILT_METHODS:
-            raise ValueError(f"speculative method {config.method!r} is not built in pagedllm yet; "
-                             f"built: {list(BUILT_METHODS)}.")
+        if config.method != "ngram":
+            raise ValueError(f"NgramProposer is for method 'ngram', not {config.method!r}.")
         self.config = config
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
@@ -104,6 +103,10 @@ def make_proposer(config: SpeculativeConfig, max_model_len: int, draft_max_model
     tokens a draft model runs for one sequence in one step (spec_decode/draft_model.py)."""
     if config.method == "ngram":
         return NgramProposer(config, max_model_len)
+    if config.method == "suffix":
+        from pagedllm.spec_decode.suffix import SuffixProposer  # it subclasses Proposer
+
+        return SuffixProposer(config, max_model_len)
     if config.method == "draft_model":
         from pagedllm.spec_decode.draft_model import DraftModelProposer
 

@@ -69,7 +69,7 @@ def test_streamed_deltas_add_up_and_hostile_values_then_plain(spec_http):
 @pytest.mark.parametrize("config, words", [
     ('{"method": "eagle", "num_speculative_tokens": 2}', "'eagle' is not supported"),
     ('{"method": "ngram"}', "num_speculative_tokens"),
-    ('{"method": "suffix", "num_speculative_tokens": 2}', "not built in pagedllm yet"),
+    ('{"method": "eagle3", "num_speculative_tokens": 2}', "'eagle3' is not supported"),
 ])
 def test_a_bad_speculative_config_stops_the_start_up_with_its_reason(config, words):
     proc = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", "0",
