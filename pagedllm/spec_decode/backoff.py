@@ -2,7 +2,8 @@
 nothing is accepted (a draft model that guesses badly, text with nothing to copy).
 
 Each sequence keeps a moving average of the tokens accepted per proposal (weight 0.2 on the
-latest; 1 at first). While it is under `min_accepted` the sequence gets no proposal for a
+latest), starting from the engine's own moving average over every proposal (weight 0.02; 1
+at first): where proposals fail for everyone, a new sequence pauses after its first miss. While it is under `min_accepted` the sequence gets no proposal for a
 pause of 1, 2, 4, ... decode steps (at most `max_pause`), one probe after each; back above,
 the pause starts again from 1. With nothing accepted a sequence speculates on about one step
 in `max_pause`; one that gains half a token per proposal speculates on nearly every step
@@ -18,6 +19,8 @@ class SpecBackoff:
         self.max_pause = max_pause
         self.weight = weight
         self._mean: dict[int, float] = {}  # seq id -> moving mean of accepted tokens per proposal
+        self.engine_mean = 1.0  # the same over every sequence's proposals: a new sequence's start
+        self.engine_weight = weight / 10
         self._pause: dict[int, int] = {}  # seq id -> its next pause in steps
         self._paused_until: dict[int, int] = {}  # seq id -> first step it may propose again
 
@@ -26,7 +29,8 @@ class SpecBackoff:
 
     def observe(self, seq_id: int, num_accepted: int, step: int) -> None:
         """A proposal of `seq_id` verified at `step`."""
-        mean = (1 - self.weight) * self._mean.get(seq_id, 1.0) + self.weight * num_accepted
+        self.engine_mean += self.engine_weight * (num_accepted - self.engine_mean)
+        mean = (1 - self.weight) * self._mean.get(seq_id, self.engine_mean) + self.weight * num_accepted
         self._mean[seq_id] = mean
         if mean >= self.min_accepted:
             self._pause.pop(seq_id, None)

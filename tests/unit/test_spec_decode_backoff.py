@@ -37,3 +37,19 @@ def test_sequences_are_independent_and_forgotten():
     assert not b.allows(1, 1) and b.allows(2, 1)
     b.forget_all_but({2})
     assert b.allows(1, 1) and len(b) == 0
+
+
+def test_a_new_sequence_starts_from_the_engine_wide_mean():
+    """Where proposals fail for every sequence, later sequences pause after one miss."""
+    b = SpecBackoff()
+    for seq_id in range(40):  # 40 sequences, 10 failed proposals each
+        for step in range(10):
+            b.observe(seq_id, 0, step)
+    assert b.engine_mean < 0.02
+    b.observe(99, 0, step=100)
+    assert not b.allows(99, 101)  # paused after its first miss
+    good = SpecBackoff()
+    for step in range(10):
+        good.observe(1, 3, step)
+    good.observe(2, 0, step=10)
+    assert good.allows(2, 11)  # proposals pay for others: one miss does not pause
