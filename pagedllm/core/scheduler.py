@@ -306,7 +306,11 @@ class Scheduler:
         self.waiting.insert(i, seq)
 
     def _preempt_by_swap(self, group: list[Sequence]) -> None:
-        """Move the group's blocks to host memory; it comes back, whole, before new arrivals."""
+        """Move the group's blocks to host memory; it comes back, whole, before new arrivals.
+        Slots allocated this step for draft tokens of members scheduled before the failed
+        allocation go back first: those drafts never run, and the table must come back exact."""
+        for seq in group:
+            self.kv_cache_manager.trim(seq, seq.num_tokens)
         self.kv_cache_manager.swap_out(group)
         for seq in group:
             self.running.remove(seq)

@@ -83,3 +83,28 @@ def test_a_bad_accept_count_is_refused():
     out = sched.schedule()
     with pytest.raises(ValueError, match="3 of 2 draft tokens"):
         sched.update_after_step(out, {a.seq_id: 3})
+
+
+def test_a_group_swapped_out_after_its_drafts_were_allocated_comes_back_exact():
+    """n = 2: sample 0's drafts get their slots, sample 1's do not fit, so the group is
+    swapped out; the slots of drafts that never ran must not travel to host and back."""
+    from pagedllm.core.kv_cache_manager import KVCacheManager
+    from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+
+    kv = KVCacheManager(6, 4, enable_caching=True, num_host_blocks=8)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=32), kv)
+    new = Seqs()
+    a = _decoding(sched, new)  # 7 tokens: blocks [0, 1]
+    b = new(prompt=a.prompt_token_ids, request_id=a.request_id, index=1)
+    b.output_token_ids, b.num_computed_tokens = list(a.output_token_ids), a.num_computed_tokens
+    sched.fork_sequence(a, b)
+    a.spec_token_ids = [11, 12, 13, 14, 15]  # 12 slots: a copy of block 1 and one more
+    b.spec_token_ids = list(range(20, 33))  # 20 slots: more than the pool has left
+    out = sched.schedule()
+    assert not out.scheduled and [[s.seq_id for s in g] for g in sched.swapped] == [[a.seq_id, b.seq_id]]
+    finish_step(sched, out)
+    out = sched.schedule()  # swapped back in, whole: the tables hold the 7 tokens, no more
+    assert [s.seq.seq_id for s in out.scheduled] == [a.seq_id, b.seq_id]
+    kv.check_invariants([a, b])
+    finish_step(sched, out)
+    kv.check_invariants([a, b])
