@@ -85,6 +85,13 @@ def spec_config(k: int) -> dict:
             "prompt_lookup_min": 2}
 
 
+def loadavg() -> str:
+    try:
+        return " ".join(open("/proc/loadavg").read().split()[:3])
+    except OSError:
+        return "?"
+
+
 def machine_info() -> dict:
     model = ""
     try:
@@ -186,36 +193,34 @@ def acceptance(counts: dict, output_tokens: int) -> dict:
     return out
 
 
-def run_single(args, reqs, k: int | None) -> dict:
-    """The requests one at a time, `--repeats` passes; per pass the total time and tokens."""
+def single_pass(args, reqs, k: int | None) -> tuple:
+    """One engine, the requests one at a time: per request the time, tokens, spec counts."""
     from pagedllm import SamplingParams
 
     llm = make_llm(args, k)
-    prompts = [{"prompt": r.prompt, "prompt_token_ids": list(r.prompt_token_ids)} for r in reqs]
-    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens) for r in reqs]
-    passes = []
-    for _ in range(args.repeats):
-        counter = SpecCounter(llm)
-        times, tokens, counts = [], [], []
-        for p, sp in zip(prompts, params):
-            llm.reset_prefix_cache()
-            t = time.perf_counter()
-            out = llm.generate([p], sp, use_tqdm=False)[0]
-            times.append(time.perf_counter() - t)
-            tokens.append(list(out.outputs[0].token_ids))
-            counts.append(counter.delta())
-        passes.append((times, tokens, counts))
+    counter = SpecCounter(llm)
+    times, tokens, counts = [], [], []
+    for r in reqs:
+        p = {"prompt": r.prompt, "prompt_token_ids": list(r.prompt_token_ids)}
+        llm.reset_prefix_cache()
+        counter.delta()
+        t = time.perf_counter()
+        out = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=r.max_tokens), use_tqdm=False)[0]
+        times.append(time.perf_counter() - t)
+        tokens.append(list(out.outputs[0].token_ids))
+        counts.append(counter.delta())
     startup = llm._bench_startup_s
     free(llm)
     del llm
-    return summarise_single(reqs, passes, k, startup)
+    return times, tokens, counts, startup
 
 
-def summarise_single(reqs, passes, k, startup) -> dict:
-    rates = [sum(map(len, toks)) / sum(times) for times, toks, _ in passes]
+def summarise_single(reqs, passes, k) -> dict:
+    rates = [sum(map(len, toks)) / sum(times) for times, toks, _, _ in passes]
     mid = sorted(range(len(passes)), key=lambda i: rates[i])[len(passes) // 2]
-    times, tokens, counts = passes[mid]
-    res = {"config": "plain" if not k else f"ngram k={k}", "k": k, "startup_s": startup,
+    times, tokens, counts, _ = passes[mid]
+    res = {"config": "plain" if not k else f"ngram k={k}", "k": k,
+           "startup_s": [p[3] for p in passes],
            "output_tokens_per_s": round(rates[mid], 2), "runs_output_tokens_per_s": [round(r, 2) for r in rates],
            "elapsed_s": round(sum(times), 2), "output_tokens": sum(map(len, tokens)),
            "deterministic": all(p[1] == passes[0][1] for p in passes), "by_category": {}}
@@ -238,10 +243,20 @@ def summarise_single(reqs, passes, k, startup) -> dict:
 
 
 def target_single(args, reqs) -> dict:
-    plain = run_single(args, reqs, None)
+    """Pass by pass, every config in turn (a fresh engine each time): plain, k1, k2, ...,
+    plain, ...; so that whatever else loads the machine falls on every config alike."""
+    configs = [None, *args.ks]
+    passes: dict = {k: [] for k in configs}
+    for i in range(args.repeats):
+        for k in configs:
+            passes[k].append(single_pass(args, reqs, k))
+            rate = sum(map(len, passes[k][-1][1])) / sum(passes[k][-1][0])
+            print(f"  pass {i + 1} {'plain' if k is None else f'k={k}'}: {rate:.2f} tok/s  "
+                  f"load {loadavg()}", flush=True)
+    plain = summarise_single(reqs, passes[None], None)
     rows = [plain]
     for k in args.ks:
-        r = run_single(args, reqs, k)
+        r = summarise_single(reqs, passes[k], k)
         r["ratio_to_plain"] = round(r["output_tokens_per_s"] / plain["output_tokens_per_s"], 3)
         mism = [i for i, (a, b) in enumerate(zip(r["_tokens"], plain["_tokens"])) if a != b]
         r["mismatched_requests"] = len(mism)
@@ -282,6 +297,7 @@ def alternate(args, prompts, params, k: int, **kw) -> dict:
         for name, llm, counter in (("plain", plain, cp), ("spec", spec, cs)):
             e, n, c, t = timed_batch(llm, prompts, params, counter)
             runs[name].append((e, n, c))
+            print(f"    {name}: {n / e:.2f} tok/s  load {loadavg()}", flush=True)
             toks.setdefault(name, t)
     free(plain, spec)
     del plain, spec
@@ -439,11 +455,12 @@ def target_llamacpp(args, reqs, paged: dict | None) -> dict:
         spec = run_llama(args, reqs, best["config"], extra, args.repeats)
         spec["ratio_to_plain"] = round(spec["output_tokens_per_s"] / plain["output_tokens_per_s"], 3)
         rows.append(spec)
-    if paged is not None:
-        ptoks = paged.get("_plain_tokens")
+    for r in rows[1:]:  # greedy: llama.cpp's speculative outputs against its own plain ones
+        r["mismatched_requests"] = sum(a != b for a, b in zip(r["_tokens"], plain["_tokens"]))
+    ptoks = (paged or {}).get("_plain_tokens")
+    if ptoks:  # pagedllm (exact float32 dequantized weights) and llama.cpp (its own kernels) differ
         for r in rows:
-            if ptoks:
-                r["same_tokens_as_pagedllm_plain"] = sum(a == b for a, b in zip(r["_tokens"], ptoks))
+            r["same_output_as_pagedllm_plain"] = sum(a == b for a, b in zip(r["_tokens"], ptoks))
     for r in rows:
         r.pop("_tokens")
     res.update(rows=rows, sweep_on_first=len(sweep_reqs), sweep=sweep)
@@ -494,11 +511,12 @@ def tables(results: dict) -> str:
     d = results.get("llamacpp")
     if d and "rows" in d:
         lines += ["", "## llama.cpp llama-server, same requests, one slot",
-                  "| config | output tok/s (median) | runs | acceptance | pagedllm ngram / this |", "|---|---|---|---|---|"]
+                  "| config | output tok/s (median) | runs | acceptance | mismatches vs its plain | pagedllm ngram / this |",
+                  "|---|---|---|---|---|---|"]
         ratios = d.get("ratio_pagedllm_ngram_to_llama", {})
         for r in d["rows"]:
             lines.append(f"| {r['config']} | {r['output_tokens_per_s']} | {r['runs_output_tokens_per_s']} | "
-                         f"{r.get('acceptance_rate')} | {ratios.get(r['config'], '-')} |")
+                         f"{r.get('acceptance_rate')} | {r.get('mismatched_requests', '-')} | {ratios.get(r['config'], '-')} |")
         lines += ["", f"sweep on the first {d['sweep_on_first']} requests, one run:"]
         for r in d["sweep"]:
             lines.append(f"- {r['config']}: {r.get('output_tokens_per_s', r.get('error'))} tok/s, "
@@ -516,7 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ks", default="2,4,6", help="num_speculative_tokens values for the single-stream target")
     p.add_argument("--k", type=int, default=None,
-                   help="k for seed20 / concurrency (default: the best of --ks when single ran, else 4)")
+                   help="k for seed20 / concurrency (default: the best of --ks in this run's single target, "
+                        "else in --json-out's, else 4)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kv-cache-space", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=None, help="cap every request's max_tokens")
@@ -566,28 +585,32 @@ def main(argv: list[str] | None = None) -> dict:
 
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     results: dict = {"machine": machine_info(), "command": "python -m benchmarks.spec_decode " + shlex.join(argv or sys.argv[1:])}
+    earlier = {}
+    if args.json_out and Path(args.json_out).exists():
+        earlier = json.loads(Path(args.json_out).read_text())  # the targets of earlier runs
+    load_at, load_end = {}, {}
     single = None
-    if "single" in targets:
-        print("# single stream", flush=True)
-        single = target_single(args, reqs)
-        results["single"] = single
-    k = args.k or (single["best_k"] if single and single["best_k"] else 4)
-    if "seed20" in targets:
-        print("# seed20", flush=True)
-        results["seed20"] = target_seed20(args, k)
-    if "concurrency" in targets:
-        print("# concurrency", flush=True)
-        results["concurrency"] = target_concurrency(args, reqs, k)
-    if "llamacpp" in targets:
-        print("# llama.cpp", flush=True)
-        paged = single
-        if paged is None and args.json_out and Path(args.json_out).exists():
-            paged = json.loads(Path(args.json_out).read_text()).get("single")  # an earlier run's
-        results["llamacpp"] = target_llamacpp(args, reqs, paged)
+    for t in TARGETS:
+        if t not in targets:
+            continue
+        print(f"# {t} (load average {loadavg()})", flush=True)
+        load_at[t] = loadavg()
+        # seed20 / concurrency: the best k of the single-stream run (this one's, else the file's)
+        k = args.k or (single or earlier.get("single") or {}).get("best_k") or 4
+        if t == "single":
+            single = results["single"] = target_single(args, reqs)
+        elif t == "seed20":
+            results["seed20"] = target_seed20(args, k)
+        elif t == "concurrency":
+            results["concurrency"] = target_concurrency(args, reqs, k)
+        else:
+            results["llamacpp"] = target_llamacpp(args, reqs, single or earlier.get("single"))
+        load_end[t] = loadavg()
     if single is not None:
         single.pop("_plain_tokens", None)
     for t in targets:
         if isinstance(results.get(t), dict):
+            results[t]["loadavg_start_end"] = [load_at[t], load_end[t]]
             results[t]["when"] = stamp
             results[t]["command"] = results["command"]
     print(tables(results), flush=True)
