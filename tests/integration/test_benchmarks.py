@@ -80,3 +80,43 @@ def test_markdown_table_ratios():
              "output_tokens_per_s": 5.0, "peak_rss_mb": 1, "startup_s": 1}]
     table = throughput.markdown_table(rows)
     assert "| a |" in table and "0.50x" in table
+
+
+def test_copy_workload_is_fixed_and_copy_heavy(smollm2_gguf):
+    """benchmarks/copy_workload.py (the speculative-decoding benchmark's requests): seeded,
+    the four categories in turn, the passages quoted from heldout.txt, rendered with the chat
+    template as LLM.chat renders them."""
+    from benchmarks.copy_workload import CATEGORIES, CODE_SNIPPETS, copy_conversations, copy_requests, heldout_paragraphs
+    from pagedllm.tokenizer import apply_chat_template, load_tokenizer
+
+    a = copy_conversations(64, seed=0)
+    assert a == copy_conversations(64, seed=0) and a != copy_conversations(64, seed=1)
+    assert [r.category for r in a[:8]] == list(CATEGORIES) * 2
+    paragraphs = {p for doc in heldout_paragraphs() for p in doc}
+    for r in a:
+        last = r.messages[-1][1]
+        if r.category == "summary":
+            assert any(p in last for p in paragraphs)
+        if r.category == "code":
+            assert any(code in last for code, *_ in CODE_SNIPPETS)
+        if r.category == "chat":
+            assert [role for role, _ in r.messages] == ["user", "assistant", "user", "assistant", "user"]
+            assert any(p in r.messages[1][1] for p in paragraphs)
+    tok = load_tokenizer(smollm2_gguf)
+    rendered = copy_requests(tok, 8, seed=0)
+    for r, c in zip(rendered, a):
+        assert r.messages == c.messages and r.max_tokens == c.max_tokens
+        assert r.prompt == apply_chat_template(tok, c.conversation(), add_generation_prompt=True)
+        assert list(r.prompt_token_ids) == tok.encode(r.prompt, add_special_tokens=False)
+
+
+def test_spec_decode_acceptance_figures():
+    """benchmarks/spec_decode.py's acceptance summary: vLLM's definitions."""
+    from benchmarks.spec_decode import acceptance, add_counts
+
+    total: dict = {}
+    add_counts(total, {"steps": 10, "drafts": 4, "draft_tokens": 12, "accepted": 6, "per_pos": [4, 2, 0]})
+    add_counts(total, {"steps": 5, "drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0, 0, 0]})
+    res = acceptance(total, output_tokens=21)
+    assert res["acceptance_rate"] == 0.5 and res["per_position"] == [1.0, 0.5, 0.0]
+    assert res["mean_acceptance_length"] == 2.5 and res["tokens_per_step"] == 1.4
