@@ -17,6 +17,7 @@ _LAZY = {
     "CompletionOutput": "pagedllm.outputs",
     "LLMEngine": "pagedllm.engine.engine",
     "EngineConfig": "pagedllm.config",
+    "LoRARequest": "pagedllm.lora.request",
 }
 __all__ = [*_LAZY, "__version__"]
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
     from pagedllm.engine.engine import LLMEngine
     from pagedllm.llm import LLM
+    from pagedllm.lora.request import LoRARequest
     from pagedllm.outputs import CompletionOutput, RequestOutput
     from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 

@@ -34,6 +34,8 @@ SUPPORTED_QUANT_COMPUTE = ("auto", "exact", "int8")
 SUPPORTED_EXECUTOR_BACKENDS = ("mp", "ray")
 # vLLM's --scheduling-policy (core/scheduler.py)
 SUPPORTED_SCHEDULING_POLICIES = ("fcfs", "priority")
+# vLLM's allowed --max-lora-rank values (adapters of a smaller rank are zero-padded to it)
+SUPPORTED_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 @dataclass
@@ -114,6 +116,13 @@ class EngineConfig:
     # Seconds a structured-output constraint may take to compile (in its own process,
     # structured_output/compiler_process.py); past it the request fails with a 400.
     structured_outputs_timeout: float = 10.0
+    # Multi-LoRA (docs/lora.md), vLLM's knobs: adapters in PEFT's format served over the one
+    # base model; `max_loras` run in one batch (slots), `max_cpu_loras` (default max_loras)
+    # stay loaded in host memory (LRU), `max_lora_rank` bounds every adapter's rank.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -204,6 +213,7 @@ class EngineConfig:
                 or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1 (-1: the whole vocabulary), "
                              f"got {self.max_logprobs!r}.")
+        self._validate_lora()
         timeout = self.structured_outputs_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
                 or not 0 < timeout < float("inf"):
@@ -255,6 +265,25 @@ class EngineConfig:
             raise ValueError(f"compile_batch_sizes (compiled decode graphs) is not supported with "
                              f"tensor_parallel_size={self.tensor_parallel_size}; leave it unset or use "
                              "tensor_parallel_size=1.")
+
+    def _validate_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if self.max_lora_rank not in SUPPORTED_MAX_LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {list(SUPPORTED_MAX_LORA_RANKS)} (as vLLM), "
+                             f"got {self.max_lora_rank}.")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras):
+            raise ValueError(f"max_cpu_loras ({cpu!r}) must be an integer of at least max_loras ({self.max_loras}).")
+        if self.enable_lora and self.compile_batch_sizes:
+            raise ValueError("compile_batch_sizes (compiled decode graphs) is not supported with enable_lora: "
+                             "the graphs do not read the step's adapter indices; leave it unset.")
+
+    @property
+    def resolved_max_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from pagedllm.config import EngineConfig
 from pagedllm.engine.engine import LLMEngine, PromptType
 from pagedllm.engine.kv_stats import KVCacheStats
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import apply_chat_template
@@ -89,6 +90,7 @@ class LLM:
         sampling_params: SamplingParams | SequenceT[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: SequenceT[int] | None = None,
+        lora_request: LoRARequest | SequenceT[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts.
 
@@ -96,7 +98,8 @@ class LLM:
         them; a dict may carry a `"cache_salt"` that isolates its prefix cache from requests
         with another salt. `sampling_params`: one for all, or a list with one per prompt
         (None: `get_default_sampling_params()`). `priority`: one per prompt, lower = earlier
-        (needs scheduling_policy="priority", as in vLLM).
+        (needs scheduling_policy="priority", as in vLLM). `lora_request`: a LoRA adapter for
+        every prompt, or one (or None: the base model) per prompt (needs enable_lora=True).
         """
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
@@ -106,7 +109,7 @@ class LLM:
         params_list = [dataclasses.replace(p, n=p.best_of,
                                            logprobs=0 if p.logprobs is None else p.logprobs)
                        if w else p for p, w in zip(params_list, wanted)]
-        outs = self._run(prompt_list, params_list, use_tqdm, priority)
+        outs = self._run(prompt_list, params_list, use_tqdm, priority, lora_request)
         return [_best_of(o, *w) if w else o for o, w in zip(outs, wanted)]
 
     def beam_search(
@@ -114,6 +117,7 @@ class LLM:
         prompts: PromptType | SequenceT[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | SequenceT[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Beam search for every prompt (transformers' `generate(num_beams=...)` semantics).
 
@@ -124,7 +128,7 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"beam_search() takes BeamSearchParams, got {type(params).__name__}.")
         prompt_list = self._as_prompt_list(prompts)
-        return self._run(prompt_list, [params] * len(prompt_list), use_tqdm)
+        return self._run(prompt_list, [params] * len(prompt_list), use_tqdm, lora_request=lora_request)
 
     def chat(
         self,
@@ -133,6 +137,7 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | SequenceT[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate."""
         if not messages:
@@ -149,7 +154,7 @@ class LLM:
             ids = self.get_tokenizer().encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         params_list = self._as_params_list(sampling_params, len(prompts))
-        return self._run(prompts, params_list, use_tqdm)
+        return self._run(prompts, params_list, use_tqdm, lora_request=lora_request)
 
     # ---- internals ------------------------------------------------------------------------
 
@@ -183,18 +188,26 @@ class LLM:
         params: list[SamplingParams] | list[BeamSearchParams],
         use_tqdm: bool,
         priority: SequenceT[int] | None = None,
+        lora_request: LoRARequest | SequenceT[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"Got {len(priority)} priorities for {len(prompts)} prompts: "
                              "pass one per prompt.")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"Got {len(loras)} LoRA requests for {len(prompts)} prompts: pass one, "
+                                 "or one per prompt.")
         params = _final_only(params)
         ids = [f"offline-{next(self._request_counter)}" for _ in prompts]
         added: list[str] = []
         try:
-            for rid, prompt, p, prio in zip(ids, prompts, params, priorities):
-                engine.add_request(rid, prompt, p, priority=prio)
+            for rid, prompt, p, prio, lora in zip(ids, prompts, params, priorities, loras):
+                engine.add_request(rid, prompt, p, priority=prio, lora_request=lora)
                 added.append(rid)
         except Exception:
             engine.abort_request(added)  # nothing half-submitted stays in the engine

@@ -242,6 +242,12 @@ class EngineMetrics:
         self._spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                      "Accepted tokens per draft position.",
                                      ["model_name", "engine", "position"], registry=reg)
+        # Multi-LoRA (vLLM's vllm:lora_requests_info: one series per engine, set to the time of
+        # the update, its labels the adapters of running / waiting requests, comma-separated).
+        self._lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                                ["max_lora", "waiting_lora_adapters", "running_lora_adapters", "engine"],
+                                registry=reg)
+        self._lora_labels: list[tuple[str, ...] | None] = [None for _ in engines]
         if kernel_info is None:
             from pagedllm.kernels.status import kernel_status
 
@@ -363,6 +369,13 @@ class EngineMetrics:
             gauge_.set(used)
         for n in getattr(stats, "iteration_tokens", ()):
             self.v_iteration[e].observe(n)
+        if getattr(stats, "max_lora", 0):
+            labels = (str(stats.max_lora), ",".join(stats.waiting_lora_adapters),
+                      ",".join(stats.running_lora_adapters), str(e))
+            if self._lora_labels[e] not in (None, labels):
+                self._lora_info.remove(*self._lora_labels[e])  # one series per engine, the latest
+            self._lora_info.labels(*labels).set_to_current_time()
+            self._lora_labels[e] = labels
 
     # ---- exposition -----------------------------------------------------------------------
 

@@ -185,11 +185,12 @@ class KVCacheManager:
     ) -> BlockHash:
         start = index * self.block_size
         tokens = seq.token_ids_slice(start, start + self.block_size)
-        # The salt and the long-context regime key the first block only: every later hash
-        # chains from it.
+        # The salt, the long-context regime and the LoRA adapter key the first block only:
+        # every later hash chains from it.
         extra = None
-        if index == 0 and (seq.cache_salt is not None or seq.long_context):
-            extra = (seq.cache_salt,) + (("long-context",) if seq.long_context else ())
+        if index == 0 and (seq.cache_salt is not None or seq.long_context or seq.lora_key is not None):
+            extra = ((seq.cache_salt,) + (("long-context",) if seq.long_context else ())
+                     + (("lora", seq.lora_key) if seq.lora_key is not None else ()))
         return hash_block_tokens(parent_hash, tokens, extra)
 
     @staticmethod

@@ -57,6 +57,11 @@ class Sequence:
     # `SchedulerConfig.long_context_after`). Keys the prefix-cache hash: blocks computed in the
     # two regimes hold different K/V for the same tokens and must never match.
     long_context: bool = False
+    # Multi-LoRA (docs/lora.md): the adapter this sequence runs with (0: the base model), and
+    # the adapter's identity that keys the prefix-cache hash (blocks computed under one adapter
+    # hold other K/V than the same tokens under another or under the base, and must never match).
+    lora_int_id: int = 0
+    lora_key: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING

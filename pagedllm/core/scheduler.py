@@ -54,6 +54,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_cache_groups import KVCacheGroups
@@ -120,6 +121,10 @@ class SchedulerConfig:
     # (`Sequence.long_context`), and one that grows past it is recomputed once from its first
     # token, as transformers' Phi-3 drops its cache at that point. None: no such regime.
     long_context_after: int | None = None
+    # Multi-LoRA: at most this many distinct adapters among the running sequences (the runner's
+    # adapter slots, `max_loras`); 0: LoRA off. A waiting request whose adapter would be one
+    # more waits (later ones with a running adapter, or the base model, may go ahead), as vLLM.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -168,6 +173,8 @@ class ScheduledSequence:
     # `draft_start ..`, before the target (engine-set, after the schedule).
     draft_start: int = 0
     draft_input_ids: list[int] = field(default_factory=list)
+    # Multi-LoRA: the adapter it runs with (0: the base model).
+    lora_int_id: int = 0
 
 
 @dataclass
@@ -185,6 +192,9 @@ class SchedulerOutput:
     # Sequences that left for good (finished, aborted) since the previous step: the runner
     # drops their sampling rows (a preempted sequence keeps its row: it comes back).
     finished_seq_ids: list[int] = field(default_factory=list)
+    # Multi-LoRA: the adapters of this step's sequences, by id (engine-set: the runners load
+    # any they do not hold; opaque here, core/ knows adapters only by id).
+    lora_requests: dict[int, Any] = field(default_factory=dict)
 
     @property
     def has_cache_ops(self) -> bool:
@@ -438,6 +448,7 @@ class Scheduler:
                 group_deltas=tuple(kv.take_table_delta(seq.seq_id, g)
                                    for g in range(1, len(kv.groups))) if kv.is_hybrid else (),
                 draft_token_ids=drafts,
+                lora_int_id=seq.lora_int_id,
             ))
         swap_out, swap_in = kv.take_pending_swaps()
         return SchedulerOutput(
@@ -477,7 +488,7 @@ class Scheduler:
                 continue
             if blocks > kv.num_free_blocks or (
                 self.running and len(self.running) + len(group) > self.config.max_num_seqs
-            ):
+            ) or not self._lora_fits(group[0], self._running_loras()):
                 break
             self.swapped.pop(0)
             if not kv.swap_in(group):  # not an assert: `python -O` would drop the call
@@ -504,8 +515,12 @@ class Scheduler:
         kv = self.kv_cache_manager
         in_flight: set[int] | None = None
         i = 0
+        loras = self._running_loras()
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[i]
+            if not self._lora_fits(seq, loras):
+                i += 1
+                continue
             self._set_context_regime(seq)
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(seq)
             missed = kv.first_missed_block_hash(seq, hit_blocks)
@@ -529,16 +544,31 @@ class Scheduler:
                     if admitted is None:
                         break
                     budget = admitted
+                    if seq.lora_int_id:
+                        loras.add(seq.lora_int_id)
                     continue
             if not kv.allocate_slots(seq, num_new, hit_blocks or None):
                 break
             del self.waiting[i]
             self._start_running(seq, num_hit_tokens)
+            if seq.lora_int_id:
+                loras.add(seq.lora_int_id)
             steps.append((seq, num_new))
             budget -= num_new
             if in_flight is not None:
                 in_flight.update(kv.hashes_filled_by(seq, num_new))
         return budget
+
+    def _running_loras(self) -> set[int]:
+        """The adapters of the running sequences (empty with LoRA off)."""
+        if not self.config.max_loras:
+            return set()
+        return {s.lora_int_id for s in self.running if s.lora_int_id}
+
+    def _lora_fits(self, seq: Sequence, loras: set[int]) -> bool:
+        """Whether `seq` may run beside the running adapters `loras` (max_loras slots)."""
+        return (not seq.lora_int_id or seq.lora_int_id in loras
+                or len(loras) < self.config.max_loras)
 
     def _fits_whole(self, seq: Sequence, num_hit_tokens: int) -> bool:
         """A sequence preempted by recompute comes back only when the free blocks hold its

@@ -330,10 +330,11 @@ class AsyncLLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: Any = None,
     ) -> RequestStream:
         """Check a request and send it to a core. Raises ValueError when it is rejected."""
         await self._check_constraint(params)
-        return self._add(request_id, prompt, params, arrival_time, priority)
+        return self._add(request_id, prompt, params, arrival_time, priority, lora_request)
 
     async def _check_constraint(self, params: SamplingParams) -> None:
         """A structured-output constraint's syntax (xgrammar's parser, no tokenizer), so that
@@ -355,7 +356,7 @@ class AsyncLLMEngine:
                                                          check_constraint, so)
 
     def _add(self, request_id: str, prompt: "PromptType", params: SamplingParams,
-             arrival_time: float | None = None, priority: int = 0) -> RequestStream:
+             arrival_time: float | None = None, priority: int = 0, lora_request: Any = None) -> RequestStream:
         from pagedllm.engine.engine import prepare_request
 
         if not self.is_running:
@@ -365,7 +366,7 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, next(self._serials),
                                delta=getattr(params, "output_kind", None) is RequestOutputKind.DELTA)
         prompt_text, request = prepare_request(self.inputs, stream.core_id, prompt, params,
-                                               arrival_time, priority=priority)
+                                               arrival_time, priority=priority, lora_request=lora_request)
         live = self._live_engines()
         if not live:
             raise EngineDeadError("The engine is not running.") from self.dead_error
@@ -392,7 +393,7 @@ class AsyncLLMEngine:
 
     async def add_requests(
         self, requests: list[tuple[str, "PromptType"]], params: SamplingParams,
-        priority: int = 0,
+        priority: int = 0, lora_request: Any = None,
     ) -> list[RequestStream]:
         """Add several requests at once; if any is rejected, the others are aborted and its
         error is raised."""
@@ -400,7 +401,7 @@ class AsyncLLMEngine:
         streams: list[RequestStream] = []
         try:
             for rid, prompt in requests:
-                streams.append(self._add(rid, prompt, params, priority=priority))
+                streams.append(self._add(rid, prompt, params, priority=priority, lora_request=lora_request))
         except BaseException:
             self.abort_unfinished(streams)
             raise
@@ -425,9 +426,10 @@ class AsyncLLMEngine:
         params: SamplingParams,
         request_id: str,
         arrival_time: float | None = None,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         """add_request + stream_outputs: the request's outputs until the finished one."""
-        stream = await self.add_request(request_id, prompt, params, arrival_time)
+        stream = await self.add_request(request_id, prompt, params, arrival_time, lora_request=lora_request)
         async for out in self.stream_outputs(stream):
             yield out
 

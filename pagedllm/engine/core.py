@@ -44,6 +44,8 @@ from pagedllm.engine.sequence_update import SequenceUpdater
 from pagedllm.kernels.status import log_kernel_status
 from pagedllm.layers.kv_cache_format import resolve_kv_cache_dtype
 from pagedllm.layers.sampler import Sampler
+from pagedllm.lora.core_registry import CoreLoRAs, lora_cache_key
+from pagedllm.lora.request import LoRARequest
 from pagedllm.spec_decode.backoff import SpecBackoff
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.proposer import SpecDecodeStats, make_proposer
@@ -116,6 +118,7 @@ class EngineCore:
                 preemption_mode=config.preemption_mode,
                 policy=config.scheduling_policy,
                 long_context_after=long_context_threshold(self.hf_config, self.max_model_len),
+                max_loras=config.max_loras if config.enable_lora else 0,
             ),
             self.kv_cache_manager,
         )
@@ -148,6 +151,10 @@ class EngineCore:
             self.proposer.follows = self._follows_proposals
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec is not None else None
         self.spec_backoff = SpecBackoff()  # proposals that keep missing pause (spec_decode/backoff.py)
+        # Multi-LoRA: the adapters rank 0's runner holds, pinned in host memory while requests use them.
+        self.loras: CoreLoRAs | None = None
+        if config.enable_lora:
+            self.loras = CoreLoRAs(self.model_runner.lora)
         self._seq_counter = itertools.count()
         # Sampling rows the runner has not been given yet (each sequence's, once).
         self._new_rows: list[SamplingRowSpec] = []
@@ -195,6 +202,9 @@ class EngineCore:
         target: one process (no tensor parallelism), one block table (no hybrid or sliding KV
         cache groups: their freed blocks would be the draft's too), the target's vocabulary."""
         config = self.config
+        if config.enable_lora:
+            raise ValueError("speculative method 'draft_model' with enable_lora is not built in pagedllm yet "
+                             "(the draft would run without the adapters); use method 'ngram' or 'suffix'.")
         if config.tensor_parallel_size > 1:
             raise ValueError("speculative method 'draft_model' with tensor_parallel_size > 1 is not built in "
                              "pagedllm yet (the draft runs beside rank 0's shard); use method 'ngram' or one rank.")
@@ -320,6 +330,7 @@ class EngineCore:
         if request.request_id in self.requests:
             raise ValueError(f"Request id {request.request_id!r} is already in use.")
         check_priority(request.priority, self.config.scheduling_policy)
+        self._check_lora(request.lora_request)
         prompt_ids = self.inputs.check_token_ids(request.prompt_token_ids)
         self.inputs.validate(prompt_ids, request.sampling_params)
         return prompt_ids
@@ -343,6 +354,28 @@ class EngineCore:
 
             beam_params = beam_params_from_sampling(params, params.max_tokens)
         constraint = self.structured.constraint_for(params, grammar)  # a bad grammar: ValueError
+        lora = self._check_lora(request.lora_request)
+        if lora is not None:  # loaded and checked once (a bad adapter: ValueError), then pinned
+            self.loras.acquire(lora)
+        try:
+            state = self._new_request_state(request, prompt_ids, beam_params, constraint, lora)
+        except BaseException:
+            if lora is not None:
+                self.loras.release(lora.lora_int_id)
+            raise
+        # The commit: up to here nothing was held; a failure from here on is fatal.
+        self.requests[request_id] = state
+        try:
+            self.scheduler.add_sequence(state.seqs[0], lockstep=beam_params is not None)
+        except BaseException as exc:
+            raise EngineFatalError(f"adding request {request_id} to the scheduler failed: "
+                                   f"{exc!r}") from exc
+
+    def _new_request_state(self, request: EngineCoreRequest, prompt_ids: list[int], beam_params: Any,
+                           constraint: Any, lora: LoRARequest | None) -> RequestState:
+        """The request's state and its first sequence (a beam, or sample 0)."""
+        params = request.sampling_params
+        request_id = request.request_id
         state = RequestState(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -351,6 +384,7 @@ class EngineCore:
             num_prompt_logprobs=0 if params.prompt_logprobs is not None else None,
             priority=request.priority,
             constraint=constraint,
+            lora_request=lora,
         )
         if beam_params is not None:
             seq = self._new_beam_sequence(state, request.cache_salt, [])
@@ -361,13 +395,7 @@ class EngineCore:
         if params.prompt_logprobs is not None:
             seq.skip_prefix_cache = True
         state.seqs.append(seq)
-        # The commit: up to here nothing was held; a failure from here on is fatal.
-        self.requests[request_id] = state
-        try:
-            self.scheduler.add_sequence(seq, lockstep=beam_params is not None)
-        except BaseException as exc:
-            raise EngineFatalError(f"adding request {request_id} to the scheduler failed: "
-                                   f"{exc!r}") from exc
+        return state
 
     def _new_beam_sequence(
         self, state: RequestState, cache_salt: str | None, output_token_ids: list[int]
@@ -379,6 +407,7 @@ class EngineCore:
         self, state: RequestState, index: int, cache_salt: str | None,
         output_token_ids: list[int] = (), seq_id: int | None = None,
     ) -> Sequence:
+        lora = state.lora_request
         return Sequence(
             seq_id=next(self._seq_counter) if seq_id is None else seq_id,
             request_id=state.request_id,
@@ -388,6 +417,8 @@ class EngineCore:
             cache_salt=cache_salt,
             priority=state.priority,
             output_token_ids=list(output_token_ids),
+            lora_int_id=0 if lora is None else lora.lora_int_id,
+            lora_key=None if lora is None else lora_cache_key(lora),
         )
 
     def _new_sequence(self, state: RequestState, cache_salt: str | None) -> Sequence:
@@ -440,6 +471,8 @@ class EngineCore:
         if self.proposer is not None:
             for seq in state.seqs:
                 self.proposer.on_finished(seq)
+        if state.lora_request is not None:
+            self.loras.release(state.lora_request.lora_int_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -477,6 +510,8 @@ class EngineCore:
         sched_out.token_masks = self.structured.submit_masks(self._mask_entries(sched_out))
         if self.proposer is not None:
             self.proposer.annotate(sched_out)
+        if self.loras is not None:
+            sched_out.lora_requests = self.loras.requests_of(sched_out.scheduled)
         runner_out = self.executor.execute_model(self._with_new_rows(sched_out))
         self._num_steps += 1
         self._step_tokens.append(sched_out.num_batched_tokens)
@@ -709,6 +744,7 @@ class EngineCore:
             sliding_blocks_freed=kv.num_dead_blocks_freed,
             iteration_tokens=self._drain_step_tokens(),
             **self._spec_stats_fields(),
+            **self._lora_stats_fields(),
         )
 
     def _spec_stats_fields(self) -> dict[str, Any]:
@@ -718,6 +754,16 @@ class EngineCore:
         return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
                     spec_num_accepted_tokens=st.num_accepted_tokens,
                     spec_accepted_per_pos=list(st.accepted_per_pos))
+
+    def _lora_stats_fields(self) -> dict[str, Any]:
+        """vllm:lora_requests_info's labels: the adapters of running and of waiting requests."""
+        if self.loras is None:
+            return {}
+        sched = self.scheduler
+        return dict(max_lora=self.config.max_loras,
+                    running_lora_adapters=self.loras.names_of(s.lora_int_id for s in sched.running),
+                    waiting_lora_adapters=self.loras.names_of(
+                        s.lora_int_id for s in [*sched.waiting, *(t for g in sched.swapped for t in g)]))
 
     def _drain_step_tokens(self) -> list[int]:
         """The tokens of each step since the last call (each step counted once)."""
@@ -750,6 +796,31 @@ class EngineCore:
 
     def utility(self, name: str, args: list[Any]) -> Any:
         """The calls a front end in another process may make (besides requests)."""
-        if name not in ("reset_prefix_cache", "reset_kv_cache_peak", "kv_cache_stats"):
+        if name not in ("reset_prefix_cache", "reset_kv_cache_peak", "kv_cache_stats", "add_lora",
+                        "remove_lora", "list_loras"):
             raise ValueError(f"Unknown engine core call {name!r}.")
         return getattr(self, name)(*args)
+
+    # ---- LoRA adapters (docs/lora.md) -----------------------------------------------------
+
+    def _check_lora(self, lora: LoRARequest | None) -> LoRARequest | None:
+        if lora is None:
+            return None
+        if self.loras is None:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r} requested, but LoRA is not enabled: start the "
+                             "engine with enable_lora=True (--enable-lora).")
+        return lora
+
+    def add_lora(self, lora: LoRARequest | dict) -> bool:
+        """Load an adapter into host memory now (vLLM's `add_lora`); a bad one: ValueError."""
+        lora = self._check_lora(lora if isinstance(lora, LoRARequest) else LoRARequest(**lora))
+        return self.loras.add(lora)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (vLLM's `remove_lora`); requests already running with it finish."""
+        if self.loras is None:
+            return False
+        return self.loras.remove(int(lora_int_id))
+
+    def list_loras(self) -> list[int]:
+        return [] if self.loras is None else self.loras.list()

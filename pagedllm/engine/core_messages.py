@@ -18,6 +18,7 @@ import enum
 
 import msgspec
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -39,6 +40,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     beam_params: BeamSearchParams | None = None
     cache_salt: str | None = None
     priority: int = 0  # lower = earlier, under the "priority" scheduling policy
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 # (token id, logprob, rank, top-k [(token id, logprob), ...] in rank order)
@@ -109,6 +111,11 @@ class CoreStats(msgspec.Struct, array_like=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # Multi-LoRA (vllm:lora_requests_info): the adapter slots, and the adapters of running and of
+    # waiting requests by name; max_lora 0: LoRA off.
+    max_lora: int = 0
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

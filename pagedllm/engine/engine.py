@@ -19,6 +19,7 @@ from pagedllm.engine.input_processing import InputProcessor, PromptType
 from pagedllm.engine.generation_defaults import load_generation_defaults
 from pagedllm.engine.kv_stats import KVCacheStats
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.lora.request import LoRARequest
 from pagedllm.model_source import resolve_tokenizer_source
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -35,12 +36,15 @@ def prepare_request(
     arrival_time: float | None = None,
     cache_salt: str | None = None,
     priority: int = 0,
+    lora_request: LoRARequest | None = None,
 ) -> tuple[str | None, EngineCoreRequest]:
     """Tokenize and check a request (a ValueError names what is wrong): the prompt's text and
     the core's request. The one front-end rule, offline and in the server."""
     from pagedllm.core.scheduler import check_priority
 
     check_priority(priority, inputs.scheduling_policy)
+    if lora_request is not None and not isinstance(lora_request, LoRARequest):
+        raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}.")
     beam_params = params if isinstance(params, BeamSearchParams) else None
     if beam_params is not None:
         params = sampling_params_from_beam(beam_params)
@@ -58,6 +62,7 @@ def prepare_request(
         beam_params=beam_params,
         cache_salt=cache_salt,
         priority=priority,
+        lora_request=lora_request,
     )
 
 
@@ -157,17 +162,19 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validate, tokenize and queue a request; a request that can never run is rejected here.
 
         `BeamSearchParams` (or `SamplingParams(use_beam_search=True, n=width)`) make it a beam
         search. `cache_salt`, also accepted as a key of a prompt dict, isolates its prefix cache.
         `priority` (lower = earlier) needs scheduling_policy="priority" unless it is 0.
+        `lora_request`: run it with that LoRA adapter (needs enable_lora; docs/lora.md).
         """
         if self.output_processor.has_request(request_id) or request_id in self.core.requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         prompt_text, request = prepare_request(self.inputs, request_id, prompt, params,
-                                               arrival_time, cache_salt, priority)
+                                               arrival_time, cache_salt, priority, lora_request)
         self.core.add_request(request)
         self.output_processor.add_request(
             request_id, prompt_text, request.prompt_token_ids, request.sampling_params,
@@ -212,3 +219,14 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.core.reset_prefix_cache()
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) -----------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.core.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.core.list_loras()

@@ -8,7 +8,7 @@ generator, penalty counts). Text lives in the front end (`engine/output_processo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.request import Sequence
 from pagedllm.sampling_params import SamplingParams
@@ -41,6 +41,8 @@ class RequestState:
     # n > 1: the seq ids of samples 1 .. n-1, reserved at add_request; the runner makes their
     # sampling rows and the core their sequences at the first sample.
     fork_seq_ids: list[int] = field(default_factory=list)
+    # Multi-LoRA: the adapter every sequence of the request runs with (None: the base model).
+    lora_request: Any = None
 
     @property
     def finished(self) -> bool:

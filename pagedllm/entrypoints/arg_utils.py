@@ -102,6 +102,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--structured-outputs-timeout", type=float, default=10.0,
                    help="seconds a request's structured-output constraint may take to compile "
                         "(in its own process); past it the request fails with a 400 (default 10)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT format) over the base model (docs/lora.md)")
+    g.add_argument("--max-loras", type=int, default=1, help="adapters one batch may mix (default 1)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank (default 16)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept loaded in host memory (default: --max-loras)")
 
 
 MODEL_SOURCE_GROUP = "model source (Hugging Face Hub)"
@@ -192,6 +198,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template-render-timeout", type=float, default=5.0,
                    help="seconds a request's own chat template may take to render; then it "
                         "is stopped and the request gets a 400 (default 5)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served as models: name=path, or vLLM's JSON form "
+                        '{"name": ..., "path": ..., "base_model_name": ...} (needs --enable-lora)')
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also turned on by "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 or PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING=1)")
 
 
 def validate_server_args(args: argparse.Namespace) -> None:
@@ -227,6 +239,8 @@ def validate_server_args(args: argparse.Namespace) -> None:
         raise ValueError("--disable-log-requests and --enable-log-requests contradict each other.")
     if getattr(args, "max_log_len", None) is not None and args.max_log_len < 0:
         raise ValueError(f"--max-log-len must be at least 0, got {args.max_log_len}.")
+    if getattr(args, "lora_modules", None) and not getattr(args, "enable_lora", False):
+        raise ValueError("--lora-modules needs --enable-lora.")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -241,6 +255,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "compile_batch_sizes", "num_threads", "served_model_name", "chat_template",
         "scheduling_policy", "generation_config", "max_logprobs", "structured_outputs_timeout",
         "revision", "tokenizer_revision", "download_dir", "gguf_file", "speculative_config",
+        "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
     ):
         kwargs[name] = getattr(args, name)
     positional, model = getattr(args, "model_tag", None), args.model

@@ -31,9 +31,20 @@ def worker_config(config: Any, model_path: str, gguf_file: str | None, hf_config
         # how long a rank waits in a collective for the others (a hung peer; a dead one is seen at once)
         collective_timeout_s=float(os.environ.get("PAGEDLLM_TP_TIMEOUT_S", "120")),
         attention_backend=config.attention_backend, kv_cache_groups=groups,
-        # CUDA graphs read one block table: a hybrid cache's decode steps run eager for now
-        cuda_graph_sizes=None if hybrid else cuda_graph_sizes(config, device),
+        # CUDA graphs read one block table: a hybrid cache's decode steps run eager for now; so
+        # do LoRA's (the graphs would not see the step's adapter indices)
+        cuda_graph_sizes=None if hybrid or getattr(config, "enable_lora", False) else cuda_graph_sizes(config, device),
+        lora=lora_worker_config(config),
     )
+
+
+def lora_worker_config(config: Any):
+    """The LoRA knobs every rank needs (None: LoRA off)."""
+    if not getattr(config, "enable_lora", False):
+        return None
+    from pagedllm.lora.worker_manager import LoRAWorkerConfig
+
+    return LoRAWorkerConfig(config.max_loras, config.max_lora_rank, config.resolved_max_cpu_loras)
 
 
 def kv_cache_groups(config: Any, hf_config: Any):

@@ -5,8 +5,9 @@ what its model runner reads (worker/model_runner.py's contract): per scheduled s
 the tokens run this step, their first position, the change to its block table, whether it
 samples / wants every row's logits and its draft tokens (speculative decoding: the runner
 projects a logits row for each, and every rank must project the same rows, or the vocab-parallel
-gather of the logits mixes rows); the tables released since the previous step; and the step's
-swap-out, swap-in and copy-on-write block pairs.
+gather of the logits mixes rows) and its LoRA adapter id; the tables released since the previous
+step; the step's swap-out, swap-in and copy-on-write block pairs; and the step's LoRA requests
+(each rank loads an adapter it does not hold from its path, cut to its shard).
 
 Block tables travel as the scheduler's own deltas (`blocks_from`, `new_block_ids`: usually
 nothing or one new block), forwarded as they are: every rank's runner keeps the same tables by
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 # scheduled entry: (seq_id, token_ids, start_pos, blocks_from, new_block_ids, flags, seq_len,
-# group_deltas, draft_token_ids)
+# group_deltas, draft_token_ids, lora_int_id)
 _SAMPLE, _ALL_LOGITS = 1, 2
 
 
@@ -42,6 +43,7 @@ class StepSequence(NamedTuple):
     seq_len: int = 0
     group_deltas: tuple = ()  # a hybrid KV cache's other groups: ((blocks_from, ids), ...)
     draft_token_ids: tuple = ()  # the last len() of token_ids are drafts (speculative decoding)
+    lora_int_id: int = 0  # its LoRA adapter (0: the base model)
 
 
 @dataclass
@@ -53,6 +55,7 @@ class StepInput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     released_seq_ids: list[int] = field(default_factory=list)
+    lora_requests: dict[int, Any] = field(default_factory=dict)
 
 
 def encode_step(scheduler_output: Any) -> bytes:
@@ -62,19 +65,20 @@ def encode_step(scheduler_output: Any) -> bytes:
         flags = (_SAMPLE if s.sample else 0) | (_ALL_LOGITS if s.all_logits else 0)
         entries.append((s.seq.seq_id, s.token_ids, s.start_pos, s.blocks_from, s.new_block_ids,
                         flags, getattr(s, "seq_len", 0), tuple(getattr(s, "group_deltas", ())),
-                        tuple(getattr(s, "draft_token_ids", ()))))
+                        tuple(getattr(s, "draft_token_ids", ())), getattr(s, "lora_int_id", 0)))
     msg = ("step", entries, list(getattr(scheduler_output, "block_copies", None) or ()),
            list(getattr(scheduler_output, "blocks_to_swap_out", None) or ()),
            list(getattr(scheduler_output, "blocks_to_swap_in", None) or ()),
-           list(getattr(scheduler_output, "released_seq_ids", None) or ()))
+           list(getattr(scheduler_output, "released_seq_ids", None) or ()),
+           dict(getattr(scheduler_output, "lora_requests", None) or {}))
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def decode_step(msg: tuple) -> StepInput:
     """A worker's StepInput from a decoded ("step", ...) message."""
-    _, entries, copies, swap_out, swap_in, released = msg
+    _, entries, copies, swap_out, swap_in, released, loras = msg
     scheduled = [StepSequence(SeqRef(seq_id), token_ids, start_pos, blocks_from, new_ids,
-                              bool(flags & _SAMPLE), bool(flags & _ALL_LOGITS), seq_len, deltas, drafts)
-                 for seq_id, token_ids, start_pos, blocks_from, new_ids, flags, seq_len, deltas, drafts
+                              bool(flags & _SAMPLE), bool(flags & _ALL_LOGITS), seq_len, deltas, drafts, lora)
+                 for seq_id, token_ids, start_pos, blocks_from, new_ids, flags, seq_len, deltas, drafts, lora
                  in entries]
-    return StepInput(scheduled, copies, swap_out, swap_in, released)
+    return StepInput(scheduled, copies, swap_out, swap_in, released, loras)

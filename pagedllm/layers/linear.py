@@ -217,13 +217,15 @@ class Linear(nn.Module):
         self.quant_method = quant_method
         self.method: LinearMethod = quant_method if quant_method is not None else FloatLinearMethod()
         self.method.create_weights(self, input_size, self.output_sizes, dtype, device)
+        self.lora = None  # its LoRA adapter slots (lora/layers.LoRALinear) when LoRA is enabled
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype, device=device), requires_grad=False)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x, self.bias)
+        out = self.method.apply(self, x, self.bias)
+        return out if self.lora is None else self.lora.add_to(x, out)
 
     def required_weights(self) -> list[str]:
         """The checkpoint tensors (leaf names) this layer (each shard of it) must get."""
@@ -268,6 +270,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = parallel_state.all_reduce_sum(self.method.apply(self, x, None))
+        if self.lora is not None:
+            out = self.lora.add_to(x, out)
         return out if self.bias is None else out.add_(self.bias)
 
 

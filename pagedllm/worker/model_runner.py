@@ -84,6 +84,8 @@ class ModelInput:
     first_rows: list[int] = field(default_factory=list)
     # A decode-only step whose every sequence samples one row: it may run a compiled graph.
     decode_only: bool = False
+    # Multi-LoRA: each token's adapter slot (int32, -1: the base model); None: LoRA off.
+    lora_indices: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -151,6 +153,8 @@ class ModelRunner:
             )
         # Speculative decoding's draft model (worker/draft_runner.py), attached by the worker.
         self.drafter: Any = None
+        # Multi-LoRA's adapter slots (lora/worker_manager.py), attached by the worker.
+        self.lora: Any = None
         self.cuda_graphs: CudaGraphRunner | None = None
         if cuda_graph_sizes:
             self.cuda_graphs = CudaGraphRunner(model, self.kv_caches, block_size, max_len, scratch_block=num_blocks,
@@ -302,7 +306,13 @@ class ModelRunner:
                 nd = len(getattr(s, "draft_token_ids", ()))
                 sample_indices.extend(range(len(logits_rows), len(logits_rows) + nd + 1))
                 logits_rows.extend(range(first + n - 1 - nd, first + n))
+        lora_indices = None
+        if self.lora is not None:
+            slots = torch.tensor([self.lora.slot_of(getattr(scheduled[i], "lora_int_id", 0)) for i in order],
+                                 dtype=torch.int32)
+            lora_indices = torch.repeat_interleave(slots, lens_t).to(self.device)
         return ModelInput(
+            lora_indices=lora_indices,
             input_ids=dev_t["input_ids"],
             positions=dev_t["positions"],
             attn_metadata=attn_metadata,
@@ -353,6 +363,8 @@ class ModelRunner:
         scheduled = list(scheduler_output.scheduled)
         if not scheduled:
             return ModelRunnerOutput(torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device))
+        if self.lora is not None:  # the step's adapters into slots (loaded on demand)
+            self.lora.begin_step(getattr(scheduler_output, "lora_requests", None) or {})
         inp = self.prepare_input(scheduled)  # applies the table changes the draft reads too
         drafts = self.drafter.propose(scheduled) if self.drafter is not None else {}
         if drafts:
@@ -448,6 +460,8 @@ class ModelRunner:
             )
             if logits is not None:
                 return logits  # decode-only: row i is sequence i, in scheduled order
+        if self.lora is not None:
+            self.lora.context.set(inp.lora_indices)
         with torch.inference_mode():
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)
         if not inp.logits_rows:

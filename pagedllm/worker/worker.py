@@ -57,6 +57,8 @@ class WorkerConfig:
     # A hybrid KV cache's groups (core/kv_cache_groups.py); None: one table for every layer.
     kv_cache_groups: Any = None
     draft: DraftModelConfig | None = None
+    # Multi-LoRA (lora/worker_manager.LoRAWorkerConfig); None: LoRA off.
+    lora: Any = None
 
 
 class Worker:
@@ -124,6 +126,10 @@ class Worker:
                                         kv_cache_dtype=c.kv_cache_dtype, cuda_graph_sizes=self.graph_sizes,
                                         kv_cache_groups=c.kv_cache_groups)
         self.model_runner.cache_engine.allocate_host_pool(num_host_blocks)
+        if c.lora is not None:  # adapter slots on every target layer of this rank's shard
+            from pagedllm.lora.worker_manager import WorkerLoRAManager
+
+            self.model_runner.lora = WorkerLoRAManager(self.model, c.hf_config, c.lora)
         if self.draft_model is not None:  # its KV in the same block ids (worker/draft_runner.py)
             draft = ModelRunner(self.draft_model, c.draft.hf_config, num_blocks, c.block_size, c.dtype, self.device,
                                 max_model_len=max_model_len, kv_cache_dtype=c.kv_cache_dtype)

@@ -4,7 +4,8 @@
     python -m pagedllm.entrypoints.openai.api_server --model MODEL [flags]
 
 Endpoints: GET (and HEAD) /health, GET /version, /v1/models, /metrics; POST /v1/completions,
-/v1/chat/completions, /tokenize, /detokenize. Start-up: the flags are validated, the port is
+/v1/chat/completions, /tokenize, /detokenize; with --enable-lora and runtime updating allowed,
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_models.py). Start-up: the flags are validated, the port is
 bound (a busy port fails before the model loads), the engine core process(es) load the model
 while this process loads the tokenizer, then uvicorn serves (engine/async_engine.py).
 
@@ -54,13 +55,16 @@ from pagedllm.entrypoints.openai.http_limits import (
     RequestBodyMiddleware,
     limited_h11_protocol,
 )
+from pagedllm.entrypoints.openai.lora_models import ServedLoRAs, parse_lora_modules, runtime_updating_allowed
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from pagedllm.entrypoints.openai.request_fields import IGNORED_FIELDS_HEADER, REQUEST_ID_HEADER
 from pagedllm.entrypoints.openai.serving import ServerOptions, ServingContext, with_cancellation
@@ -165,6 +169,9 @@ def build_app(ctx: ServingContext, api_key: str | list[str] | None = None,
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         engine.start()
+        if ctx.loras is not None:  # --lora-modules: checked and loaded before serving
+            for module in ctx.lora_modules:
+                await ctx.loras.load(module.name, module.path, module.base_model_name)
         try:
             yield
         finally:
@@ -215,7 +222,22 @@ def build_app(ctx: ServingContext, api_key: str | list[str] | None = None,
     async def models() -> dict:
         cards = [ModelCard(id=name, root=ctx.model_root, max_model_len=ctx.max_model_len)
                  for name in ctx.model_names]
+        if ctx.loras is not None:  # each adapter a model, its parent the base (as vLLM lists them)
+            cards += [ModelCard(id=name, root=root, parent=parent, max_model_len=ctx.max_model_len)
+                      for name, root, parent in ctx.loras.cards()]
         return ModelList(data=cards).model_dump()
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+        loras = _runtime_loras(ctx)
+        await loras.load(request.lora_name, request.lora_path)
+        return Response(f"Success: LoRA adapter '{request.lora_name}' added successfully.", status_code=200)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+        loras = _runtime_loras(ctx)
+        await loras.unload(request.lora_name, request.lora_int_id)
+        return Response(f"Success: LoRA adapter '{request.lora_name}' removed successfully.", status_code=200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -249,6 +271,14 @@ def build_app(ctx: ServingContext, api_key: str | list[str] | None = None,
         return (await tokenization.detokenize(request)).model_dump()
 
     return app
+
+
+def _runtime_loras(ctx: ServingContext):
+    """The served adapters, when runtime loading is allowed (else a 404, as vLLM has no route)."""
+    if ctx.loras is None or not ctx.loras.runtime_updating:
+        raise OpenAIError("Runtime LoRA updating is off: start the server with --enable-lora and "
+                          "--allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=1).", 404)
+    return ctx.loras
 
 
 # ------------------------------------------------------------------------------ start-up
@@ -330,6 +360,10 @@ def run_server(args: argparse.Namespace) -> int:
             render_timeout_s=getattr(args, "chat_template_render_timeout",
                                      DEFAULT_RENDER_TIMEOUT_S))
         config = engine_config_from_args(args)
+        lora_modules = parse_lora_modules(getattr(args, "lora_modules", None))
+        for module in lora_modules:
+            if not os.path.isdir(module.path):
+                raise ValueError(f"--lora-modules {module.name}={module.path}: not a local directory.")
         tool_config = ToolConfig(
             enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
             tool_call_parser=getattr(args, "tool_call_parser", None),
@@ -350,6 +384,11 @@ def run_server(args: argparse.Namespace) -> int:
         return 2
     lifecycle = Lifecycle()
     ctx = ServingContext(async_engine, tool_config=tool_config)
+    if config.enable_lora:
+        ctx.loras = ServedLoRAs(async_engine, ctx.model_names, enabled=True,
+                                runtime_updating=runtime_updating_allowed(
+                                    bool(getattr(args, "allow_runtime_lora_updating", False))))
+        ctx.lora_modules = lora_modules
     ctx.options = ServerOptions(
         log_requests=bool(getattr(args, "enable_log_requests", False)),
         max_log_len=getattr(args, "max_log_len", None),

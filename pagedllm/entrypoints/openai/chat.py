@@ -113,7 +113,7 @@ class ChatServer:
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
         ctx = self.ctx
-        ctx.check_model(request.model)
+        lora = ctx.check_model(request.model)
         template = self.templates.resolve(request.chat_template, request.chat_template_kwargs)
         conversation = request.conversation()  # ValueError (non-text parts) -> 400
         resolve_logprob_fields(ctx, request)  # -1 and --max-logprobs, before SamplingParams
@@ -135,7 +135,7 @@ class ChatServer:
             request_id,
             {"prompt": prompt_text, "prompt_token_ids": prompt_ids,
              "cache_salt": request.cache_salt},
-            params, priority=request.priority,
+            params, priority=request.priority, lora_request=lora,
         )
         if request.stream:
             body = self._stream(request, raw_request, request_id, created, stream, plan,
@@ -209,7 +209,7 @@ class ChatServer:
         prompt_tokens = len(out.prompt_token_ids)
         usage = make_usage(self.ctx, prompt_tokens, completion_tokens, out.num_cached_tokens)
         return ChatCompletionResponse(
-            id=request_id, created=created, model=self.ctx.model_name, choices=choices,
+            id=request_id, created=created, model=self.ctx.served_name(request.model), choices=choices,
             usage=usage,
             prompt_logprobs=prompt_logprobs_json(out) if request.prompt_logprobs is not None
             else None,
@@ -226,7 +226,7 @@ class ChatServer:
         prompt_len: int = 0,
     ) -> AsyncIterator[str]:
         engine = self.ctx.async_engine
-        model = self.ctx.model_name
+        model = self.ctx.served_name(request.model)
         include_usage = request.include_usage
         choices = [ChoiceStream() for _ in range(request.n)]
         # tool calls / reasoning: each choice's text so far, read by its parser

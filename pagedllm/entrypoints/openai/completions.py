@@ -63,7 +63,7 @@ class CompletionServer:
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request):
         ctx = self.ctx
-        ctx.check_model(request.model)
+        lora = ctx.check_model(request.model)
         if request.suffix:
             raise OpenAIError("suffix is not supported by this server.", 400, param="suffix")
         resolve_logprob_fields(ctx, request)  # -1 and --max-logprobs, before SamplingParams
@@ -82,7 +82,7 @@ class CompletionServer:
             [(f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids,
                                     "cache_salt": request.cache_salt})
              for i, p in enumerate(prompts)],
-            params, priority=request.priority,
+            params, priority=request.priority, lora_request=lora,
         )
         if request.stream:
             body = self._stream(request, raw_request, request_id, created, prompts, streams)
@@ -193,7 +193,7 @@ class CompletionServer:
                 ))
         choices.sort(key=lambda ch: ch.index)
         usage = make_usage(self.ctx, usage.prompt_tokens, usage.completion_tokens, cached)
-        return CompletionResponse(id=request_id, created=created, model=self.ctx.model_name,
+        return CompletionResponse(id=request_id, created=created, model=self.ctx.served_name(request.model),
                                   choices=choices, usage=usage)
 
     # ---- streaming ------------------------------------------------------------------------
@@ -208,7 +208,7 @@ class CompletionServer:
         streams: list[RequestStream],
     ) -> AsyncIterator[str]:
         engine = self.ctx.async_engine
-        model = self.ctx.model_name
+        model = self.ctx.served_name(request.model)
         n = request.n
         choice_state = [[ChoiceStream() for _ in range(n)] for _ in prompts]
         echoed = [[False] * n for _ in prompts]

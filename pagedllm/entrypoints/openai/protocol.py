@@ -615,6 +615,20 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """vLLM's POST /v1/load_lora_adapter body."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    """vLLM's POST /v1/unload_lora_adapter body (the name, or vLLM's lora_int_id)."""
+
+    lora_name: str | None = None
+    lora_int_id: int | None = None
+
+
 class TokenizeRequest(OpenAIBaseModel):
     """vLLM's /tokenize: either `prompt` (completion style) or `messages` (chat style)."""
 

@@ -51,6 +51,9 @@ class ServingContext:
         self.generation_defaults: dict[str, Any] = dict(
             getattr(info, "generation_defaults", None) or {})
         self.options = ServerOptions()
+        # LoRA adapters served as models (entrypoints/openai/lora_models.py); None: LoRA off
+        self.loras: Any = None
+        self.lora_modules: list[Any] = []  # --lora-modules, loaded when the server starts
         self.model_root: str = info.model_root
         self.max_model_len: int = info.max_model_len
         self.vocab_size: int = info.vocab_size
@@ -68,9 +71,20 @@ class ServingContext:
         call = functools.partial(fn, *args, **kwargs)
         return await loop.run_in_executor(self._tok_executor, call)
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> Any:
+        """The LoRA adapter (lora/request.LoRARequest) a request's `model` names, None for the
+        base model; a 404 for a name this server does not serve."""
+        if self.loras is not None:
+            return self.loras.resolve(model)
         if model is not None and model not in self.model_names:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, param="model")
+        return None
+
+    def served_name(self, model: str | None) -> str:
+        """The `model` a response reports: the adapter's name for an adapter's request."""
+        if self.loras is not None and model in self.loras.by_name:
+            return model
+        return self.model_name
 
     # ---- tokenizer work (runs in the tokenizer thread) ------------------------------------
 

@@ -1,0 +1,90 @@
+"""Tiny Llama checkpoints with LoRA adapters made by peft itself (the reference), for the LoRA
+integration and server tests."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# name -> peft LoraConfig keywords: random A and B (init_lora_weights=False), so every adapter
+# changes the output; ranks, scalings (rsLoRA) and target sets differ.
+ADAPTERS = {
+    "all7": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                      "up_proj", "down_proj"]),
+    "qv_rs": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj"]),
+    "mlp16": dict(r=16, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj", "o_proj"]),
+}
+
+
+@dataclass
+class TinyLoRA:
+    base: Path  # the base checkpoint folder (with the SmolLM2 tokenizer)
+    adapters: dict[str, Path]  # name -> PEFT folder
+    hf_base: object  # transformers' float32 model of `base`
+
+
+def tokenizer(smollm2_gguf: str):
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(smollm2_gguf)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+def make_tiny_lora(root: Path, smollm2_gguf: str) -> TinyLoRA:
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+
+    tok = tokenizer(smollm2_gguf)
+    config = tf.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                            eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                            tie_word_embeddings=False)
+    torch.manual_seed(1234)
+    model = tf.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    base = root / "base"
+    model.save_pretrained(base, safe_serialization=True)
+    tok.save_pretrained(base)
+    adapters = {}
+    for i, (name, kw) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(100 + i)
+        fresh = tf.LlamaForCausalLM.from_pretrained(base, dtype=torch.float32)
+        peft_model = get_peft_model(fresh, LoraConfig(init_lora_weights=False, lora_dropout=0.0, **kw))
+        with torch.no_grad():  # B large enough that each adapter visibly changes greedy output
+            for n, p in peft_model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0.0, 0.3)
+        adapters[name] = root / name
+        peft_model.save_pretrained(adapters[name])
+    return TinyLoRA(base, adapters, model)
+
+
+def peft_model(tiny: TinyLoRA, name: str):
+    """peft's PeftModel of adapter `name` over a fresh copy of the base (float32, eval)."""
+    import transformers as tf
+    from peft import PeftModel
+
+    base = tf.LlamaForCausalLM.from_pretrained(tiny.base, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, tiny.adapters[name]).eval()
+
+
+@torch.no_grad()
+def greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """The float32 model's argmax continuation, EOS not special (the engine runs with ignore_eos)."""
+    ids = list(prompt_ids)
+    for _ in range(max_tokens):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt_ids):]
+
+
+@torch.no_grad()
+def prompt_logprobs(model, prompt_ids: list[int]) -> torch.Tensor:
+    """log p(prompt[i] | prompt[:i]) for i >= 1, float32."""
+    logits = model(torch.tensor([prompt_ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(prompt_ids[1:]).unsqueeze(1))[:, 0]
