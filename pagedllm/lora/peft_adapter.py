@@ -109,7 +109,7 @@ def resolve_adapter_dir(path: str, name: str = "") -> Path:
         return Path(snapshot_download(hub_id.repo_id, local_files_only=True,
                                       allow_patterns=[ADAPTER_CONFIG, *ADAPTER_WEIGHTS]))
     except (LocalEntryNotFoundError, FileNotFoundError, OSError) as e:
-        raise ValueError(f"{what}: {path} is neither a local folder nor in the local Hugging Face cache "
+        raise ValueError(f"{what}: {path!r} is neither a local folder nor in the local Hugging Face cache "
                          f"(adapters are never downloaded by the server: fetch it first, e.g. `hf download {path}`, "
                          f"or give its folder): {type(e).__name__}") from None
 
