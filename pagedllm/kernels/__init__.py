@@ -10,7 +10,9 @@
   layers/block_formats.py), exact float32 arithmetic or int8 activations with VNNI
   (layers/quantization/int_kernel.py);
 - `fused_ops.c`: residual add + RMSNorm, SiLU-and-mul, rotary embedding in place, one call each
-  (layers/norm.py, activation.py, rotary.py).
+  (layers/norm.py, activation.py, rotary.py);
+- `lora.c`: the batched multi-LoRA shrink / expand, one call for a batch mixing adapters
+  (lora/ops.py).
 
 Each has a portable torch fallback; the loaders return None when a kernel cannot be built (no
 compiler) or kernels are disabled with `PAGEDLLM_DISABLE_C_KERNELS=1`.
@@ -20,8 +22,9 @@ from pagedllm.kernels.build import (
     decode_attention_kernel,
     fused_ops_kernel,
     int_gemm_kernel,
+    lora_kernel,
     packed_gemm_kernel,
     prefill_attention_kernel,
 )
 
-__all__ = ["decode_attention_kernel", "fused_ops_kernel", "int_gemm_kernel", "packed_gemm_kernel", "prefill_attention_kernel"]
+__all__ = ["decode_attention_kernel", "fused_ops_kernel", "int_gemm_kernel", "lora_kernel", "packed_gemm_kernel", "prefill_attention_kernel"]

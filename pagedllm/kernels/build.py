@@ -389,3 +389,20 @@ def fused_ops_kernel(variant: str | None = None) -> FusedOps | None:
     silu = _kernel_function("fused_ops.c", "silu_mul_f32", (_PTR, _PTR, _I64, _I64, _I32), None, variant=variant)
     rotary = _kernel_function("fused_ops.c", "rotary_f32", (_PTR,) * 3 + (_I64,) * 4 + (_I32,), None, variant=variant)
     return FusedOps(norm, silu, rotary)
+
+
+class LoraKernel(NamedTuple):
+    """The functions of `lora.c` (see there for the tiles)."""
+
+    sgmv: Callable[..., int]  # (x, ldx, w, S, L, y, ldy, T, idx, n_slices, sizes, accumulate, threads)
+    vector_width: Callable[..., int]  # () -> floats per vector of this build
+
+
+@functools.cache
+def lora_kernel(variant: str | None = None) -> LoraKernel | None:
+    """The batched multi-LoRA shrink / expand of `lora.c` (built and loaded once), or None."""
+    sgmv = _kernel_function("lora.c", "lora_sgmv", (_PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I32, _PTR,
+                                                    _I32, _I32), variant=variant)
+    if sgmv is None:
+        return None
+    return LoraKernel(sgmv, _kernel_function("lora.c", "lora_vector_width", (), variant=variant))
