@@ -9,7 +9,10 @@ Two levels, as vLLM's `LRUCacheWorkerLoRAManager`:
 
 A step names its adapters first (`begin_step`): they are activated (a free slot, else the least
 recently used slot that this step does not use) and pinned until the next step, so nothing the
-running batch reads is evicted, from a slot or from the host cache. A step that needs more than
+running batch reads is evicted, from a slot or from the host cache. The engine core also
+*holds* the adapters of its live requests (`hold` / `release`, lora/core_registry.py): a held
+adapter never leaves the host cache, so no step has to read one from disk; while more adapters
+are held than `max_cpu_loras`, the cache holds them all and shrinks back as they are released. A step that needs more than
 `max_loras` distinct adapters is a RuntimeError before anything changes (the scheduler must keep
 a step's distinct adapters within `max_loras`, as vLLM's does). No model and no device here:
 the callbacks do the copies.
@@ -49,6 +52,8 @@ class LoRASlots:
         self._active: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, least recently used first
         self._slots: list[int | None] = [None] * max_loras  # slot -> lora id
         self._pinned: set[int] = set()  # the current step's adapters
+        self._held: set[int] = set()  # adapters of live requests (the engine core's)
+        self._requests: dict[int, LoRARequest] = {}  # what each cached id was loaded from
 
     # ---- a step ------------------------------------------------------------------------
     def begin_step(self, requests: Iterable[LoRARequest]) -> dict[int, int]:
@@ -68,6 +73,7 @@ class LoRASlots:
     def slot_for(self, request: LoRARequest) -> int:
         """The slot of `request`'s adapter, loaded and activated if needed, and pinned for this step."""
         lora_id = request.lora_int_id
+        self._forget_if_renamed(request)
         if lora_id in self._active:
             self._touch(lora_id)
             self._pinned.add(lora_id)
@@ -88,6 +94,7 @@ class LoRASlots:
     def add(self, request: LoRARequest) -> LoRAAdapter:
         """`request`'s adapter in the host cache (loaded if absent, else marked recently used)."""
         lora_id = request.lora_int_id
+        self._forget_if_renamed(request)
         if lora_id in self._host:
             self._host.move_to_end(lora_id)
             return self._host[lora_id]
@@ -95,19 +102,40 @@ class LoRASlots:
         if adapter.lora_int_id != lora_id:
             raise ValueError(f"the loader returned adapter {adapter.lora_int_id} for LoRA request {lora_id}")
         if len(self._host) >= self.max_cpu_loras:
-            victim = next((i for i in self._host if i not in self._pinned), None)
-            if victim is None:
+            victim = next((i for i in self._host if i not in self._pinned and i not in self._held), None)
+            if victim is None and not self._held:
                 raise RuntimeError(f"cannot load LoRA adapter {lora_id}: the host cache (max_cpu_loras="
                                    f"{self.max_cpu_loras}) holds only adapters of this step")
-            self._unload(victim)
+            if victim is not None:
+                self._unload(victim)
         self._host[lora_id] = adapter
+        self._requests[lora_id] = request
         return adapter
+
+    def hold(self, lora_int_id: int) -> None:
+        """A live request uses the (loaded) adapter: it stays in the host cache until released."""
+        self._held.add(lora_int_id)
+
+    def release(self, lora_int_id: int) -> None:
+        """No live request uses it any more: the cache shrinks back to `max_cpu_loras`."""
+        self._held.discard(lora_int_id)
+        over = len(self._host) - self.max_cpu_loras
+        for victim in [i for i in self._host if i not in self._pinned and i not in self._held][:max(0, over)]:
+            self._unload(victim)
+
+    def _forget_if_renamed(self, request: LoRARequest) -> None:
+        """An id that now names another adapter (another name or path: a rank that did not see
+        its removal) is unloaded first, so its old weights are never used."""
+        known = self._requests.get(request.lora_int_id)
+        if known is not None and (known.lora_name, known.lora_path) != (request.lora_name, request.lora_path):
+            self.remove(request.lora_int_id)
 
     def remove(self, lora_int_id: int) -> bool:
         """Unload an adapter (its slot freed); False if it was not loaded. RuntimeError while the
         current step uses it."""
         if lora_int_id in self._pinned:
             raise RuntimeError(f"LoRA adapter {lora_int_id} is in use by the current step; remove it after")
+        self._held.discard(lora_int_id)
         if lora_int_id not in self._host:
             return False
         self._unload(lora_int_id)
@@ -146,3 +174,4 @@ class LoRASlots:
         if lora_id in self._active:
             self._deactivate(lora_id)
         del self._host[lora_id]
+        self._requests.pop(lora_id, None)

@@ -59,7 +59,7 @@ class CoreLoRAs:
         self.manager.load(lora)  # no-op when held; ValueError for a bad adapter
         self.requests[lora.lora_int_id] = lora
         self.pins[lora.lora_int_id] += 1
-        self.manager.pin(lora.lora_int_id)
+        self.manager.hold(lora.lora_int_id)
 
     def release(self, lora_int_id: int) -> None:
         """A request using the adapter left the core."""
@@ -67,7 +67,7 @@ class CoreLoRAs:
         if self.pins[lora_int_id] > 0:
             return
         del self.pins[lora_int_id]
-        self.manager.unpin(lora_int_id)
+        self.manager.release(lora_int_id)
         if lora_int_id in self._removing:
             self._forget(lora_int_id)
 

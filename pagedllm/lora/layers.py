@@ -14,11 +14,11 @@ holding `max_loras` adapter *slots* as two stacked tensors (vLLM's `lora_a_stack
 model only). The indices live in one `LoRAStepContext` that every layer of the model shares
 and the runner sets before each forward (vLLM's PunicaWrapper plays that role).
 
-Tensor parallelism: a slot holds this rank's part, cut as the layer itself is
-(`Linear.tp_shard`): column-parallel layers (qkv, gate/up) keep A whole and their rows of B;
-row-parallel ones (o, down) keep their input columns of A and B whole, and the shrink's
-partial sums are added over the ranks (one all-reduce of `[tokens, rank]` floats) before the
-expand, so every rank adds the same delta to the all-reduced output.
+Tensor parallelism: a slot holds this rank's part (lora/adapter.shard_adapter, cut as the base
+layers are): column-parallel layers (qkv, gate/up) keep A whole and their rows of B; row-parallel
+ones (o, down) keep their input columns of A and B whole, and the shrink's partial sums are
+added over the ranks (one all-reduce of `[tokens, rank]` floats) before the expand, so every
+rank adds the same delta to the all-reduced output.
 """
 
 from __future__ import annotations
@@ -64,15 +64,14 @@ class LoRALinear:
         self.max_rank = max_rank
         self.slice_sizes = list(layer.output_sizes)  # this rank's rows of each slice
         self.row_parallel = isinstance(layer, RowParallelLinear)
-        self.tp_shard = layer.tp_shard
         device = next((p.device for p in layer.parameters()), torch.device("cpu"))
         n = len(self.slice_sizes)
         self.a = torch.zeros(max_loras, n * max_rank, layer.input_size, dtype=torch.float32, device=device)
         self.b = torch.zeros(max_loras, layer.output_size, max_rank, dtype=torch.float32, device=device)
 
     def set_slot(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
-        """Write one adapter into `slot`: per slice, its full (unsharded) `(A [r, in], B [out, r])`
-        or None (the adapter leaves that projection alone); this rank keeps its cut."""
+        """Write one adapter into `slot`: per slice, this rank's `(A [r, in], B [out, r])`
+        (lora/adapter.shard_adapter's cut) or None (the adapter leaves that projection alone)."""
         if len(parts) != len(self.slice_sizes):
             raise ValueError(f"{len(parts)} LoRA slices for a layer of {len(self.slice_sizes)}")
         self.a[slot].zero_()
@@ -80,7 +79,7 @@ class LoRALinear:
         row = 0
         for i, (part, size) in enumerate(zip(parts, self.slice_sizes)):
             if part is not None:
-                a, b = self._local(i, *part)
+                a, b = part
                 r = a.shape[0]
                 if r > self.max_rank:
                     raise ValueError(f"an adapter of rank {r} does not fit max_lora_rank={self.max_rank}")
@@ -91,17 +90,6 @@ class LoRALinear:
     def clear_slot(self, slot: int) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
-
-    def _local(self, i: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's part of slice `i`'s A and B, cut as the base layer is."""
-        shard = self.tp_shard
-        if shard is None:
-            return a, b
-        if shard.kind == "row":
-            start, length = shard.in_range
-            return a[:, start : start + length], b
-        start, length = shard.out_ranges[i]
-        return a, b[start : start + length]
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y += B_slot (A_slot x)` per token, in place (`x [T, in]`, `y [T, out]`)."""
