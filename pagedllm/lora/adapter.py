@@ -48,10 +48,6 @@ class LoRAAdapter:
         """The projection's weights; None where the adapter leaves it unchanged."""
         return self.weights.get((layer, module))
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(w.lora_a.nbytes + w.lora_b.nbytes for w in self.weights.values())
-
 
 def shard_adapter(adapter: LoRAAdapter, spec: LoRAModelSpec, rank: int, world: int) -> LoRAAdapter:
     """Rank `rank`'s part of `adapter` of `world` ranks (views of the adapter's tensors)."""

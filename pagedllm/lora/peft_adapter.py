@@ -10,9 +10,9 @@ config asks for is built; the tensors are exactly those of the modules `target_m
 magnitudes); each A / B has the model's full in / out features and the module's rank (`r` or
 its `rank_pattern` entry), at most `max_lora_rank`; every value is finite.
 
-`base_model_name_or_path` naming another model than the one served is a warning (vLLM does
-not check it; an adapter is often trained on a copy of the same weights under another name),
-an error only with `strict_base_model=True`.
+`base_model_name_or_path` naming another model than the one served is a warning (an adapter
+is often trained on a copy of the same weights under another name or path, and the shape checks
+catch an adapter of another architecture), an error only with `strict_base_model=True`.
 
 Only local folders are read. A Hugging Face id (`org/name`) is looked up in the local Hub cache
 (`snapshot_download(local_files_only=True)`); it is never downloaded here.
@@ -84,7 +84,7 @@ def load_peft_adapter(request: LoRARequest, spec: LoRAModelSpec, *, max_lora_ran
         b = b * scaling
         parts = spec.checkpoint_modules[module]
         for part, rows in zip(parts, b.split(spec.checkpoint_out_features(module), dim=0)):
-            weights[layer, part] = LoRALayerWeights(a, rows.contiguous() if len(parts) > 1 else rows, scaling)
+            weights[layer, part] = LoRALayerWeights(a, rows, scaling)  # rows: a view, contiguous
     rank = max(w.rank for w in weights.values())
     return LoRAAdapter(request.lora_name, request.lora_int_id, rank, config.scaling, weights)
 

@@ -28,10 +28,9 @@ from pagedllm.lora.model_spec import LoRAModelSpec
 # read below, or meaningless once trained (initialisation, dropout, training-time options)
 _INERT_FIELDS = frozenset({
     "peft_type", "r", "lora_alpha", "use_rslora", "target_modules", "exclude_modules", "rank_pattern",
-    "alpha_pattern", "base_model_name_or_path", "bias", "modules_to_save", "fan_in_fan_out", "use_dora",
-    "init_lora_weights", "loftq_config", "eva_config", "corda_config", "lora_dropout", "inference_mode",
-    "task_type", "revision", "auto_mapping", "peft_version", "megatron_core", "qalora_group_size",
-    "ensure_weight_tying",
+    "alpha_pattern", "base_model_name_or_path", "bias", "init_lora_weights", "loftq_config", "eva_config",
+    "corda_config", "lora_dropout", "inference_mode", "task_type", "revision", "auto_mapping", "peft_version",
+    "megatron_core", "qalora_group_size", "ensure_weight_tying",
 })
 # field -> why it is refused when set (not None / False / empty)
 _REFUSED = {

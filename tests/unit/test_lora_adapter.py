@@ -194,7 +194,8 @@ def test_spec_sizes_and_families():
         (64, 128, "gate_up_proj", 0), (64, 128, "gate_up_proj", 1), (128, 64, "down_proj", None)]
     qwen3 = lora_model_spec(Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                                         num_attention_heads=4, num_key_value_heads=2, head_dim=32))
-    assert (qwen3.num_layers, qwen3.modules["q_proj"].out_features, qwen3.modules["o_proj"].in_features) == (3, 128, 128)
+    q, o = qwen3.modules["q_proj"], qwen3.modules["o_proj"]
+    assert (qwen3.num_layers, q.out_features, o.in_features) == (3, 128, 128)
     assert lora_model_spec(phi3_config()).checkpoint_modules["qkv_proj"] == ("q_proj", "k_proj", "v_proj")
     mixtral = MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
@@ -282,8 +283,8 @@ def test_config_refusals_name_the_field(adapter_copy, field, value, message):
 
 def test_target_modules_narrower_than_the_weights(adapter_copy):
     edit_config(adapter_copy, target_modules=["q_proj", "k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    with pytest.raises(ValueError, match=rf"adapter_model.safetensors: tensor {PREFIX}.0.self_attn.v_proj.lora_A.weight: "
-                                         r"module model.layers.0.self_attn.v_proj is not selected by the config"):
+    with pytest.raises(ValueError, match=rf"adapter_model.safetensors: tensor {PREFIX}.0.self_attn.v_proj.lora_A"
+                                         r".weight: module model.layers.0.self_attn.v_proj is not selected by the"):
         load_peft_adapter(request(adapter_copy), lora_model_spec(llama_config()))
 
 
@@ -434,8 +435,27 @@ def test_lora_request_wire_form():
     a = LoRARequest("sql", 3, "/adapters/sql", base_model_name="base")
     wire = msgspec.msgpack.encode(a)
     back = msgspec.msgpack.decode(wire, type=LoRARequest)
-    assert (back.lora_name, back.lora_int_id, back.lora_path, back.base_model_name) == ("sql", 3, "/adapters/sql", "base")
+    assert back == a
+    assert (back.lora_name, back.lora_path, back.base_model_name) == ("sql", "/adapters/sql", "base")
     with pytest.raises(ValueError, match="lora_int_id must be an integer > 0, got 0"):  # checked on decode too
         msgspec.msgpack.decode(msgspec.msgpack.encode(["sql", 0, "/p"]), type=LoRARequest)
     with pytest.raises(ValueError, match="long_lora_max_len"):
         msgspec.msgpack.decode(msgspec.msgpack.encode(["sql", 1, "/p", 10]), type=LoRARequest)
+
+
+def test_request_imports_no_torch_and_loader_no_peft(llama_adapter):
+    """The front end imports `LoRARequest` without torch; serving loads adapters without peft."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pagedllm.lora.request import LoRARequest; assert 'torch' not in sys.modules, 'torch'\n"
+            "from pagedllm.lora.peft_adapter import load_peft_adapter\n"
+            "from pagedllm.lora.model_spec import lora_model_spec\n"
+            "from transformers import LlamaConfig\n"
+            "c = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, "
+            "num_attention_heads=4, num_key_value_heads=2)\n"
+            f"a = load_peft_adapter(LoRARequest('a', 1, {str(llama_adapter[0])!r}), lora_model_spec(c))\n"
+            "assert len(a.weights) == 14, len(a.weights)\n"
+            "assert 'peft' not in sys.modules, sorted(m for m in sys.modules if 'peft' in m)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
