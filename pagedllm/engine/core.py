@@ -44,7 +44,8 @@ from pagedllm.engine.sequence_update import SequenceUpdater
 from pagedllm.kernels.status import log_kernel_status
 from pagedllm.layers.kv_cache_format import resolve_kv_cache_dtype
 from pagedllm.layers.sampler import Sampler
-from pagedllm.spec_decode.backoff import SpecBackoff
+from pagedllm.spec_decode.backoff import DEFAULT_MIN_RATE, SpecBackoff
+from pagedllm.spec_decode.step_cost import StepCostModel
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.proposer import SpecDecodeStats, make_proposer
 from pagedllm.structured_output import StructuredOutputManager
@@ -148,6 +149,8 @@ class EngineCore:
             self.proposer.follows = self._follows_proposals
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec is not None else None
         self.spec_backoff = SpecBackoff()  # proposals that keep missing pause (spec_decode/backoff.py)
+        # What a draft token costs here (spec_decode/step_cost.py): sets the back-off's bar.
+        self.step_cost = StepCostModel()
         self._seq_counter = itertools.count()
         # Sampling rows the runner has not been given yet (each sequence's, once).
         self._new_rows: list[SamplingRowSpec] = []
@@ -477,7 +480,11 @@ class EngineCore:
         sched_out.token_masks = self.structured.submit_masks(self._mask_entries(sched_out))
         if self.proposer is not None:
             self.proposer.annotate(sched_out)
+        t0 = time.perf_counter()
         runner_out = self.executor.execute_model(self._with_new_rows(sched_out))
+        if self.proposer is not None and all(len(s.token_ids) == 1 + len(s.draft_token_ids)
+                                             for s in sched_out.scheduled):
+            self.step_cost.observe(sched_out.num_batched_tokens, time.perf_counter() - t0)
         self._num_steps += 1
         self._step_tokens.append(sched_out.num_batched_tokens)
         self.scheduler.update_after_step(sched_out, runner_out.num_accepted if runner_out else None)
@@ -508,6 +515,8 @@ class EngineCore:
             self.proposer.deactivate()
             return
         backoff, step = self.spec_backoff, self._num_steps
+        rho = self.step_cost.break_even(len(running))
+        backoff.min_rate = DEFAULT_MIN_RATE if rho is None else rho
         if len(backoff) > 2 * len(running) + 64:
             backoff.forget_all_but({seq.seq_id for seq in running})
         candidates = []
@@ -607,7 +616,7 @@ class EngineCore:
             if item.draft_token_ids:
                 accepted = runner_out.num_accepted.get(item.seq.seq_id, 0)
                 self.spec_stats.observe(len(item.draft_token_ids), accepted)
-                self.spec_backoff.observe(item.seq.seq_id, accepted, self._num_steps)
+                self.spec_backoff.observe(item.seq.seq_id, accepted, len(item.draft_token_ids), self._num_steps)
                 r = self._append_verified(state, item, sampled, r,
                                           runner_out.num_accepted.get(item.seq.seq_id, 0), outputs)
                 continue
