@@ -16,7 +16,9 @@ Targets (`--targets`, comma-separated):
   step, and the requests whose output differs from plain (greedy: must be 0).
 - `seed20`: benchmarks/workloads.py's seed20 (20 random-token prompts at once, exact output
   lengths) with ngram (k = `--k`) on and off, runs alternating: the cost when there is
-  nothing to copy.
+  nothing to copy (greedy: the outputs of random prompts repeat themselves, so drafts hit).
+- `seed20_sampled`: the same at temperature 1 (seeded per request): nothing repeats, the
+  drafts are mostly rejected, the back-off pauses them: what speculation costs there.
 - `concurrency`: the first `--conc-n` copy-heavy requests all submitted at once with
   max_num_seqs = c for c in `--concurrency`, ngram on and off (runs alternating): where
   speculation stops paying, i.e. the `disable_by_batch_size` to recommend (the smallest c
@@ -57,7 +59,7 @@ from benchmarks.copy_workload import CATEGORIES, copy_requests  # noqa: E402
 from benchmarks.workloads import load_workload  # noqa: E402
 
 DEFAULT_JSON = "benchmarks/results/spec_decode.json"
-TARGETS = ("single", "seed20", "concurrency", "llamacpp")
+TARGETS = ("single", "seed20", "seed20_sampled", "concurrency", "llamacpp")
 
 # llama-server's speculative options tried (name, extra argv); all of them need no draft model.
 LLAMA_SPEC_OPTIONS = [
@@ -312,14 +314,19 @@ def alternate(args, prompts, params, k: int, **kw) -> dict:
     return res
 
 
-def target_seed20(args, k: int) -> dict:
+def target_seed20(args, k: int, temperature: float = 0.0) -> dict:
+    """seed20 with speculation on and off; `temperature` 1.0: sampled (seeded per request),
+    where the draws rarely repeat themselves and the drafts are mostly rejected."""
     from pagedllm import SamplingParams
 
     reqs = load_workload(args.seed20_workload, 49152, seed=args.seed)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
-    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+    params = [SamplingParams(temperature=temperature, seed=args.seed + i if temperature else None,
+                             max_tokens=r.max_tokens, ignore_eos=True) for i, r in enumerate(reqs)]
     res = alternate(args, prompts, params, k)
-    res.update(workload=args.seed20_workload, k=k, requests=len(reqs))
+    res.update(workload=args.seed20_workload, k=k, requests=len(reqs), temperature=temperature)
+    if temperature:
+        res.pop("mismatched_requests")  # sampled outputs differ with speculation (other draws)
     return res
 
 
@@ -492,14 +499,16 @@ def tables(results: dict) -> str:
             for cat, c in r["by_category"].items():
                 lines.append(f"| {r['config']} | {cat} | {c['output_tokens_per_s']} | {c.get('acceptance_rate', '-')} | "
                              f"{c.get('per_position', '-')} | {c['tokens_per_step']} |")
-    b = results.get("seed20")
-    if b:
-        lines += ["", f"## {b['workload']}, all at once, ngram k={b['k']} on vs off",
+    for b in (results.get("seed20"), results.get("seed20_sampled")):
+        if not b:
+            continue
+        lines += ["", f"## {b['workload']}, all at once, temperature {b.get('temperature', 0.0)}, "
+                      f"ngram k={b['k']} on vs off",
                   "| | output tok/s (median) | runs | acceptance |", "|---|---|---|---|",
                   f"| off | {b['plain']['output_tokens_per_s']} | {b['plain']['runs_output_tokens_per_s']} | - |",
                   f"| on | {b['spec']['output_tokens_per_s']} | {b['spec']['runs_output_tokens_per_s']} | "
                   f"{b['spec'].get('acceptance_rate')} |",
-                  f"ratio on/off: {b['ratio']}; mismatched requests: {b['mismatched_requests']}"]
+                  f"ratio on/off: {b['ratio']}; mismatched requests: {b.get('mismatched_requests', '- (sampled)')}"]
     c = results.get("concurrency")
     if c:
         lines += ["", f"## concurrency ({c['requests']} copy-heavy requests at once, max_num_seqs = c, k={c['k']})",
@@ -601,6 +610,8 @@ def main(argv: list[str] | None = None) -> dict:
             single = results["single"] = target_single(args, reqs)
         elif t == "seed20":
             results["seed20"] = target_seed20(args, k)
+        elif t == "seed20_sampled":
+            results["seed20_sampled"] = target_seed20(args, k, temperature=1.0)
         elif t == "concurrency":
             results["concurrency"] = target_concurrency(args, reqs, k)
         else:

@@ -46,7 +46,8 @@ from pagedllm.layers.kv_cache_format import resolve_kv_cache_dtype
 from pagedllm.layers.sampler import Sampler
 from pagedllm.lora.core_registry import CoreLoRAs, lora_cache_key
 from pagedllm.lora.request import LoRARequest
-from pagedllm.spec_decode.backoff import SpecBackoff
+from pagedllm.spec_decode.backoff import DEFAULT_MIN_RATE, SpecBackoff
+from pagedllm.spec_decode.step_cost import StepCostModel
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.proposer import SpecDecodeStats, make_proposer
 from pagedllm.structured_output import StructuredOutputManager
@@ -151,6 +152,8 @@ class EngineCore:
             self.proposer.follows = self._follows_proposals
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec is not None else None
         self.spec_backoff = SpecBackoff()  # proposals that keep missing pause (spec_decode/backoff.py)
+        # What a draft token costs here (spec_decode/step_cost.py): sets the back-off's bar.
+        self.step_cost = StepCostModel()
         # Multi-LoRA: the adapters rank 0's runner holds, pinned in host memory while requests use them.
         self.loras: CoreLoRAs | None = None
         if config.enable_lora:
@@ -512,7 +515,11 @@ class EngineCore:
             self.proposer.annotate(sched_out)
         if self.loras is not None:
             sched_out.lora_requests = self.loras.requests_of(sched_out.scheduled)
+        t0 = time.perf_counter()
         runner_out = self.executor.execute_model(self._with_new_rows(sched_out))
+        if self.proposer is not None and all(len(s.token_ids) == 1 + len(s.draft_token_ids)
+                                             for s in sched_out.scheduled):
+            self.step_cost.observe(sched_out.num_batched_tokens, time.perf_counter() - t0)
         self._num_steps += 1
         self._step_tokens.append(sched_out.num_batched_tokens)
         self.scheduler.update_after_step(sched_out, runner_out.num_accepted if runner_out else None)
@@ -543,6 +550,8 @@ class EngineCore:
             self.proposer.deactivate()
             return
         backoff, step = self.spec_backoff, self._num_steps
+        rho = self.step_cost.break_even(len(running))
+        backoff.min_rate = DEFAULT_MIN_RATE if rho is None else rho
         if len(backoff) > 2 * len(running) + 64:
             backoff.forget_all_but({seq.seq_id for seq in running})
         candidates = []
@@ -642,7 +651,7 @@ class EngineCore:
             if item.draft_token_ids:
                 accepted = runner_out.num_accepted.get(item.seq.seq_id, 0)
                 self.spec_stats.observe(len(item.draft_token_ids), accepted)
-                self.spec_backoff.observe(item.seq.seq_id, accepted, self._num_steps)
+                self.spec_backoff.observe(item.seq.seq_id, accepted, len(item.draft_token_ids), self._num_steps)
                 r = self._append_verified(state, item, sampled, r,
                                           runner_out.num_accepted.get(item.seq.seq_id, 0), outputs)
                 continue

@@ -36,6 +36,27 @@ def sample_seed(request_seed: int, index: int) -> int:
     return (request_seed ^ (index * _SEED_MIX)) & _SEED_MASK
 
 
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def position_seed(sample_seed_: int, position: int) -> int:
+    """The seed of a seeded sample's draw for its output token `position` (0 = the first).
+
+    Every draw of a seeded sample is seeded by (its seed, the output position it fills), not by
+    how many draws came before: so its tokens do not depend on how the engine reached that
+    position. Speculative decoding draws once per verified position (several a step, and more
+    or fewer as the back-off turns proposals on and off), and still gives the plain engine's
+    tokens for the same logits; preemption, batching and the scheduler's choices change nothing."""
+    return _splitmix64(_splitmix64(sample_seed_ & _M64) ^ position) & _SEED_MASK
+
+
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
@@ -78,7 +99,8 @@ class InputBatch:
         self._floats: dict[str, torch.Tensor] = {}
         self.top_k = torch.empty(0, dtype=torch.int64)
         self.specs: list[SamplingRowSpec | None] = []
-        self.generators: list[torch.Generator | None] = []
+        self.generators: list[torch.Generator | None] = []  # a seeded row's, reseeded per draw
+        self.seeds: list[int | None] = []  # a seeded row's sample seed (position_seed's base)
         self.output_ids: list[list[int]] = []
         self.penalty_counts: list[PenaltyCounts | None] = []
         # Rows with a knob whose per-row work is a Python loop: visited only when present.
@@ -115,8 +137,8 @@ class InputBatch:
         for name, value in values.items():
             self._floats[name][row] = _to_float32_range(value)
         self.top_k[row] = p.top_k
-        self.generators[row] = (make_generator(sample_seed(p.seed, spec.index))
-                                if p.seed is not None else None)
+        self.seeds[row] = sample_seed(p.seed, spec.index) if p.seed is not None else None
+        self.generators[row] = make_generator(self.seeds[row]) if p.seed is not None else None
         self.output_ids[row] = list(output_ids)
         self.penalty_counts[row] = (PenaltyCounts() if p.presence_penalty or p.frequency_penalty
                                     or p.repetition_penalty != 1.0 else None)
@@ -146,6 +168,7 @@ class InputBatch:
             return
         self.specs[row] = None
         self.generators[row] = None
+        self.seeds[row] = None
         self.output_ids[row] = []
         self.penalty_counts[row] = None
         self._min_tokens_rows.discard(row)
@@ -169,6 +192,7 @@ class InputBatch:
         extra = capacity - old
         self.specs += [None] * extra
         self.generators += [None] * extra
+        self.seeds += [None] * extra
         self.output_ids += [[] for _ in range(extra)]
         self.penalty_counts += [None] * extra
         self._free.extend(range(capacity - 1, old - 1, -1))  # lowest rows first
@@ -235,7 +259,7 @@ class InputBatch:
             repetition_penalties=f["repetition"],
             prompt_token_ids=[s.prompt_token_ids for s in specs],
             output_token_ids=outputs,
-            generators=[self.generators[r] for r in rows],
+            generators=self._position_generators(rows, outputs),
             penalty_counts=None if no_penalties else [
                 None if extra_outputs is not None and extra_outputs[i] else self.penalty_counts[r]
                 for i, r in enumerate(rows)],
@@ -251,6 +275,23 @@ class InputBatch:
             token_bitmask=token_bitmask,
             bitmask_rows=bitmask_rows,
         )
+
+    def _position_generators(self, rows: list[int], outputs: list[list[int]]) -> list[torch.Generator | None]:
+        """Per logits row: its seeded row's generator, seeded for the output position it draws
+        (`position_seed`); a row drawn at several positions (verified drafts) gets a generator
+        per position. None for unseeded rows (the default generator)."""
+        gens: list[torch.Generator | None] = [None] * len(rows)
+        used: set[int] = set()
+        for i, r in enumerate(rows):
+            g = self.generators[r]
+            if g is None:
+                continue
+            if r in used:
+                g = torch.Generator(device=g.device)
+            used.add(r)
+            g.manual_seed(position_seed(self.seeds[r], len(outputs[i])))
+            gens[i] = g
+        return gens
 
     def record(self, rows: list[int], token_ids: list[int]) -> None:
         """The tokens just sampled join their rows' outputs (min_tokens and the penalties read

@@ -77,3 +77,36 @@ def test_a_bad_speculative_config_stops_the_start_up_with_its_reason(config, wor
                           env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode != 0
     assert words in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-2000:]
+
+
+SUFFIX = '{"method": "suffix", "num_speculative_tokens": 8}'
+
+
+def test_suffix_decoding_served_equals_plain_and_reuses_earlier_outputs():
+    """vLLM's suffix method through a real server: greedy output equals the plain engine's, a
+    repeated request is drafted from the global tree of earlier outputs (more accepted tokens
+    the second time), a hostile request is a 400 and a plain request still runs."""
+    import httpx
+
+    from pagedllm import LLM, SamplingParams
+
+    want = [o.outputs[0].text for o in LLM(max_model_len=1024, num_kv_blocks=256).generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)]
+    with serving(["-m", "pagedllm.entrypoints.cli", "serve", "--kv-cache-space", "0.25", "--max-model-len", "1024",
+                  "--speculative-config", SUFFIX]) as srv:
+        with httpx.Client(base_url=srv.url, headers=srv.headers, timeout=120.0) as c:
+            accepted = []
+            for _ in range(2):
+                got = []
+                for p in PROMPTS:
+                    r = c.post("/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 40,
+                                                        "temperature": 0})
+                    assert r.status_code == 200, r.text
+                    got.append(r.json()["choices"][0]["text"])
+                assert got == want
+                accepted.append(_counter(read_metrics(c), "vllm:spec_decode_num_accepted_tokens_total"))
+            assert 0 < accepted[0] < accepted[1] - accepted[0], accepted
+            bad = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 10**9})
+            assert bad.status_code == 400
+            ok = c.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 4})
+            assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"

@@ -142,6 +142,35 @@ def test_seeded_rows_draw_what_their_own_generator_draws_whatever_the_batch():
     assert draws(0) == draws(3) == draws(6)
 
 
+def test_a_seeded_draw_depends_on_its_output_position_not_on_the_draws_before():
+    """Drawing positions 0..3 one step at a time, or position 3 alone after outputs were
+    appended without drawing, or positions 2 and 3 in one call (verified drafts), gives the
+    same token at each position: a draw is seeded by (sample seed, output position)."""
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=8)
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(2))
+    rng = random.Random(0)
+
+    def one_by_one() -> list[int]:
+        batch = InputBatch(V)
+        batch.add(_spec(0, params, rng))
+        row = batch.row_of[0]
+        return [sample_batch(Sampler(), batch, logits, [row], [0], [0], None).sampled_token_ids[0]
+                for _ in range(4)]
+
+    steps = one_by_one()
+    assert len(set(steps)) > 1  # the draws differ from position to position
+    batch = InputBatch(V)
+    batch.add(_spec(0, params, rng), output_ids=steps[:3])  # positions 0..2 already filled
+    row = batch.row_of[0]
+    assert sample_batch(Sampler(), batch, logits, [row], [0], [0], None).sampled_token_ids[0] == steps[3]
+    batch = InputBatch(V)
+    batch.add(_spec(0, params, rng), output_ids=steps[:2])
+    row = batch.row_of[0]
+    two = sample_batch(Sampler(), batch, logits.expand(2, V).contiguous(), [row, row], [0, 1], [0, 0], None,
+                       extra_outputs=[[], [steps[2]]])
+    assert two.sampled_token_ids == steps[2:4]
+
+
 def test_forks_get_their_own_seeds_and_no_second_fork():
     batch = InputBatch(V)
     rng = random.Random(0)
