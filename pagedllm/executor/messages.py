@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 # scheduled entry: (seq_id, token_ids, start_pos, blocks_from, new_block_ids, flags, seq_len,
-# group_deltas, draft_token_ids, lora_int_id)
+# group_deltas, draft_token_ids); the adapters of the sequences that have one, by seq id
 _SAMPLE, _ALL_LOGITS = 1, 2
 
 
@@ -65,20 +65,23 @@ def encode_step(scheduler_output: Any) -> bytes:
         flags = (_SAMPLE if s.sample else 0) | (_ALL_LOGITS if s.all_logits else 0)
         entries.append((s.seq.seq_id, s.token_ids, s.start_pos, s.blocks_from, s.new_block_ids,
                         flags, getattr(s, "seq_len", 0), tuple(getattr(s, "group_deltas", ())),
-                        tuple(getattr(s, "draft_token_ids", ())), getattr(s, "lora_int_id", 0)))
+                        tuple(getattr(s, "draft_token_ids", ()))))
     msg = ("step", entries, list(getattr(scheduler_output, "block_copies", None) or ()),
            list(getattr(scheduler_output, "blocks_to_swap_out", None) or ()),
            list(getattr(scheduler_output, "blocks_to_swap_in", None) or ()),
            list(getattr(scheduler_output, "released_seq_ids", None) or ()),
-           dict(getattr(scheduler_output, "lora_requests", None) or {}))
+           dict(getattr(scheduler_output, "lora_requests", None) or {}),
+           # only the sequences with an adapter: a step without LoRA pays nothing for it
+           {s.seq.seq_id: s.lora_int_id for s in scheduler_output.scheduled if getattr(s, "lora_int_id", 0)})
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def decode_step(msg: tuple) -> StepInput:
     """A worker's StepInput from a decoded ("step", ...) message."""
-    _, entries, copies, swap_out, swap_in, released, loras = msg
+    _, entries, copies, swap_out, swap_in, released, loras, lora_ids = msg
     scheduled = [StepSequence(SeqRef(seq_id), token_ids, start_pos, blocks_from, new_ids,
-                              bool(flags & _SAMPLE), bool(flags & _ALL_LOGITS), seq_len, deltas, drafts, lora)
-                 for seq_id, token_ids, start_pos, blocks_from, new_ids, flags, seq_len, deltas, drafts, lora
+                              bool(flags & _SAMPLE), bool(flags & _ALL_LOGITS), seq_len, deltas, drafts,
+                              lora_ids.get(seq_id, 0))
+                 for seq_id, token_ids, start_pos, blocks_from, new_ids, flags, seq_len, deltas, drafts
                  in entries]
     return StepInput(scheduled, copies, swap_out, swap_in, released, loras)

@@ -47,6 +47,10 @@ NON_DEFAULT = {
     "max_logprobs": (["--max-logprobs", "-1"], -1),
     "structured_outputs_timeout": (["--structured-outputs-timeout", "2.5"], 2.5),
     "data_parallel_address": (["--data-parallel-address", "10.0.0.5"], "10.0.0.5"),
+    "enable_lora": (["--enable-lora"], True),
+    "max_loras": (["--max-loras", "3"], 3),
+    "max_lora_rank": (["--max-lora-rank", "64"], 64),
+    "max_cpu_loras": (["--max-cpu-loras", "4"], 4),
 }
 
 
