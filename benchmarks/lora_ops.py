@@ -9,8 +9,9 @@ Torch candidates, all in the same process and run (the best of them is the basel
 - `seg`: one `mm` per adapter segment, tokens grouped beforehand (not timed: a step's grouping
   serves every layer), a plain `mm` / `addmm_` without gathers when one adapter holds the batch.
 The C columns call the library of each variant directly (`shrink_c` / `expand_c`, the
-ctypes call included); `op` is the public `lora_shrink` / `lora_expand` of the default variant
-(validation included). Each figure: median of 5 timed loops (each >= 2 ms) after a warm-up.
+ctypes call included); `op` is the public `lora_shrink` / `lora_expand` (validation included,
+and torch's GEMM where the op takes it: one slot for the whole batch from
+`ops.SINGLE_SLOT_TORCH_MIN_TOKENS` tokens). Each figure: median of 5 timed loops (each >= 2 ms) after a warm-up.
 Adapters: `1` (every token one adapter) or `4` (each token a random one of 4: runs of about one
 token, the kernel's worst case). max_loras 4 slots.
 
@@ -162,9 +163,10 @@ def full_header(variants: list[str]) -> str:
 
 
 def summary(rows: list[dict], variants: list[str]) -> str:
-    """Per op, tokens and adapters: the ratio best-torch / C, min-max over the 4 layers x ranks."""
+    """Per op, tokens and adapters: the ratio best-torch / C, min-max over the 4 layers x ranks;
+    the last column the public op's (its checks included, and torch's GEMM where it takes it)."""
     lines = ["| op | T | adapters | best torch us (min-max) | " + " | ".join(f"{v}: x best torch" for v in variants)
-             + " |", "|" + "---|" * (4 + len(variants))]
+             + " | op: x best torch |", "|" + "---|" * (5 + len(variants))]
     keys = sorted({(r["op"], r["T"], r["adapters"]) for r in rows}, key=lambda k: (k[0] != "shrink", k[1], k[2]))
     for op, T, adapters in keys:
         sel = [r for r in rows if (r["op"], r["T"], r["adapters"]) == (op, T, adapters)]
@@ -173,6 +175,8 @@ def summary(rows: list[dict], variants: list[str]) -> str:
         for v in variants:
             ratios = [min(r["torch"].values()) / r["c"][v] for r in sel]
             cells.append(f"{min(ratios):.2f}-{max(ratios):.2f}x")
+        ratios = [min(r["torch"].values()) / r["public"] for r in sel]
+        cells.append(f"{min(ratios):.2f}-{max(ratios):.2f}x")
         lines.append(f"| {op} | {T} | {adapters} | {min(best):.1f}-{max(best):.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

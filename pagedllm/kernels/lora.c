@@ -42,7 +42,8 @@
 #define NB1 8 /* weight rows of a one-token dot tile */
 #define RB 64 /* weight rows of one dot work item (a multiple of NB and NB1) */
 #define ACC (DT * NB > NB1 ? DT * NB : NB1)
-#define LONG_RUN 16 /* runs of at least this many tokens take the panel path */
+#define LONG_RUN 16 /* runs of at least this many tokens take the panel path ... */
+#define PANEL_MAX_L 256 /* ... if the reduction is shorter than this (expand's R, not shrink's K) */
 #define PAR_MIN_MACS 65536 /* below this many multiply-adds one thread is faster than a fork */
 
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
@@ -165,16 +166,11 @@ static void token_tile(const float *x, int64_t ldx, const float *w, int64_t ldw,
 /* Columns [0, ncols) of a panel = weight rows w[j] (stride ldw) as [L][NR], zero past ncols:
  * what packed_gemm.c's layout is, built per call (the stacks are given row-major). */
 static void transpose_panel(const float *w, int64_t ldw, int64_t L, int64_t ncols, float *panel) {
-    for (int64_t k0 = 0; k0 < L; k0 += 16) {
-        const int64_t kn = L - k0 < 16 ? L - k0 : 16;
-        for (int64_t j = 0; j < NR; ++j) {
-            const float *src = w + j * ldw + k0;
-            float *dst = panel + k0 * NR + j;
-            if (j < ncols)
-                for (int64_t k = 0; k < kn; ++k) dst[k * NR] = src[k];
-            else
-                for (int64_t k = 0; k < kn; ++k) dst[k * NR] = 0.0f;
-        }
+    if (ncols < NR) memset(panel, 0, sizeof(float) * L * NR);
+    for (int64_t j0 = 0; j0 < ncols; j0 += 8) {
+        const int64_t jn = ncols - j0 < 8 ? ncols - j0 : 8;
+        for (int64_t k = 0; k < L; ++k)
+            for (int64_t j = 0; j < jn; ++j) panel[k * NR + j0 + j] = w[(j0 + j) * ldw + k];
     }
 }
 
@@ -196,14 +192,16 @@ static inline __attribute__((always_inline)) void axpy_tile(
         }
     }
     for (int i = 0; i < mr; ++i) {
+        float *yr = y + i * ldy;
+        if (ncols == NR) {
+            storev(yr, accumulate ? loadv(yr) + acc[i][0] : acc[i][0]);
+            storev(yr + VL, accumulate ? loadv(yr + VL) + acc[i][1] : acc[i][1]);
+            continue;
+        }
         float tmp[NR];
         storev(tmp, acc[i][0]);
         storev(tmp + VL, acc[i][1]);
-        float *yr = y + i * ldy;
-        if (accumulate)
-            for (int64_t j = 0; j < ncols; ++j) yr[j] += tmp[j];
-        else
-            memcpy(yr, tmp, sizeof(float) * (size_t)ncols);
+        for (int64_t j = 0; j < ncols; ++j) yr[j] = accumulate ? yr[j] + tmp[j] : tmp[j];
     }
 }
 
@@ -238,7 +236,7 @@ typedef struct {
  * to DT tokens, long ones into `chunks` chunks for the panel path. Returns -1 if an index is
  * outside -1..S-1, else the number of dot tiles (at the front of `groups`); *n_long: chunks
  * (after them, from groups[T]). */
-static int64_t make_groups(const int32_t *idx, int64_t T, int64_t S, int64_t chunks_per_long,
+static int64_t make_groups(const int32_t *idx, int64_t T, int64_t S, int64_t chunks_per_long, int long_ok,
                            Group *groups, int64_t *n_long) {
     int64_t n = 0, nl = 0;
     for (int64_t t = 0; t < T;) {
@@ -247,7 +245,7 @@ static int64_t make_groups(const int32_t *idx, int64_t T, int64_t S, int64_t chu
         int64_t end = t + 1;
         while (end < T && idx[end] == s) ++end;
         const int64_t len = end - t;
-        if (s >= 0 && len >= LONG_RUN) {
+        if (s >= 0 && long_ok && len >= LONG_RUN) {
             int64_t c = chunks_per_long < len / LONG_RUN ? chunks_per_long : len / LONG_RUN;
             c = c < 1 ? 1 : c;
             const int64_t size = (len + c - 1) / c;
@@ -302,7 +300,7 @@ int lora_sgmv(const float *x, int64_t ldx, const float *w, int64_t S, int64_t L,
     /* enough chunks of a long run that the threads have about two (chunk, panel) items each */
     const int64_t chunks = (2 * num_threads + n_panels - 1) / n_panels;
     int64_t n_long = 0;
-    const int64_t n_tiles = make_groups(idx, T, S, chunks, groups, &n_long);
+    const int64_t n_tiles = make_groups(idx, T, S, chunks, L < PANEL_MAX_L, groups, &n_long);
     if (n_tiles < 0) {
         free(groups);
         free(blocks);

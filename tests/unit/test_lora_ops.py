@@ -184,9 +184,12 @@ def test_public_ops_on_each_path(monkeypatch, path):
     elif path == "c" and kernel_build.lora_kernel() is None:
         pytest.skip("the C kernel is not built here")
     dtype = torch.float64 if path == "float64" else torch.float32
-    for c, (T, K, sizes, max_rank, ranks) in enumerate(CASES[:5]):
+    # "same" from 16 / 256 tokens: the single-slot torch GEMM (SINGLE_SLOT_TORCH_MIN_TOKENS)
+    cases = [(case, pattern) for case in [*CASES[:5], (300, 24, [16, 8], 8, [8])]
+             for pattern in ("runs", "same", "base")]
+    for c, ((T, K, sizes, max_rank, ranks), pattern) in enumerate(cases):
         x, a, buf, b, y, idx = (t.to(dtype) if t.is_floating_point() else t
-                                for t in _case(T, K, sizes, max_rank, ranks, "runs", seed=c))
+                                for t in _case(T, K, sizes, max_rank, ranks, pattern, seed=c))
         want_out, bound_out = oracle_shrink(x, a, idx)
         want_y, bound_y = oracle_expand(buf, b, idx, y, sizes)
         out = ops.lora_shrink(x, a, idx)
