@@ -7,8 +7,8 @@ of its tokens whatever the batch order.
 
 No host synchronisation (CUDA-graph friendly): the segment table has a fixed size (S + 1
 segments, slot -1 first, empty ones allowed), and the grid is an upper bound on the tiles,
-`cdiv(T, BLOCK_M) + S + 1` programs along the tokens; a program finds its segment by counting
-the segment tile offsets at or below its id, and a program past the last tile does nothing.
+`cdiv(T, BLOCK_M) + S + 1` programs along the tokens; a program reads the segment of each program, computed by torch beforehand (`searchsorted` of the segments' tile
+offsets), and a program past the last tile does nothing.
 Shrink writes every token's row (zeros for slot -1); expand adds to y only the rows and
 columns of its own tile (one program per element: no atomics) and launches once per slice
 (1-3 launches), each slice reading its own R columns of buf.
@@ -45,13 +45,11 @@ def _interpreting() -> bool:
 
 if HAS_TRITON:
 
-    def _tile_of(pid, tile_starts_ptr, starts_ptr, order_ptr, NUM_SEGS: tl.constexpr, SEGS_P2: tl.constexpr,
+    def _tile_of(pid, tile_seg_ptr, tile_starts_ptr, starts_ptr, order_ptr, NUM_SEGS: tl.constexpr,
                  BLOCK_M: tl.constexpr):
-        """(token ids of this program's tile, their mask, the tile's slot): segment j holds
-        tiles tile_starts[j] .. tile_starts[j + 1] - 1 (NUM_SEGS + 1 entries, the last the total)."""
-        segs = tl.arange(0, SEGS_P2)
-        tstart = tl.load(tile_starts_ptr + segs, mask=segs <= NUM_SEGS, other=2 ** 30)
-        j = tl.sum((tstart <= pid).to(tl.int32), axis=0) - 1  # NUM_SEGS: past the last tile
+        """(token ids of this program's tile, their mask, the tile's slot): tile_seg[pid] is the
+        tile's segment (NUM_SEGS past the last tile), whose tiles start at tile_starts[j]."""
+        j = tl.load(tile_seg_ptr + pid)
         valid = j < NUM_SEGS
         j = tl.minimum(j, NUM_SEGS - 1)
         seg_start = tl.load(starts_ptr + j)
@@ -62,13 +60,13 @@ if HAS_TRITON:
         return tokens, m_mask, j - 1
 
     def _shrink_kernel(
-        x_ptr, a_ptr, out_ptr, order_ptr, starts_ptr, tile_starts_ptr,
+        x_ptr, a_ptr, out_ptr, order_ptr, starts_ptr, tile_starts_ptr, tile_seg_ptr,
         K, Rt, stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_ot, stride_or,
-        NUM_SEGS: tl.constexpr, SEGS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        NUM_SEGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
     ):
-        tokens, m_mask, slot = _tile_of(tl.program_id(0), tile_starts_ptr, starts_ptr, order_ptr, NUM_SEGS,
-                                        SEGS_P2, BLOCK_M)
+        tokens, m_mask, slot = _tile_of(tl.program_id(0), tile_seg_ptr, tile_starts_ptr, starts_ptr, order_ptr,
+                                        NUM_SEGS, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < Rt
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
@@ -89,13 +87,13 @@ if HAS_TRITON:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
     def _expand_kernel(
-        buf_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, tile_starts_ptr,
+        buf_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, tile_starts_ptr, tile_seg_ptr,
         R, n_rows, row0, col0, stride_bt, stride_br, stride_bs, stride_bn, stride_bk, stride_yt, stride_yn,
-        NUM_SEGS: tl.constexpr, SEGS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        NUM_SEGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
     ):
-        tokens, m_mask, slot = _tile_of(tl.program_id(0), tile_starts_ptr, starts_ptr, order_ptr, NUM_SEGS,
-                                        SEGS_P2, BLOCK_M)
+        tokens, m_mask, slot = _tile_of(tl.program_id(0), tile_seg_ptr, tile_starts_ptr, starts_ptr, order_ptr,
+                                        NUM_SEGS, BLOCK_M)
         m_mask = m_mask & (slot >= 0)  # base-model tokens: y untouched
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < n_rows
@@ -145,13 +143,17 @@ def _block_m(T: int) -> int:
     return 16 if T <= 16 else 32 if T <= 64 else 64
 
 
-def _tiles(indices: torch.Tensor, num_slots: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(order, segment starts, segment tile starts) on the indices' device, no host sync."""
+def _tiles(indices: torch.Tensor, num_slots: int, block_m: int,
+           grid_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, segment starts, segment tile starts, segment of each of the grid_m programs), on
+    the indices' device, no host sync."""
     seg = segments(indices, num_slots)
     counts = seg.starts[1:] - seg.starts[:-1]
     tile_starts = torch.zeros_like(seg.starts)
     torch.cumsum((counts + block_m - 1) // block_m, 0, out=tile_starts[1:])
-    return seg.order, seg.starts, tile_starts
+    programs = torch.arange(grid_m, device=indices.device)
+    tile_seg = torch.searchsorted(tile_starts[1:], programs, right=True)  # num_slots + 1: no tile
+    return seg.order, seg.starts, tile_starts, tile_seg
 
 
 def _launch_checks(*tensors: torch.Tensor) -> None:
@@ -173,13 +175,13 @@ def lora_shrink_triton(x: torch.Tensor, a_stack: torch.Tensor, indices: torch.Te
     if T == 0:
         return out
     bm = block_m or _block_m(T)
-    order, starts, tile_starts = _tiles(indices, S, bm)
+    grid_m = triton.cdiv(T, bm) + S + 1  # at least the tiles: each segment adds at most one partial
+    order, starts, tile_starts, tile_seg = _tiles(indices, S, bm, grid_m)
     bn = _pow2(Rt, 16, 64)
-    grid = (triton.cdiv(T, bm) + S + 1, triton.cdiv(Rt, bn))
-    _kernel("shrink")[grid](
-        x, a_stack, out, order, starts, tile_starts, K, Rt, x.stride(0), x.stride(1),
+    _kernel("shrink")[(grid_m, triton.cdiv(Rt, bn))](
+        x, a_stack, out, order, starts, tile_starts, tile_seg, K, Rt, x.stride(0), x.stride(1),
         a_stack.stride(0), a_stack.stride(1), a_stack.stride(2), out.stride(0), out.stride(1),
-        NUM_SEGS=S + 1, SEGS_P2=triton.next_power_of_2(S + 2), BLOCK_M=bm, BLOCK_N=bn,
+        NUM_SEGS=S + 1, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=_pow2(K, 16, 64), IEEE=x.dtype == torch.float32,
     )
     return out
@@ -194,16 +196,16 @@ def lora_expand_triton(buf: torch.Tensor, b_stack: torch.Tensor, indices: torch.
     if T == 0:
         return
     bm = block_m or _block_m(T)
-    order, starts, tile_starts = _tiles(indices, S, bm)
+    grid_m = triton.cdiv(T, bm) + S + 1
+    order, starts, tile_starts, tile_seg = _tiles(indices, S, bm, grid_m)
     row = 0
     for i, size in enumerate(slice_sizes):  # the layer's 1-3 slices, not the adapters
         bn = _pow2(size, 16, 64)
-        grid = (triton.cdiv(T, bm) + S + 1, triton.cdiv(size, bn))
-        _kernel("expand")[grid](
-            buf, b_stack, y, order, starts, tile_starts, R, size, row, i * R,
+        _kernel("expand")[(grid_m, triton.cdiv(size, bn))](
+            buf, b_stack, y, order, starts, tile_starts, tile_seg, R, size, row, i * R,
             buf.stride(0), buf.stride(1), b_stack.stride(0), b_stack.stride(1), b_stack.stride(2),
             y.stride(0), y.stride(1),
-            NUM_SEGS=S + 1, SEGS_P2=triton.next_power_of_2(S + 2), BLOCK_M=bm, BLOCK_N=bn,
+            NUM_SEGS=S + 1, BLOCK_M=bm, BLOCK_N=bn,
             BLOCK_K=_pow2(R, 16, 64), IEEE=buf.dtype == torch.float32,
         )
         row += size
