@@ -5,25 +5,32 @@
  *   expand: y[t, slice i] += B[idx[t], slice i rows, :R] @ buf[t, i*R : (i+1)*R]
  *                                                           (B: [S, N, R]; untouched if idx = -1)
  *
- * Both are the same operation, `lora_sgmv`: for each token, dot products of one row of X (x, or
- * one slice's R columns of buf) with rows of its slot's weight (A's Rt rows, or a slice's rows
- * of B), with the weight's row-major layout as given (the reduction axis, K or R, contiguous):
- * no packing per call. Tokens come with their indices as they are; the kernel groups runs of
- * consecutive equal indices into tiles of up to MR tokens (a prompt's tokens are one run; a
- * decode batch ordered by adapter is a few), so a weight row loaded into registers serves every
- * token of the tile: the SGMV form without sorting (sorting would cost a gather of x and a
- * scatter of y, each a pass over the batch, at every layer).
+ * Both are one operation, `lora_sgmv`: per token, dot products of one row of X (x, or one
+ * slice's R columns of buf) with rows of its slot's weight (A's Rt rows, or a slice's rows of
+ * B), the weights in their row-major layout as given (reduction axis K or R contiguous).
+ * Tokens come with their indices in batch order; the kernel cuts runs of consecutive equal
+ * indices itself (a prompt's tokens are one run; a decode batch ordered by adapter a few), so
+ * that a weight row loaded once serves every token of a tile: the SGMV form without sorting
+ * (a sort would cost a gather of x and a scatter of y, each a pass over the batch, per layer).
  *
- * A tile is MR tokens x NB weight rows (NB1 rows for a one-token tile, so that it still has
- * enough independent FMA chains); its MR * NB accumulators are vectors along the reduction axis,
- * and their lane sums are taken together by a shuffle tree (reduce_lanes: VL - 1 two-source
- * shuffles and adds for VL sums, not VL horizontal sums), which is what keeps expand's short
- * rows (R = 8..64) cheap. Reduction lengths that are not a multiple of the vector are finished
- * with masked loads (never reading past a row). Sizes per build (kernels/isa.py):
- * - AVX-512 (32 zmm): VL 16, tile 4 x 4 (16 accumulators + 4 weight + 4 token vectors), 1 x 8;
- * - AVX2 (16 ymm): VL 8, tile 2 x 4 (8 + 4 + 2), 1 x 8;
- * - portable (SSE2, 16 xmm): VL 4, tile 2 x 4, 1 x 8.
- * Threads split (token tile, block of RB weight rows) pairs, with torch's thread count. */
+ * Two paths, per run:
+ * - dot tiles (short runs, base-model runs, and every run of shrink): DT tokens x NB weight rows
+ *   (NB1 rows for a one-token tile, so that it still has enough independent FMA chains), the
+ *   DT * NB accumulators vectors along the reduction axis; their lane sums are taken together by
+ *   a shuffle tree (reduce_lanes: VL - 1 two-source shuffles and adds for VL sums, not VL
+ *   horizontal sums), which keeps expand's short rows (R = 8..64) cheap. A length that is not
+ *   a multiple of the vector ends with masked loads (never reading past a row).
+ * - panels (runs of LONG_RUN+ tokens of expand, whose reduction R is short): NR rows of B
+ *   are transposed once per (chunk of the run, panel) into packed_gemm.c's k-major layout and
+ *   a register tile of packed_gemm.c's shape (MR tokens x NR outputs, x broadcast in place) over the
+ *   chunk's tokens: no reductions, the transpose paid once per chunk.
+ * Sizes per build (kernels/isa.py):
+ * - AVX-512 (32 zmm): VL 16; dot tile 4 x 4 (16 accumulators + 4 weight + 4 token vectors), 1 x 8;
+ *   panel tile 12 x 32;
+ * - AVX2 (16 ymm): VL 8; dot 2 x 4 (8 + 4 + 2), 1 x 8; panel 6 x 16;
+ * - portable (SSE2, 16 xmm): VL 4; dot 2 x 4, 1 x 8; panel 6 x 8.
+ * Threads (torch's count) split (dot tile, block of RB weight rows) and (chunk, panel) pairs;
+ * below PAR_MIN_MACS multiply-adds one thread runs it all. */
 #include <stdlib.h>
 #include <string.h>
 

@@ -14,7 +14,10 @@ The adapters resident in memory are stacked by slot (`max_loras` slots, ranks ze
 
 Dispatch, after validation (ValueError naming the argument, before anything native runs):
 - CPU float32: the C kernel `kernels/lora.c` (takes the indices as they are and tiles runs of
-  equal consecutive indices itself: see there why it does not sort);
+  equal consecutive indices itself: see there why it does not sort); a batch whose tokens all
+  use one slot, from `SINGLE_SLOT_TORCH_MIN_TOKENS` tokens, takes torch's own GEMM on that
+  slot's matrices instead (measured faster there, docs/lora.md); base-model-only batches skip
+  the product (the index range, which the checks compute anyway, says both);
 - CUDA: the Triton kernels of lora/triton_ops.py (tokens grouped by slot, `segments`);
 - anything else (no compiler, `PAGEDLLM_DISABLE_C_KERNELS=1`, other dtypes or devices, no
   Triton): the torch references below, vectorised over adapters.
