@@ -74,9 +74,12 @@ def _tensor(op: str, name: str, t: object, dims: int) -> torch.Tensor:
 
 
 def _check_common(op: str, named: list[tuple[str, torch.Tensor]], indices: object, T: int,
-                  S: int) -> tuple[int, int]:
+                  S: int) -> tuple[int, int] | None:
     """One dtype and one device for every tensor; indices int32 [T] in -1..S-1. Returns the
-    smallest and largest index (-1, -1 without tokens)."""
+    smallest and largest index (-1, -1 without tokens), or None for a few tokens on the C
+    kernel's path: there the kernel checks the range itself before writing anything (code 3,
+    turned into the same ValueError by `_index_error`), which saves a reduction and two host
+    reads on every decode-sized call."""
     first_name, first = named[0]
     for name, t in named[1:]:
         if t.dtype != first.dtype:
@@ -89,13 +92,20 @@ def _check_common(op: str, named: list[tuple[str, torch.Tensor]], indices: objec
             raise ValueError(f"{op}: {name} is on {t.device} but {first_name} is on {first.device}")
     if not T:
         return -1, -1
+    if T < KERNEL_CHECKS_BELOW_TOKENS and _c_kernel(first) is not None:
+        return None
     lo, hi = (int(v) for v in torch.aminmax(indices))
     if lo < -1 or hi >= S:
-        bad = lo if lo < -1 else hi
-        at = int(torch.nonzero(indices == bad)[0, 0])
-        raise ValueError(f"{op}: indices must lie in -1..{S - 1} (-1: base model; {S} adapter slots), "
-                         f"got {bad} at token {at}")
+        _index_error(op, indices, S)
     return lo, hi
+
+
+def _index_error(op: str, indices: torch.Tensor, S: int) -> None:
+    """The ValueError for indices outside -1..S-1, naming the first bad one."""
+    bad_at = torch.nonzero((indices < -1) | (indices >= S))
+    at = int(bad_at[0, 0]) if len(bad_at) else -1
+    raise ValueError(f"{op}: indices must lie in -1..{S - 1} (-1: base model; {S} adapter slots), "
+                     f"got {int(indices[at]) if at >= 0 else '?'} at token {at}")
 
 
 def _check_shrink(x: object, a_stack: object, indices: object, out: object) -> tuple[int, int, int, int]:
@@ -114,7 +124,7 @@ def _check_shrink(x: object, a_stack: object, indices: object, out: object) -> t
         if tuple(out.shape) != (T, Rt):
             raise ValueError(f"{op}: out must be [{T}, {Rt}], got {tuple(out.shape)}")
         named.append(("out", out))
-    lo, hi = _check_common(op, named, indices, T, S)
+    lo, hi = _check_common(op, named, indices, T, S) or (-2, -2)
     return T, Rt, lo, hi
 
 
@@ -137,7 +147,7 @@ def _check_expand(buf: object, b_stack: object, indices: object, y: object,
                          f"slices needs {len(sizes)} x {R} = {len(sizes) * R}")
     if tuple(y.shape) != (T, N):
         raise ValueError(f"{op}: y must be [{T}, {N}], got {tuple(y.shape)}")
-    lo, hi = _check_common(op, [("buf", buf), ("b_stack", b_stack), ("y", y)], indices, T, S)
+    lo, hi = _check_common(op, [("buf", buf), ("b_stack", b_stack), ("y", y)], indices, T, S) or (-2, -2)
     return R, lo, hi, sizes
 
 
@@ -208,7 +218,9 @@ def _sgmv_c(kernel, x: torch.Tensor, w: torch.Tensor, indices: torch.Tensor, y: 
     rc = kernel.sgmv(x.data_ptr(), x.stride(0), w.data_ptr(), w.shape[0], w.shape[2], y.data_ptr(), y.stride(0),
                      x.shape[0], indices.data_ptr(), len(sizes), _c_sizes(tuple(sizes)), int(accumulate),
                      torch.get_num_threads())
-    if rc != 0:  # the checks above make these unreachable; never leave a wrong result silently
+    if rc == 3:
+        _index_error("lora_shrink" if not accumulate else "lora_expand", indices, w.shape[0])
+    if rc != 0:  # the checks make these unreachable; never leave a wrong result silently
         raise RuntimeError(f"lora_sgmv failed with code {rc} (1 bad sizes, 2 out of memory, 3 index out of range)")
 
 
@@ -252,6 +264,9 @@ def _triton(t: torch.Tensor):
 # tokens torch's own GEMM on that slot's matrices beats the kernel on this project's machine
 # (benchmarks/lora_ops.py, docs/lora.md), and needs no gather.
 SINGLE_SLOT_TORCH_MIN_TOKENS = {"shrink": 256, "expand": 16}
+# Below this many tokens the C kernel's own index check replaces the reduction (see
+# _check_common); the single-slot choice above starts at 16 tokens, so it always has the range.
+KERNEL_CHECKS_BELOW_TOKENS = 16
 
 
 def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, indices: torch.Tensor,
@@ -263,7 +278,7 @@ def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, indices: torch.Tensor,
         out = x.new_empty(T, Rt)
     if T == 0:
         return out
-    if hi < 0:  # base-model tokens only
+    if hi == -1:  # base-model tokens only (-2: range not read, the kernel checks it)
         return out.zero_()
     kernel = _c_kernel(x)
     if kernel is not None and lo == hi and T >= SINGLE_SLOT_TORCH_MIN_TOKENS["shrink"]:
@@ -283,7 +298,7 @@ def lora_expand(buf: torch.Tensor, b_stack: torch.Tensor, indices: torch.Tensor,
     for tokens with an index >= 0; buf `[T, n_slices * R]`, b_stack `[S, N, R]`, y `[T, N]`,
     slice_sizes: the slices' row counts (sum N)."""
     R, lo, hi, sizes = _check_expand(buf, b_stack, indices, y, slice_sizes)
-    if hi < 0:  # no tokens, or base-model tokens only
+    if hi == -1:  # no tokens, or base-model tokens only (-2: range not read, the kernel checks it)
         return
     kernel = _c_kernel(y)
     if kernel is not None and lo == hi and buf.shape[0] >= SINGLE_SLOT_TORCH_MIN_TOKENS["expand"]:
