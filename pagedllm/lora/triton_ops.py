@@ -7,8 +7,9 @@ of its tokens whatever the batch order.
 
 No host synchronisation (CUDA-graph friendly): the segment table has a fixed size (S + 1
 segments, slot -1 first, empty ones allowed), and the grid is an upper bound on the tiles,
-`cdiv(T, BLOCK_M) + S + 1` programs along the tokens; a program reads the segment of each program, computed by torch beforehand (`searchsorted` of the segments' tile
-offsets), and a program past the last tile does nothing.
+`cdiv(T, BLOCK_M) + S + 1` programs along the tokens; each program reads its segment from a
+table torch builds beforehand (`searchsorted` over the segments' tile offsets), and a program
+past the last tile does nothing.
 Shrink writes every token's row (zeros for slot -1); expand adds to y only the rows and
 columns of its own tile (one program per element: no atomics) and launches once per slice
 (1-3 launches), each slice reading its own R columns of buf.

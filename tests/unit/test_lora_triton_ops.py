@@ -73,8 +73,8 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
 
 
 def test_imports_without_triton():
-    assert_needs_triton_without_it("pagedllm.lora.triton_ops", "t.lora_shrink_triton(torch.zeros(1, 1), None, None, None)",
-                                   checks="import torch\n")
+    assert_needs_triton_without_it("pagedllm.lora.triton_ops",
+                                   "t.lora_shrink_triton(torch.zeros(1, 1), None, None, None)", checks="import torch\n")
 
 
 @pytest.mark.gpu
