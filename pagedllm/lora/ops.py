@@ -12,7 +12,8 @@ The adapters resident in memory are stacked by slot (`max_loras` slots, ranks ze
   buf[t, i*R:(i+1)*R]` with `R = Rt / n_slices`; base-model tokens are left untouched. The LoRA
   scaling is folded into B by the loader.
 
-Dispatch, after validation (ValueError naming the argument, before anything native runs):
+Dispatch, after validation (a ValueError naming the argument and value; the index range of
+fewer than 16 tokens on the C path is checked by the kernel itself, before it writes anything):
 - CPU float32: the C kernel `kernels/lora.c` (takes the indices as they are and tiles runs of
   equal consecutive indices itself: see there why it does not sort); a batch whose tokens all
   use one slot, from `SINGLE_SLOT_TORCH_MIN_TOKENS` tokens, takes torch's own GEMM on that
