@@ -12,9 +12,13 @@ The adapters resident in memory are stacked by slot (`max_loras` slots, ranks ze
   buf[t, i*R:(i+1)*R]` with `R = Rt / n_slices`; base-model tokens are left untouched. The LoRA
   scaling is folded into B by the loader.
 
-Dispatch, after validation (ValueError naming the argument, before anything native runs):
+Dispatch, after validation (a ValueError naming the argument and value; the index range of
+fewer than 16 tokens on the C path is checked by the kernel itself, before it writes anything):
 - CPU float32: the C kernel `kernels/lora.c` (takes the indices as they are and tiles runs of
-  equal consecutive indices itself: see there why it does not sort);
+  equal consecutive indices itself: see there why it does not sort); a batch whose tokens all
+  use one slot, from `SINGLE_SLOT_TORCH_MIN_TOKENS` tokens, takes torch's own GEMM on that
+  slot's matrices instead (measured faster there, docs/lora.md); base-model-only batches skip
+  the product (the index range, which the checks compute anyway, says both);
 - CUDA: the Triton kernels of lora/triton_ops.py (tokens grouped by slot, `segments`);
 - anything else (no compiler, `PAGEDLLM_DISABLE_C_KERNELS=1`, other dtypes or devices, no
   Triton): the torch references below, vectorised over adapters.
@@ -28,6 +32,7 @@ contiguous).
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -69,8 +74,13 @@ def _tensor(op: str, name: str, t: object, dims: int) -> torch.Tensor:
     return t
 
 
-def _check_common(op: str, named: list[tuple[str, torch.Tensor]], indices: object, T: int, S: int) -> None:
-    """One dtype and one device for every tensor; indices int32 [T] in -1..S-1."""
+def _check_common(op: str, named: list[tuple[str, torch.Tensor]], indices: object, T: int,
+                  S: int) -> tuple[int, int] | None:
+    """One dtype and one device for every tensor; indices int32 [T] in -1..S-1. Returns the
+    smallest and largest index (-1, -1 without tokens), or None for a few tokens on the C
+    kernel's path: there the kernel checks the range itself before writing anything (code 3,
+    turned into the same ValueError by `_index_error`), which saves a reduction and two host
+    reads on every decode-sized call."""
     first_name, first = named[0]
     for name, t in named[1:]:
         if t.dtype != first.dtype:
@@ -81,13 +91,22 @@ def _check_common(op: str, named: list[tuple[str, torch.Tensor]], indices: objec
     for name, t in [*named, ("indices", indices)]:
         if t.device != first.device:
             raise ValueError(f"{op}: {name} is on {t.device} but {first_name} is on {first.device}")
-    if T:
-        lo, hi = torch.aminmax(indices)
-        if int(lo) < -1 or int(hi) >= S:
-            bad = int(lo) if int(lo) < -1 else int(hi)
-            at = int(torch.nonzero(indices == bad)[0, 0])
-            raise ValueError(f"{op}: indices must lie in -1..{S - 1} (-1: base model; {S} adapter slots), "
-                             f"got {bad} at token {at}")
+    if not T:
+        return -1, -1
+    if T < KERNEL_CHECKS_BELOW_TOKENS and _c_kernel(first) is not None:
+        return None
+    lo, hi = (int(v) for v in torch.aminmax(indices))
+    if lo < -1 or hi >= S:
+        _index_error(op, indices, S)
+    return lo, hi
+
+
+def _index_error(op: str, indices: torch.Tensor, S: int) -> None:
+    """The ValueError for indices outside -1..S-1, naming the first bad one."""
+    bad_at = torch.nonzero((indices < -1) | (indices >= S))
+    at = int(bad_at[0, 0]) if len(bad_at) else -1
+    raise ValueError(f"{op}: indices must lie in -1..{S - 1} (-1: base model; {S} adapter slots), "
+                     f"got {int(indices[at]) if at >= 0 else '?'} at token {at}")
 
 
 def _check_shrink(x: object, a_stack: object, indices: object, out: object) -> tuple[int, int, int, int]:
@@ -106,12 +125,12 @@ def _check_shrink(x: object, a_stack: object, indices: object, out: object) -> t
         if tuple(out.shape) != (T, Rt):
             raise ValueError(f"{op}: out must be [{T}, {Rt}], got {tuple(out.shape)}")
         named.append(("out", out))
-    _check_common(op, named, indices, T, S)
-    return T, K, S, Rt
+    lo, hi = _check_common(op, named, indices, T, S) or (-2, -2)
+    return T, Rt, lo, hi
 
 
 def _check_expand(buf: object, b_stack: object, indices: object, y: object,
-                  slice_sizes: object) -> tuple[int, int, int, int, list[int]]:
+                  slice_sizes: object) -> tuple[int, int, int, list[int]]:
     op = "lora_expand"
     buf = _tensor(op, "buf", buf, 2)
     b_stack = _tensor(op, "b_stack", b_stack, 3)
@@ -129,8 +148,8 @@ def _check_expand(buf: object, b_stack: object, indices: object, y: object,
                          f"slices needs {len(sizes)} x {R} = {len(sizes) * R}")
     if tuple(y.shape) != (T, N):
         raise ValueError(f"{op}: y must be [{T}, {N}], got {tuple(y.shape)}")
-    _check_common(op, [("buf", buf), ("b_stack", b_stack), ("y", y)], indices, T, S)
-    return T, S, N, R, sizes
+    lo, hi = _check_common(op, [("buf", buf), ("b_stack", b_stack), ("y", y)], indices, T, S) or (-2, -2)
+    return R, lo, hi, sizes
 
 
 # ---- the torch references -----------------------------------------------------------------------
@@ -182,28 +201,34 @@ def lora_expand_reference(buf: torch.Tensor, b_stack: torch.Tensor, indices: tor
 # ---- the C kernel -------------------------------------------------------------------------------
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t with a unit column stride (the kernel takes any row stride)."""
-    return t if t.stride(1) == 1 else t.contiguous()
+@functools.lru_cache(maxsize=64)
+def _c_sizes(sizes: tuple[int, ...]) -> ctypes.Array:
+    """The slice sizes as the kernel's int64 array (a layer passes the same few every step)."""
+    return (ctypes.c_int64 * len(sizes))(*sizes)
 
 
 def _sgmv_c(kernel, x: torch.Tensor, w: torch.Tensor, indices: torch.Tensor, y: torch.Tensor,
             sizes: Sequence[int], accumulate: bool) -> None:
     """One `lora_sgmv` call (shapes already checked); y must have a unit column stride."""
-    x = _rows(x)
-    w = w.contiguous()
-    indices = indices.contiguous()
-    c_sizes = (ctypes.c_int64 * len(sizes))(*sizes)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if not w.is_contiguous():
+        w = w.contiguous()
+    if indices.stride(0) != 1:
+        indices = indices.contiguous()
     rc = kernel.sgmv(x.data_ptr(), x.stride(0), w.data_ptr(), w.shape[0], w.shape[2], y.data_ptr(), y.stride(0),
-                     x.shape[0], indices.data_ptr(), len(sizes), c_sizes, int(accumulate), torch.get_num_threads())
-    if rc != 0:  # the checks above make these unreachable; never leave a wrong result silently
+                     x.shape[0], indices.data_ptr(), len(sizes), _c_sizes(tuple(sizes)), int(accumulate),
+                     torch.get_num_threads())
+    if rc == 3:
+        _index_error("lora_shrink" if not accumulate else "lora_expand", indices, w.shape[0])
+    if rc != 0:  # the checks make these unreachable; never leave a wrong result silently
         raise RuntimeError(f"lora_sgmv failed with code {rc} (1 bad sizes, 2 out of memory, 3 index out of range)")
 
 
 def shrink_c(kernel, x: torch.Tensor, a_stack: torch.Tensor, indices: torch.Tensor, out: torch.Tensor) -> None:
     """`lora_shrink` by a given `lora.c` library (benchmarks and tests pick the variant)."""
     target = out if out.stride(1) == 1 else torch.empty_like(out, memory_format=torch.contiguous_format)
-    _sgmv_c(kernel, x, a_stack, indices, target, [a_stack.shape[1]], False)
+    _sgmv_c(kernel, x, a_stack, indices, target, (a_stack.shape[1],), False)
     if target is not out:
         out.copy_(target)
 
@@ -236,17 +261,30 @@ def _triton(t: torch.Tensor):
     return triton_ops if triton_ops.HAS_TRITON else None
 
 
+# One slot for the whole batch (a single-adapter prefill or decode batch): from these many
+# tokens torch's own GEMM on that slot's matrices beats the kernel on this project's machine
+# (benchmarks/lora_ops.py, docs/lora.md), and needs no gather.
+SINGLE_SLOT_TORCH_MIN_TOKENS = {"shrink": 256, "expand": 16}
+# Below this many tokens the C kernel's own index check replaces the reduction (see
+# _check_common); the single-slot choice above starts at 16 tokens, so it always has the range.
+KERNEL_CHECKS_BELOW_TOKENS = 16
+
+
 def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, indices: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """`out[t] = a_stack[indices[t]] @ x[t]` (zeros where `indices[t] == -1`): x `[T, K]`,
     a_stack `[S, Rt, K]`, indices int32 `[T]`; out `[T, Rt]` (allocated if None). Returns out."""
-    T, _, _, Rt = _check_shrink(x, a_stack, indices, out)
+    T, Rt, lo, hi = _check_shrink(x, a_stack, indices, out)
     if out is None:
         out = x.new_empty(T, Rt)
     if T == 0:
         return out
+    if hi == -1:  # base-model tokens only (-2: range not read, the kernel checks it)
+        return out.zero_()
     kernel = _c_kernel(x)
-    if kernel is not None:
+    if kernel is not None and lo == hi and T >= SINGLE_SLOT_TORCH_MIN_TOKENS["shrink"]:
+        torch.mm(x, a_stack[lo].T, out=out) if out.is_contiguous() else out.copy_(x @ a_stack[lo].T)
+    elif kernel is not None:
         shrink_c(kernel, x, a_stack, indices, out)
     elif (tops := _triton(x)) is not None:
         tops.lora_shrink_triton(x, a_stack, indices, out)
@@ -260,11 +298,16 @@ def lora_expand(buf: torch.Tensor, b_stack: torch.Tensor, indices: torch.Tensor,
     """In place: `y[t, slice i] += b_stack[indices[t], slice i rows, :] @ buf[t, i*R:(i+1)*R]`
     for tokens with an index >= 0; buf `[T, n_slices * R]`, b_stack `[S, N, R]`, y `[T, N]`,
     slice_sizes: the slices' row counts (sum N)."""
-    T, _, _, _, sizes = _check_expand(buf, b_stack, indices, y, slice_sizes)
-    if T == 0:
+    R, lo, hi, sizes = _check_expand(buf, b_stack, indices, y, slice_sizes)
+    if hi == -1:  # no tokens, or base-model tokens only (-2: range not read, the kernel checks it)
         return
     kernel = _c_kernel(y)
-    if kernel is not None:
+    if kernel is not None and lo == hi and buf.shape[0] >= SINGLE_SLOT_TORCH_MIN_TOKENS["expand"]:
+        row = 0
+        for i, n in enumerate(sizes):  # the layer's 1-3 slices
+            y[:, row:row + n].addmm_(buf[:, i * R:(i + 1) * R], b_stack[lo, row:row + n].T)
+            row += n
+    elif kernel is not None:
         expand_c(kernel, buf, b_stack, indices, y, sizes)
     elif (tops := _triton(y)) is not None:
         tops.lora_expand_triton(buf, b_stack, indices, y, sizes)

@@ -57,9 +57,9 @@ class WorkerLoRAManager:
 
         t0 = time.perf_counter()
         adapter = load_peft_adapter(lora, self.spec, max_lora_rank=self.config.max_lora_rank)
+        size = sum(w.lora_a.nbytes + w.lora_b.nbytes for w in adapter.weights.values())
         logger.info("LoRA adapter %r (id %d, rank %d, %.1f MB) loaded from %s in %.0f ms", lora.lora_name,
-                    lora.lora_int_id, adapter.rank, adapter.num_bytes / 1e6, lora.lora_path,
-                    1e3 * (time.perf_counter() - t0))
+                    lora.lora_int_id, adapter.rank, size / 1e6, lora.lora_path, 1e3 * (time.perf_counter() - t0))
         return shard_adapter(adapter, self.spec, rank, world)
 
     # ---- what the engine core asks (rank 0) -----------------------------------------------
