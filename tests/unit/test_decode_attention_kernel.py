@@ -84,6 +84,8 @@ def test_disabled_kernels_build_nothing(monkeypatch):
 
 
 def test_missing_compiler_falls_back(monkeypatch, tmp_path):
+    # the build marks a compiler that cannot run as broken for the process: restored after
+    monkeypatch.setattr(kernel_build, "_broken_compiler", None)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     assert kernel_build._build("paged_decode_attention.c") is None

@@ -32,6 +32,9 @@ def _variants() -> list[str]:
 def _default_build(monkeypatch):
     monkeypatch.delenv(isa.MARCH_ENV, raising=False)
     monkeypatch.delenv(kernel_build.DISABLE_ENV, raising=False)
+    monkeypatch.delenv("CC", raising=False)
+    # another test may have left a compiler marked broken (tests of a missing CC): not ours
+    monkeypatch.setattr(kernel_build, "_broken_compiler", None)
 
 
 # ---- oracle and cases ---------------------------------------------------------------------------
