@@ -30,6 +30,7 @@ from torch import nn
 
 from pagedllm.distributed import parallel_state
 from pagedllm.layers.linear import Linear, RowParallelLinear
+from pagedllm.lora.ops import expand_dispatch, shrink_dispatch
 
 # Our module names per decoder layer -> the checkpoint (PEFT) projections each stands for, in
 # its slice order. Phi-3 checkpoints name the fused ones themselves (one slice each there).
@@ -49,10 +50,19 @@ class LoRAStepContext:
 
     indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int32))
     active: bool = False
+    lo: int = -1  # the indices' range, read once a step for every layer's ops
+    hi: int = -1
 
-    def set(self, indices: torch.Tensor) -> None:
+    def set(self, indices: torch.Tensor, num_slots: int) -> None:
         self.indices = indices
-        self.active = bool(indices.numel()) and bool((indices >= 0).any())
+        if not indices.numel():
+            self.lo = self.hi = -1
+        else:
+            lo, hi = torch.aminmax(indices)
+            self.lo, self.hi = int(lo), int(hi)
+        if self.lo < -1 or self.hi >= num_slots:
+            raise ValueError(f"LoRA slot indices must lie in -1..{num_slots - 1}, got {self.lo}..{self.hi}")
+        self.active = self.hi >= 0
 
 
 class LoRALinear:
@@ -93,22 +103,22 @@ class LoRALinear:
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y += B_slot (A_slot x)` per token, in place (`x [T, in]`, `y [T, out]`)."""
-        from pagedllm.lora.ops import lora_expand, lora_shrink
-
         ctx = self.context
         if not ctx.active:
             return y
         x2 = x.reshape(-1, x.shape[-1])
         if x2.dtype != torch.float32:
             x2 = x2.float()
-        buf = lora_shrink(x2.contiguous(), self.a, ctx.indices)
+        # shapes are this layer's by construction and the indices' range was read once for the
+        # step (LoRAStepContext.set): the ops' dispatch, without their per-call checks
+        buf = shrink_dispatch(x2, self.a, ctx.indices, x2.new_empty(x2.shape[0], self.a.shape[1]), ctx.lo, ctx.hi)
         if self.row_parallel:
             buf = parallel_state.all_reduce_sum(buf)
         if y.dtype == torch.float32 and y.is_contiguous():
-            lora_expand(buf, self.b, ctx.indices, y.view(-1, y.shape[-1]), self.slice_sizes)
+            expand_dispatch(buf, self.b, ctx.indices, y.view(-1, y.shape[-1]), self.slice_sizes, ctx.lo, ctx.hi)
             return y
         delta = torch.zeros(y.numel() // y.shape[-1], y.shape[-1], dtype=torch.float32, device=y.device)
-        lora_expand(buf, self.b, ctx.indices, delta, self.slice_sizes)
+        expand_dispatch(buf, self.b, ctx.indices, delta, self.slice_sizes, ctx.lo, ctx.hi)
         return y.add_(delta.view_as(y).to(y.dtype))
 
 

@@ -277,6 +277,15 @@ def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, indices: torch.Tensor,
     T, Rt, lo, hi = _check_shrink(x, a_stack, indices, out)
     if out is None:
         out = x.new_empty(T, Rt)
+    return shrink_dispatch(x, a_stack, indices, out, lo, hi)
+
+
+def shrink_dispatch(x: torch.Tensor, a_stack: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
+                    lo: int, hi: int) -> torch.Tensor:
+    """`lora_shrink` after its checks: `lo` / `hi` the indices' range (-2: not read, the kernel
+    checks it). The engine's layers call this with a range read once per step for every layer
+    (lora/layers.LoRAStepContext), the shapes being theirs by construction."""
+    T = x.shape[0]
     if T == 0:
         return out
     if hi == -1:  # base-model tokens only (-2: range not read, the kernel checks it)
@@ -299,6 +308,13 @@ def lora_expand(buf: torch.Tensor, b_stack: torch.Tensor, indices: torch.Tensor,
     for tokens with an index >= 0; buf `[T, n_slices * R]`, b_stack `[S, N, R]`, y `[T, N]`,
     slice_sizes: the slices' row counts (sum N)."""
     R, lo, hi, sizes = _check_expand(buf, b_stack, indices, y, slice_sizes)
+    expand_dispatch(buf, b_stack, indices, y, sizes, lo, hi)
+
+
+def expand_dispatch(buf: torch.Tensor, b_stack: torch.Tensor, indices: torch.Tensor, y: torch.Tensor,
+                    sizes: Sequence[int], lo: int, hi: int) -> None:
+    """`lora_expand` after its checks (see `shrink_dispatch`)."""
+    R = b_stack.shape[2]
     if hi == -1:  # no tokens, or base-model tokens only (-2: range not read, the kernel checks it)
         return
     kernel = _c_kernel(y)

@@ -188,6 +188,13 @@ class ModelRunner:
         q_lens = [len(s.token_ids) for s in scheduled]
         decodes = [i for i, n in enumerate(q_lens) if n == 1]
         prefills = [i for i, n in enumerate(q_lens) if n != 1]
+        slot_of = None
+        if self.lora is not None:
+            # Multi-LoRA: each part's sequences grouped by adapter slot, so that the LoRA kernels
+            # see runs of one slot and read each adapter's A and B once per run, not per token.
+            slot_of = {i: self.lora.slot_of(getattr(s, "lora_int_id", 0)) for i, s in enumerate(scheduled)}
+            decodes.sort(key=slot_of.__getitem__)
+            prefills.sort(key=slot_of.__getitem__)
         order = decodes + prefills
         num_decodes = len(decodes)
 
@@ -307,9 +314,8 @@ class ModelRunner:
                 sample_indices.extend(range(len(logits_rows), len(logits_rows) + nd + 1))
                 logits_rows.extend(range(first + n - 1 - nd, first + n))
         lora_indices = None
-        if self.lora is not None:
-            slots = torch.tensor([self.lora.slot_of(getattr(scheduled[i], "lora_int_id", 0)) for i in order],
-                                 dtype=torch.int32)
+        if slot_of is not None:
+            slots = torch.tensor([slot_of[i] for i in order], dtype=torch.int32)
             lora_indices = torch.repeat_interleave(slots, lens_t).to(self.device)
         return ModelInput(
             lora_indices=lora_indices,
@@ -461,7 +467,7 @@ class ModelRunner:
             if logits is not None:
                 return logits  # decode-only: row i is sequence i, in scheduled order
         if self.lora is not None:
-            self.lora.context.set(inp.lora_indices)
+            self.lora.context.set(inp.lora_indices, self.lora.config.max_loras)
         with torch.inference_mode():
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)
         if not inp.logits_rows:
