@@ -8,6 +8,8 @@ no torch.
 
 from __future__ import annotations
 
+from typing import Any
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -141,6 +143,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int | None = None
+    lora_request: Any = None  # the LoRA adapter it ran with (lora/request.LoRARequest), as vLLM's
 
     def add(self, newer: "RequestOutput") -> None:
         """Fold a later DELTA output into this unread one (a slow reader gets one output

@@ -375,7 +375,7 @@ class AsyncLLMEngine:
             self.output_processor.add_request(
                 stream.core_id, prompt_text, request.prompt_token_ids, request.sampling_params,
                 request.arrival_time, is_beam=request.beam_params is not None,
-                external_id=request_id,
+                external_id=request_id, lora_request=request.lora_request,
             )
             self._streams[stream.core_id] = stream
             self.router.started(stream.engine_index)

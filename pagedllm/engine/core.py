@@ -806,7 +806,7 @@ class EngineCore:
     def utility(self, name: str, args: list[Any]) -> Any:
         """The calls a front end in another process may make (besides requests)."""
         if name not in ("reset_prefix_cache", "reset_kv_cache_peak", "kv_cache_stats", "add_lora",
-                        "remove_lora", "list_loras"):
+                        "remove_lora", "list_loras", "pin_lora"):
             raise ValueError(f"Unknown engine core call {name!r}.")
         return getattr(self, name)(*args)
 
@@ -833,3 +833,7 @@ class EngineCore:
 
     def list_loras(self) -> list[int]:
         return [] if self.loras is None else self.loras.list()
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        """Keep a loaded adapter in host memory until removed (vLLM's `pin_lora`)."""
+        return False if self.loras is None else self.loras.pin(int(lora_int_id))

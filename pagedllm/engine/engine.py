@@ -179,6 +179,7 @@ class LLMEngine:
         self.output_processor.add_request(
             request_id, prompt_text, request.prompt_token_ids, request.sampling_params,
             request.arrival_time, is_beam=request.beam_params is not None,
+            lora_request=request.lora_request,
         )
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
@@ -230,3 +231,6 @@ class LLMEngine:
 
     def list_loras(self) -> list[int]:
         return self.core.list_loras()
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        return self.core.pin_lora(lora_int_id)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.engine.core_messages import EngineCoreOutput, PromptLogprobEntry, SampleDelta
 from pagedllm.outputs import (
@@ -71,6 +72,7 @@ class RequestOutputState:
     finished: bool = False
     kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     held_stop: list[str] = field(default_factory=list)  # DELTA: stop strings to hold back
+    lora_request: Any = None  # reported on its RequestOutputs
 
 
 @dataclass
@@ -116,7 +118,7 @@ class OutputProcessor:
     def add_request(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
         params: SamplingParams, arrival_time: float, is_beam: bool = False,
-        external_id: str | None = None,
+        external_id: str | None = None, lora_request: Any = None,
     ) -> None:
         """`request_id` is the core's id of the request; `external_id` (default: the same) is
         the id its outputs carry."""
@@ -135,6 +137,7 @@ class OutputProcessor:
             held_stop=list(params.stop) if (params.output_kind is RequestOutputKind.DELTA
                                             and params.stop
                                             and not params.include_stop_str_in_output) else [],
+            lora_request=lora_request,
         )
 
     def abort_request(self, request_id: str) -> None:
@@ -332,6 +335,7 @@ class OutputProcessor:
             finished=state.finished,
             metrics=state.metrics,
             num_cached_tokens=state.num_cached_tokens,
+            lora_request=state.lora_request,
         )
 
     @staticmethod

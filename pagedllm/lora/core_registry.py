@@ -36,6 +36,7 @@ class CoreLoRAs:
         self.requests: dict[int, LoRARequest] = {}  # every adapter known (loaded or in use)
         self.pins: collections.Counter[int] = collections.Counter()  # requests using it
         self._removing: set[int] = set()  # removed while in use: dropped at the last release
+        self._pinned: set[int] = set()  # vLLM's pin_lora: held in host memory until removed
 
     def _check_same(self, lora: LoRARequest) -> None:
         known = self.requests.get(lora.lora_int_id)
@@ -67,7 +68,8 @@ class CoreLoRAs:
         if self.pins[lora_int_id] > 0:
             return
         del self.pins[lora_int_id]
-        self.manager.release(lora_int_id)
+        if lora_int_id not in self._pinned:
+            self.manager.release(lora_int_id)
         if lora_int_id in self._removing:
             self._forget(lora_int_id)
 
@@ -81,7 +83,17 @@ class CoreLoRAs:
             self._forget(lora_int_id)
         return True
 
+    def pin(self, lora_int_id: int) -> bool:
+        """vLLM's `pin_lora`: a loaded adapter stays in host memory (never evicted by
+        `max_cpu_loras`) until it is removed. False: not loaded."""
+        if lora_int_id not in self.requests or lora_int_id in self._removing:
+            return False
+        self._pinned.add(lora_int_id)
+        self.manager.hold(lora_int_id)
+        return True
+
     def _forget(self, lora_int_id: int) -> None:
+        self._pinned.discard(lora_int_id)
         self._removing.discard(lora_int_id)
         self.requests.pop(lora_int_id, None)
         self.manager.remove(lora_int_id)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from tests.integration.model_fixtures import save_tiny_llama
+
 # name -> peft LoraConfig keywords: random A and B (init_lora_weights=False), so every adapter
 # changes the output; ranks, scalings (rsLoRA) and target sets differ.
 ADAPTERS = {
@@ -37,20 +39,8 @@ def make_tiny_lora(root: Path, smollm2_gguf: str) -> TinyLoRA:
     import transformers as tf
     from peft import LoraConfig, get_peft_model
 
-    tok = tokenizer(smollm2_gguf)
-    config = tf.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                            eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-                            tie_word_embeddings=False)
-    torch.manual_seed(1234)
-    model = tf.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
     base = root / "base"
-    model.save_pretrained(base, safe_serialization=True)
-    tok.save_pretrained(base)
+    model = save_tiny_llama(base, smollm2_gguf)
     adapters = {}
     for i, (name, kw) in enumerate(ADAPTERS.items()):
         torch.manual_seed(100 + i)

@@ -115,3 +115,28 @@ def save_checkpoint(model, path: Path) -> Path:
 def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
     """transformers' float32 logits `[len, vocab]` for one unpadded sequence."""
     return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def save_tiny_llama(path: Path, smollm2_gguf: str):
+    """A tiny random Llama (SmolLM2's tokenizer, hidden 64, 2 layers, GQA 4/2, weights N(0, 0.2))
+    saved with its tokenizer to `path`; transformers' float32 model."""
+    import os
+
+    import transformers as tf
+
+    folder, name = os.path.split(smollm2_gguf)
+    tok = tf.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    config = tf.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                            eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                            tie_word_embeddings=False)
+    torch.manual_seed(1234)
+    model = tf.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return model
+

@@ -67,6 +67,7 @@ def test_each_adapter_alone_equals_peft(llm, reference, loras):
         outs = _run(llm, reference, loras, [name] * len(PROMPTS))
         for i, out in enumerate(outs):
             assert list(out.outputs[0].token_ids) == reference[name][i][1], (name, i)
+            assert out.lora_request == (None if name is None else loras[name])  # vLLM's field
     # the adapters matter: their outputs differ from the base model's
     for name in ADAPTERS:
         assert [r[1] for r in reference[name]] != [r[1] for r in reference[None]], name

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.cli import main as cli_main
 from pagedllm.quantizer import quantize_model
+from tests.integration.model_fixtures import save_tiny_llama
 
 AWQ_NIBBLE_TO_COLUMN = [0, 2, 4, 6, 1, 3, 5, 7]
 PROMPTS = ["Hello there, how are", "The quick brown fox", "1, 2, 3, 4,",
@@ -87,23 +88,8 @@ def reference_model(folder):
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory, smollm2_gguf):
     """A tiny random Llama folder (SmolLM2's tokenizer, hidden 64, 2 layers, GQA 4/2)."""
-    import transformers as tf
-
-    folder, name = os.path.split(smollm2_gguf)
-    tok = tf.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    config = tf.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                            eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-                            tie_word_embeddings=False)
-    torch.manual_seed(1234)
-    model = tf.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
     path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
+    save_tiny_llama(path, smollm2_gguf)
     return path
 
 

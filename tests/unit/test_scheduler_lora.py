@@ -89,3 +89,59 @@ def test_prefix_blocks_are_keyed_by_the_adapter():
     moved = seq(4, 1, prompt)
     moved.lora_key = "1:adapter1:/elsewhere"
     assert kv.get_computed_blocks(moved)[1] == 0
+
+
+class _Manager:
+    """A rank's manager as CoreLoRAs sees it: what is loaded and held."""
+
+    def __init__(self) -> None:
+        self.loaded: set[int] = set()
+        self.held: set[int] = set()
+
+    def load(self, lora) -> None:
+        if "bad" in lora.lora_path:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r}: no adapter_config.json")
+        self.loaded.add(lora.lora_int_id)
+
+    def hold(self, i: int) -> None:
+        self.held.add(i)
+
+    def release(self, i: int) -> None:
+        self.held.discard(i)
+
+    def remove(self, i: int) -> None:
+        self.loaded.discard(i)
+        self.held.discard(i)
+
+
+def test_core_registry_holds_adapters_of_live_requests_pins_and_removes_after_the_last():
+    import pytest
+
+    from pagedllm.lora.core_registry import CoreLoRAs
+    from pagedllm.lora.request import LoRARequest
+
+    m = _Manager()
+    reg = CoreLoRAs(m)
+    a = LoRARequest("a", 1, "/adapters/a")
+    reg.acquire(a)
+    reg.acquire(a)
+    assert m.held == {1}
+    with pytest.raises(ValueError, match="lora_int_id 1 is already adapter 'a'"):
+        reg.acquire(LoRARequest("b", 1, "/adapters/b"))
+    with pytest.raises(ValueError, match="no adapter_config"):
+        reg.acquire(LoRARequest("bad", 2, "/bad"))
+    assert 2 not in reg.pins and reg.list() == [1]
+    assert reg.remove(1) and 1 in m.loaded  # in use: it goes with its last request
+    with pytest.raises(ValueError, match="being unloaded"):
+        reg.acquire(a)
+    reg.release(1)
+    assert m.held == {1}
+    reg.release(1)
+    assert 1 not in m.loaded and reg.list() == []
+    reg.add(a)
+    assert reg.pin(1) and m.held == {1}
+    reg.acquire(a)
+    reg.release(1)
+    assert m.held == {1}  # pinned: still held after its last request
+    assert not reg.pin(9)
+    assert reg.remove(1) and m.loaded == set() and not reg.remove(1)
