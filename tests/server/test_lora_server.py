@@ -128,6 +128,27 @@ def test_runtime_load_and_unload_and_bad_adapters(http, client, tiny, reference,
     assert unauthorized.status_code == 401
 
 
+def test_hostile_load_bodies_are_4xx_and_health_stays_true(http, client, tiny):
+    """Wrong types, a 100k-character name, a path into the model's own folder (no adapter
+    config), a huge lora_int_id to unload: each a 4xx naming the problem; /health then 200 and
+    a plain request runs."""
+    cases = [
+        {"lora_name": 5, "lora_path": str(tiny.adapters["all7"])},
+        {"lora_name": "x"},
+        {"lora_name": "x" * 100_000, "lora_path": str(tiny.base)},
+        {"lora_name": "base-dir", "lora_path": str(tiny.base)},
+        {"lora_name": "dots", "lora_path": str(tiny.adapters["all7"]) + "/../../nope"},
+    ]
+    for body in cases:
+        r = http.post("/v1/load_lora_adapter", json=body)
+        assert 400 <= r.status_code < 500 and "error" in r.json(), (str(body)[:80], r.status_code, r.text[:200])
+    r = http.post("/v1/unload_lora_adapter", json={"lora_int_id": 2**62})
+    assert r.status_code == 404
+    assert http.get("/health").status_code == 200
+    out = client.completions.create(model="tiny", prompt="Hello", max_tokens=3)
+    assert out.choices[0].finish_reason in ("length", "stop")
+
+
 def test_lora_requests_info_and_a_plain_request_after(http, client, reference):
     ids, want = reference
     m = read_metrics(http)
