@@ -130,18 +130,13 @@ def lora_layers(model: nn.Module) -> dict[tuple[int, str], Linear]:
     out: dict[tuple[int, str], Linear] = {}
     for i, layer in enumerate(layers):
         for name in LORA_TARGETS:
-            module = layer.get_submodule(name) if _has(layer, name) else None
+            try:
+                module = layer.get_submodule(name)
+            except AttributeError:  # e.g. a mixture-of-experts block has no mlp.gate_up_proj
+                continue
             if isinstance(module, Linear):
                 out[(i, name)] = module
     return out
-
-
-def _has(module: nn.Module, dotted: str) -> bool:
-    try:
-        module.get_submodule(dotted)
-    except AttributeError:
-        return False
-    return True
 
 
 def attach_lora(model: nn.Module, max_loras: int, max_rank: int) -> tuple[LoRAStepContext, dict[tuple[int, str], LoRALinear]]:

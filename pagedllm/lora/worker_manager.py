@@ -24,7 +24,7 @@ from torch import nn
 from pagedllm.distributed import parallel_state
 from pagedllm.lora.adapter import LoRAAdapter, shard_adapter
 from pagedllm.lora.adapter_cache import LoRASlots
-from pagedllm.lora.layers import LORA_TARGETS, LoRALinear, LoRAStepContext, attach_lora
+from pagedllm.lora.layers import LORA_TARGETS, LoRAStepContext, attach_lora
 from pagedllm.lora.model_spec import LoRAModelSpec, lora_model_spec
 from pagedllm.lora.request import LoRARequest
 
@@ -102,7 +102,3 @@ class WorkerLoRAManager:
     def _deactivate(self, slot: int, lora_int_id: int) -> None:
         for layer in self.layers.values():
             layer.clear_slot(slot)
-
-    @property
-    def slot_layers(self) -> dict[tuple[int, str], LoRALinear]:
-        return self.layers
