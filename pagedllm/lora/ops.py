@@ -252,6 +252,11 @@ def _c_kernel(t: torch.Tensor):
     return lora_kernel()
 
 
+def _vector_width(kernel) -> int:
+    """Floats per vector of the loaded kernel build (4, 8 or 16; the portable build is 4)."""
+    return int(kernel.vector_width())
+
+
 def _triton(t: torch.Tensor):
     """lora/triton_ops.py if it applies to tensors like t (CUDA, Triton installed), else None."""
     if t.device.type != "cuda":
@@ -264,7 +269,10 @@ def _triton(t: torch.Tensor):
 # One slot for the whole batch (a single-adapter prefill or decode batch): from these many
 # tokens torch's own GEMM on that slot's matrices beats the kernel on this project's machine
 # (benchmarks/lora_ops.py, docs/lora.md), and needs no gather.
-SINGLE_SLOT_TORCH_MIN_TOKENS = {"shrink": 256, "expand": 16}
+# A fused q/k/v expand (three slices, three small GEMMs for torch) stays on a vector build of
+# the kernel longer: measured 1.9x (AVX-512) / 1.4-1.6x (AVX2) faster there from 16 to 256
+# tokens (SmolLM2's qkv, rank 16); the portable build is slower than torch there.
+SINGLE_SLOT_TORCH_MIN_TOKENS = {"shrink": 256, "expand": 16, "expand_3_slices": 512}
 # Below this many tokens the C kernel's own index check replaces the reduction (see
 # _check_common); the single-slot choice above starts at 16 tokens, so it always has the range.
 KERNEL_CHECKS_BELOW_TOKENS = 16
@@ -318,7 +326,9 @@ def expand_dispatch(buf: torch.Tensor, b_stack: torch.Tensor, indices: torch.Ten
     if hi == -1:  # no tokens, or base-model tokens only (-2: range not read, the kernel checks it)
         return
     kernel = _c_kernel(y)
-    if kernel is not None and lo == hi and buf.shape[0] >= SINGLE_SLOT_TORCH_MIN_TOKENS["expand"]:
+    wide = kernel is not None and len(sizes) >= 3 and _vector_width(kernel) >= 8
+    torch_from = SINGLE_SLOT_TORCH_MIN_TOKENS["expand_3_slices" if wide else "expand"]
+    if kernel is not None and lo == hi and buf.shape[0] >= torch_from:
         row = 0
         for i, n in enumerate(sizes):  # the layer's 1-3 slices
             y[:, row:row + n].addmm_(buf[:, i * R:(i + 1) * R], b_stack[lo, row:row + n].T)

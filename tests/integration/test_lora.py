@@ -179,3 +179,30 @@ def test_tensor_parallel_adapters_equal_one_rank(tiny, reference, loras):
             assert list(out.outputs[0].token_ids) == reference[name][i][1], (name, i)
     finally:
         tp.shutdown()
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_adapters_over_a_quantized_base_equal_peft_over_its_dequantized_weights(fmt, tiny, loras, reference,
+                                                                               tmp_path):
+    """A GPTQ / AWQ base (4-bit, groups of 32: the integer kernels' packed form) with float LoRA
+    deltas on top: greedy output equals peft over transformers' model of the weights the
+    checkpoint dequantizes to, each adapter and the base mixed in one batch."""
+    from peft import PeftModel
+
+    from pagedllm.quantizer import quantize_model
+    from tests.integration.test_quantized_checkpoints import reference_model
+
+    out = quantize_model(str(tiny.base), str(tmp_path / fmt), fmt=fmt, bits=4, group_size=32)
+    llm = LLM(str(out), enable_lora=True, max_loras=3, max_lora_rank=16, kv_cache_space=0.05, block_size=8,
+              quant_compute="exact")
+    layer = llm.llm_engine.model.model.layers[0].self_attn.qkv_proj
+    assert layer.quant_method is not None and layer.int_weight is not None and layer.lora is not None
+    names = [None, *ADAPTERS, "all7"]
+    outs = _run(llm, reference, loras, names)
+    for i, (name, o) in enumerate(zip(names, outs)):
+        ref = reference_model(out)
+        if name is not None:
+            ref = PeftModel.from_pretrained(ref, tiny.adapters[name]).eval()
+        prompt = reference[name][i % len(PROMPTS)][0]
+        assert list(o.outputs[0].token_ids) == greedy(ref, prompt, MAX_TOKENS), (fmt, name)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs[:4]}) == 4  # the adapters matter here too

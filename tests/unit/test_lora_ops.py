@@ -187,8 +187,10 @@ def test_public_ops_on_each_path(monkeypatch, path):
     elif path == "c" and kernel_build.lora_kernel() is None:
         pytest.skip("the C kernel is not built here")
     dtype = torch.float64 if path == "float64" else torch.float32
-    # "same" from 16 / 256 tokens: the single-slot torch GEMM (SINGLE_SLOT_TORCH_MIN_TOKENS)
-    cases = [(case, pattern) for case in [*CASES[:5], (300, 24, [16, 8], 8, [8])]
+    # "same" from 16 / 256 / 512 (three slices) tokens: the single-slot torch GEMM
+    # (SINGLE_SLOT_TORCH_MIN_TOKENS)
+    cases = [(case, pattern) for case in [*CASES[:5], (300, 24, [16, 8], 8, [8]),
+                                          (520, 16, [8, 4, 4], 4, [4])]
              for pattern in ("runs", "same", "base")]
     for c, ((T, K, sizes, max_rank, ranks), pattern) in enumerate(cases):
         x, a, buf, b, y, idx = (t.to(dtype) if t.is_floating_point() else t
