@@ -24,6 +24,11 @@ _MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    # headless decoders for pooling (embedding) models: pagedllm/pooling/
+    "LlamaModel": ("decoder_embedders", "LlamaModel"),
+    "MistralModel": ("decoder_embedders", "LlamaModel"),
+    "Qwen2Model": ("decoder_embedders", "LlamaModel"),
+    "Qwen3Model": ("decoder_embedders", "Qwen3Model"),
 }
 
 # Configs read from a GGUF file carry no `architectures`; fall back on `model_type`.
