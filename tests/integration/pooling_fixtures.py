@@ -15,16 +15,18 @@ WORDS = ("the a an of to in is was for on with as by at from and or not this tha
          "eight nine ten what where when who how why which").split()
 
 
-def write_tokenizer(folder: Path):
+def write_tokenizer(folder: Path, token_types: bool = True):
     """A BertTokenizerFast over a small vocabulary (special tokens, words, letters and
-    ##letters, so that any lowercase ASCII text tokenizes), saved into `folder`."""
+    ##letters, so that any lowercase ASCII text tokenizes), saved into `folder`. Without
+    `token_types` it returns no token_type_ids (as XLM-RoBERTa's tokenizer)."""
     from transformers import BertTokenizerFast
 
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + list("0123456789.,?!'-")
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *letters, *("##" + c for c in letters)]
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vocab.txt").write_text("\n".join(dict.fromkeys(vocab)) + "\n")
-    tok = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"), do_lower_case=True)
+    names = ["input_ids", "token_type_ids", "attention_mask"] if token_types else ["input_ids", "attention_mask"]
+    tok = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"), do_lower_case=True, model_input_names=names)
     tok.save_pretrained(folder)
     return tok
 
@@ -58,7 +60,7 @@ def save_encoder(folder: Path, arch: str = "bert", classifier_labels: int = 0, s
     `classifier_labels` labels) and its tokenizer in `folder`; returns the transformers model."""
     from transformers import AutoModel, AutoModelForSequenceClassification
 
-    tok = write_tokenizer(folder)
+    tok = write_tokenizer(folder, token_types=arch == "bert")
     config = encoder_config(arch, len(tok), **({"num_labels": classifier_labels} if classifier_labels else {}))
     torch.manual_seed(seed)
     cls = AutoModelForSequenceClassification if classifier_labels else AutoModel
