@@ -16,7 +16,9 @@ from pagedllm.config import (
     SUPPORTED_KV_CACHE_DTYPES,
     SUPPORTED_PREEMPTION_MODES,
     SUPPORTED_QUANT_COMPUTE,
+    SUPPORTED_RUNNERS,
     SUPPORTED_SCHEDULING_POLICIES,
+    SUPPORTED_TASKS,
     EngineConfig,
 )
 
@@ -108,6 +110,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank (default 16)")
     g.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept loaded in host memory (default: --max-loras)")
+    g.add_argument("--runner", default="auto", choices=list(SUPPORTED_RUNNERS),
+                   help="generate or pooling (embeddings, classification, scores; docs/pooling.md); auto: "
+                        "pooling for an encoder or a headless *Model decoder")
+    g.add_argument("--task", default=None, choices=list(SUPPORTED_TASKS),
+                   help="vLLM's older spelling: embed / classify / score run the pooling runner")
+    g.add_argument("--pooler-config", default=None,
+                   help='pooling override as JSON, e.g. \'{"pooling_type": "MEAN", "normalize": false}\' '
+                        "(keys: pooling_type LAST|MEAN|CLS, normalize, dimensions, use_activation)")
 
 
 MODEL_SOURCE_GROUP = "model source (Hugging Face Hub)"
@@ -258,6 +268,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
     ):
         kwargs[name] = getattr(args, name)
+    for name in ("runner", "task", "pooler_config"):  # parsers built before pooling lack them
+        if hasattr(args, name):
+            kwargs[name] = getattr(args, name)
     positional, model = getattr(args, "model_tag", None), args.model
     if positional and model and positional != model:
         raise ValueError(f"Two models given: {positional!r} (positional) and --model {model!r}.")

@@ -162,25 +162,39 @@ class PoolingEngine:
             self.runner.check_fits(len(ids))
         return ids
 
-    def add_request(self, request_id: str, prompt: PoolingPrompt, params: PoolingParams | None = None,
-                    pair: str | None = None, arrival_time: float | None = None) -> list[int]:
-        """Validate, tokenize and queue; the prompt's token ids. `pair`: the second text of a
-        cross-encoder's (query, document) input."""
-        params = (params or PoolingParams(task="embed")).clone()
+    def prepare(self, request_id: str, prompt: PoolingPrompt, params: PoolingParams | None = None,
+                pair: str | None = None, arrival_time: float | None = None) -> tuple[PoolingParams, PoolingWork]:
+        """Validate and tokenize (a ValueError names what is wrong); touches no engine state,
+        so the server runs it on its event loop while the loop thread steps. `pair`: the
+        second text of a cross-encoder's (query, document) input."""
+        if params is not None and not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling params must be a PoolingParams, got {type(params).__name__}.")
+        params = (params or PoolingParams()).clone()
         params.validate()
         task = params.task or ("classify" if self.is_classifier else "embed")
         params.task = task
         self.check_task(task)
-        if request_id in self.requests:
-            raise ValueError(f"Request id {request_id!r} is already in use.")
         if task in ("embed", "encode") or (task == "score" and not self.is_classifier):
             check_dimensions(params, self.embedding_size, self.matryoshka)
         elif params.dimensions is not None:
             raise ValueError(f"dimensions applies to embeddings, not to task {task!r}.")
         ids, types = self.tokenize(prompt, params, pair)
-        self.requests[request_id] = _Pending(params, ids)
-        self.runner.add(PoolingWork(request_id, ids, types, arrival_time or time.time()))
-        return ids
+        return params, PoolingWork(request_id, ids, types, arrival_time or time.time())
+
+    def add_prepared(self, params: PoolingParams, work: PoolingWork) -> None:
+        if work.request_id in self.requests:
+            raise ValueError(f"Request id {work.request_id!r} is already in use.")
+        self.requests[work.request_id] = _Pending(params, work.token_ids)
+        self.runner.add(work)
+
+    def add_request(self, request_id: str, prompt: PoolingPrompt, params: PoolingParams | None = None,
+                    pair: str | None = None, arrival_time: float | None = None) -> list[int]:
+        """Validate, tokenize and queue; the prompt's token ids."""
+        if request_id in self.requests:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        params, work = self.prepare(request_id, prompt, params, pair, arrival_time)
+        self.add_prepared(params, work)
+        return work.token_ids
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
