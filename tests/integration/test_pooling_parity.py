@@ -149,3 +149,62 @@ def test_prefix_cache_serves_shared_prefix_of_last_token_embedder(folders):
     cold = _embed(LLM(str(folders / "qwen3"), runner="pooling", num_kv_blocks=64, block_size=8,
                       enable_prefix_caching=False), texts)
     assert (got - cold).abs().max().item() <= 1e-5
+
+
+def test_offline_refusals_are_value_errors_and_lose_nothing(folders):
+    """Bad input to a pooling LLM is a ValueError naming what is wrong; the engine keeps
+    nothing of it and serves the next call."""
+    from pagedllm import LLM, PoolingParams, SamplingParams
+
+    llm = LLM(str(folders / "qwen3"), runner="pooling", num_kv_blocks=64, max_model_len=32)
+    for call, match in [
+        (lambda: llm.generate("hi", SamplingParams()), "pooling model"),
+        (lambda: llm.classify(["hi"]), "classify"),
+        (lambda: llm.embed([]), "empty"),
+        (lambda: llm.embed(["ok", "paris " * 100]), "maximum context length"),
+        (lambda: llm.embed(["ok"], PoolingParams(dimensions=65)), "dimensions"),
+        (lambda: llm.embed([{"prompt_token_ids": [1, 10**6]}]), "prompt token id"),
+        (lambda: llm.embed([3.5]), "prompt"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
+        assert not llm.pooling_engine.has_unfinished_requests()
+    assert llm.pooling_engine.runner.kv_cache_manager.num_free_blocks == 64
+    out = llm.embed(["paris " * 100], truncate_prompt_tokens=16, use_tqdm=False)
+    assert out[0].num_prompt_tokens == 16 and len(out[0].outputs.embedding) == 64
+    ce = LLM(str(folders / "ce-bert"))
+    with pytest.raises(ValueError, match="embed"):
+        ce.embed(["hi"])
+    gguf = folders / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="GGUF"):
+        LLM(str(gguf), runner="pooling")
+
+
+def test_hub_id_resolves_sentence_transformers_folder(folders, tmp_path, monkeypatch):
+    """A Hub id in a cache laid out as huggingface_hub lays it out (offline) loads as the
+    folder does, sentence-transformers' Pooling / Dense / Normalize / prompt included; the
+    Hub download asks for those files."""
+    from huggingface_hub import constants
+
+    from pagedllm import LLM
+    from pagedllm.hub import _choose_files
+    from tests.hub_cache import add_folder, commit_hash
+
+    folder = tmp_path / "st"
+    ref = _st_model(folders / "bert", folder, "mean", 32, True, "query: ")
+    cache = tmp_path / "hub"
+    add_folder(cache, "org/tiny-st-embed", commit_hash("st-v1"), folder)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    llm = LLM("org/tiny-st-embed", download_dir=str(cache))
+    assert llm.pooling_engine.pooler.source == "sentence-transformers"
+    got = _embed(llm, TEXTS)
+    assert _compare(got, torch.tensor(ref.encode(TEXTS)))[1] <= 1e-4
+    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    _, patterns = _choose_files("org/tiny-st-embed", files, None, None, weights=True)
+    import fnmatch
+
+    for needed in ("modules.json", "1_Pooling/config.json", "2_Dense/config.json", "2_Dense/model.safetensors",
+                   "config_sentence_transformers.json"):
+        assert any(fnmatch.fnmatch(needed, p) for p in patterns), needed
