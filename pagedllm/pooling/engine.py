@@ -25,6 +25,14 @@ from pagedllm.pooling.work import PoolingWork
 PoolingPrompt = Any
 
 
+class PromptError(ValueError):
+    """A prompt of a batch that cannot run; `index` says which."""
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__(message)
+        self.index = index
+
+
 @dataclass
 class _Pending:
     params: PoolingParams
@@ -118,41 +126,86 @@ class PoolingEngine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def tokenize(self, prompt: PoolingPrompt, params: PoolingParams, pair: str | None = None,
-                 ) -> tuple[list[int], list[int] | None]:
-        """(token ids, token type ids or None) of a prompt; ValueError if it cannot run."""
-        t = params.truncate_prompt_tokens
-        limit = self.max_model_len if t in (None, -1) else min(t, self.max_model_len)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)) or not ids:
-                raise ValueError("prompt_token_ids must be a non-empty list of integers.")
-            vocab = int(self.hf_config.vocab_size)
-            for tok in ids:
-                if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
-                    raise ValueError(f"prompt token id {tok!r} is not an integer in [0, {vocab}).")
-            ids = list(ids)
-            if t is not None:
-                ids = ids[-limit:]  # vLLM keeps the last tokens of a token-id prompt
-            return self._check_len(ids, t), None
+    def _text(self, prompt: PoolingPrompt, params: PoolingParams, pair: str | None) -> tuple[str, str | None]:
+        """The text (and pair) a text prompt is tokenized as: the sentence-transformers
+        prompt put before it, lower-cased if the model asks; a text far too long refused
+        before it is tokenized."""
         if isinstance(prompt, dict) and "prompt" in prompt:
             prompt = prompt["prompt"]
         if not isinstance(prompt, str):
             raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got "
                              f"{type(prompt).__name__}.")
+        if pair is not None and not isinstance(pair, str):
+            raise ValueError(f"the second text of a pair must be a string, got {type(pair).__name__}.")
         if pair is None and not self.is_classifier:
             prompt = self.pooler.prompt + prompt
         if self.pooler.lowercase:
             prompt, pair = prompt.lower(), None if pair is None else pair.lower()
-        if t is None and len(prompt) + len(pair or "") > 64 * self.max_model_len:
+        if params.truncate_prompt_tokens is None and len(prompt) + len(pair or "") > 64 * self.max_model_len:
             raise ValueError(f"the input has {len(prompt) + len(pair or '')} characters, far more than the "
                              f"model's maximum of {self.max_model_len} tokens; set truncate_prompt_tokens.")
-        enc = self.tokenizer(prompt, pair, add_special_tokens=True,
-                             truncation=t is not None, max_length=limit if t is not None else None)
-        types = enc.get("token_type_ids") if self.is_encoder else None
-        return self._check_len(list(enc["input_ids"]), t), (list(types) if types is not None else None)
+        return prompt, pair
 
-    def _check_len(self, ids: list[int], truncate: int | None) -> list[int]:
+    def _token_ids(self, prompt: dict, params: PoolingParams) -> list[int]:
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise ValueError("prompt_token_ids must be a non-empty list of integers.")
+        vocab = int(self.hf_config.vocab_size)
+        for tok in ids:
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
+                raise ValueError(f"prompt token id {tok!r} is not an integer in [0, {vocab}).")
+        ids = list(ids)
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-self._limit(params):]  # vLLM keeps the last tokens of a token-id prompt
+        return self._check_len(ids)
+
+    def _limit(self, params: PoolingParams) -> int:
+        t = params.truncate_prompt_tokens
+        return self.max_model_len if t in (None, -1) else min(t, self.max_model_len)
+
+    def tokenize_many(self, prompts: list[PoolingPrompt], params: PoolingParams,
+                      pairs: list[str | None] | None = None) -> list[tuple[list[int], list[int] | None]]:
+        """(token ids, token type ids or None) per prompt, the texts in one tokenizer call; a
+        prompt that cannot run is a `PromptError` (a ValueError) carrying its index."""
+        pairs = pairs if pairs is not None else [None] * len(prompts)
+        out: list[Any] = [None] * len(prompts)
+        texts, text_pairs, where = [], [], []
+        for i, (prompt, pair) in enumerate(zip(prompts, pairs)):
+            try:
+                if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+                    out[i] = (self._token_ids(prompt, params), None)
+                    continue
+                text, pair = self._text(prompt, params, pair)
+            except ValueError as exc:
+                raise PromptError(i, str(exc)) from None
+            texts.append(text)
+            text_pairs.append(pair)
+            where.append(i)
+        if texts:
+            with_pairs = [p for p in text_pairs if p is not None]
+            if with_pairs and len(with_pairs) != len(text_pairs):
+                raise ValueError("either every text or none has a pair.")
+            truncate = params.truncate_prompt_tokens is not None
+            enc = self.tokenizer(texts, text_pairs if with_pairs else None, add_special_tokens=True,
+                                 truncation=truncate, max_length=self._limit(params) if truncate else None)
+            types = enc.get("token_type_ids") if self.is_encoder else None
+            for j, i in enumerate(where):
+                try:
+                    out[i] = (self._check_len(list(enc["input_ids"][j])),
+                              list(types[j]) if types is not None else None)
+                except ValueError as exc:
+                    raise PromptError(i, str(exc)) from None
+        return out
+
+    def tokenize(self, prompt: PoolingPrompt, params: PoolingParams, pair: str | None = None,
+                 ) -> tuple[list[int], list[int] | None]:
+        """(token ids, token type ids or None) of one prompt; ValueError if it cannot run."""
+        try:
+            return self.tokenize_many([prompt], params, [pair])[0]
+        except PromptError as exc:
+            raise ValueError(str(exc)) from None
+
+    def _check_len(self, ids: list[int]) -> list[int]:
         if not ids:
             raise ValueError("the input is empty.")
         if len(ids) > self.max_model_len:
@@ -162,11 +215,8 @@ class PoolingEngine:
             self.runner.check_fits(len(ids))
         return ids
 
-    def prepare(self, request_id: str, prompt: PoolingPrompt, params: PoolingParams | None = None,
-                pair: str | None = None, arrival_time: float | None = None) -> tuple[PoolingParams, PoolingWork]:
-        """Validate and tokenize (a ValueError names what is wrong); touches no engine state,
-        so the server runs it on its event loop while the loop thread steps. `pair`: the
-        second text of a cross-encoder's (query, document) input."""
+    def check_params(self, params: PoolingParams | None) -> PoolingParams:
+        """A validated copy of the request's params with its task filled in."""
         if params is not None and not isinstance(params, PoolingParams):
             raise ValueError(f"pooling params must be a PoolingParams, got {type(params).__name__}.")
         params = (params or PoolingParams()).clone()
@@ -178,8 +228,23 @@ class PoolingEngine:
             check_dimensions(params, self.embedding_size, self.matryoshka)
         elif params.dimensions is not None:
             raise ValueError(f"dimensions applies to embeddings, not to task {task!r}.")
+        return params
+
+    def prepare_many(self, request_ids: list[str], prompts: list[PoolingPrompt], params: PoolingParams | None,
+                     pairs: list[str | None] | None = None) -> list[tuple[PoolingParams, PoolingWork]]:
+        """Validate and tokenize (a ValueError names what is wrong; a `PromptError` which
+        prompt); touches no engine state, so the server runs it while the loop thread steps.
+        `pairs`: the second texts of a cross-encoder's (query, document) inputs."""
+        params = self.check_params(params)
+        now = time.time()
+        return [(params, PoolingWork(rid, ids, types, now))
+                for rid, (ids, types) in zip(request_ids, self.tokenize_many(prompts, params, pairs))]
+
+    def prepare(self, request_id: str, prompt: PoolingPrompt, params: PoolingParams | None = None,
+                pair: str | None = None) -> tuple[PoolingParams, PoolingWork]:
+        params = self.check_params(params)
         ids, types = self.tokenize(prompt, params, pair)
-        return params, PoolingWork(request_id, ids, types, arrival_time or time.time())
+        return params, PoolingWork(request_id, ids, types, time.time())
 
     def add_prepared(self, params: PoolingParams, work: PoolingWork) -> None:
         if work.request_id in self.requests:
@@ -188,11 +253,11 @@ class PoolingEngine:
         self.runner.add(work)
 
     def add_request(self, request_id: str, prompt: PoolingPrompt, params: PoolingParams | None = None,
-                    pair: str | None = None, arrival_time: float | None = None) -> list[int]:
+                    pair: str | None = None) -> list[int]:
         """Validate, tokenize and queue; the prompt's token ids."""
         if request_id in self.requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        params, work = self.prepare(request_id, prompt, params, pair, arrival_time)
+        params, work = self.prepare(request_id, prompt, params, pair)
         self.add_prepared(params, work)
         return work.token_ids
 

@@ -109,9 +109,12 @@ class PoolingAPI:
                      use_tqdm: bool) -> list[PoolingRequestOutput]:
         engine = self._pooling()
         ids = [f"pool-{next(self._pool_counter)}" for _ in items]
+        pairs = [pair for _, pair in items]
+        prepared = engine.prepare_many(ids, [prompt for prompt, _ in items], params,
+                                       pairs if any(p is not None for p in pairs) else None)
         try:
-            for rid, (prompt, pair) in zip(ids, items):
-                engine.add_request(rid, prompt, params, pair=pair)
+            for p, work in prepared:
+                engine.add_prepared(p, work)
         except BaseException:
             engine.abort_request(ids)  # nothing half-submitted stays in the engine
             raise

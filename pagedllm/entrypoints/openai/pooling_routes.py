@@ -36,6 +36,7 @@ from pagedllm.entrypoints.openai.pooling_protocol import (
 from pagedllm.entrypoints.openai.protocol import random_uuid
 from pagedllm.entrypoints.openai.serving import with_cancellation
 from pagedllm.pooling.async_engine import AsyncPoolingEngine
+from pagedllm.pooling.engine import PromptError
 from pagedllm.pooling.params import PoolingParams
 
 POOLING_ENDPOINTS = ("/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank",
@@ -97,15 +98,17 @@ class PoolingRoutes:
         if len(prompts) > MAX_INPUTS:
             raise OpenAIError(f"{field} has {len(prompts)} items; at most {MAX_INPUTS} per request.", 400, field)
         base = f"{prefix}-{random_uuid()}"
-        prepared = []
-        for i, prompt in enumerate(prompts):
-            try:
-                prepared.append(self.engine.engine.prepare(f"{base}-{i}", prompt, params,
-                                                           None if pairs is None else pairs[i]))
-            except ValueError as exc:
-                where = field if len(prompts) == 1 else f"{field}[{i}]"
-                raise OpenAIError(f"{where}: {exc}", 400, field) from None
-        return prepared
+        try:
+            return self.engine.engine.prepare_many([f"{base}-{i}" for i in range(len(prompts))], prompts, params,
+                                                   pairs)
+        except PromptError as exc:
+            where = field if len(prompts) == 1 else f"{field}[{exc.index}]"
+            raise OpenAIError(f"{where}: {exc}", 400, field) from None
+        except ValueError as exc:
+            message = str(exc)
+            name = next((f for f in ("dimensions", "truncate_prompt_tokens", "normalize") if message.startswith(f)),
+                        field)
+            raise OpenAIError(message, 400, name) from None
 
     async def _run(self, prepared: list[tuple[PoolingParams, Any]]) -> list:
         tasks = [asyncio.ensure_future(self.engine.submit(p, w)) for p, w in prepared]
