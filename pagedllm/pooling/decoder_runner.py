@@ -31,12 +31,23 @@ def decoder_architecture(hf_config: Any) -> str | None:
     return None
 
 
+def decoder_num_blocks(config: Any, hf_config: Any, dtype: torch.dtype) -> int:
+    """KV blocks of the pool: `num_kv_blocks`, else what `kv_cache_space` GiB hold."""
+    if config.num_kv_blocks:
+        return int(config.num_kv_blocks)
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    per_block = (2 * hf_config.num_hidden_layers * config.block_size * kv_heads * head_dim
+                 * torch.finfo(dtype).bits // 8)
+    return max(1, int(config.kv_cache_space * (1 << 30)) // per_block)
+
+
 class DecoderPoolingRunner:
     """add / step / abort; `step()` returns (request id, pooled hidden state) for the
     requests whose prefill finished this step."""
 
     def __init__(self, config: Any, source: Any, hf_config: Any, arch: str, dtype: torch.dtype,
-                 device: torch.device, max_model_len: int, pooling_type: str) -> None:
+                 device: torch.device, max_model_len: int, pooling_type: str, num_blocks: int) -> None:
         from pagedllm.model.loader import load_model
         from pagedllm.worker.model_runner import ModelRunner
 
@@ -47,10 +58,6 @@ class DecoderPoolingRunner:
         self.hidden_size = int(hf_config.hidden_size)
         self.pooling_type = pooling_type
         block_size = config.block_size
-        kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        per_block = 2 * hf_config.num_hidden_layers * block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
-        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_space * (1 << 30)) // per_block)
         # Prefix caching serves a last-token embedding only: mean / [CLS] pooling need every
         # row, and a cached block has none.
         self.use_prefix_cache = config.enable_prefix_caching and pooling_type == "LAST"
@@ -66,9 +73,6 @@ class DecoderPoolingRunner:
         self._seq_ids = iter(range(1 << 62))
         self._seqs: dict[str, Sequence] = {}
         self._rows: dict[int, list[torch.Tensor]] = {}  # mean pooling: rows of earlier chunks
-
-    def check_fits(self, num_tokens: int) -> None:
-        self.scheduler.check_request_fits(num_tokens)
 
     def add(self, work: PoolingWork) -> None:
         seq = Sequence(seq_id=next(self._seq_ids), request_id=work.request_id,

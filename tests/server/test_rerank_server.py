@@ -6,6 +6,8 @@ naming the field, and a plain request succeeds after them."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.integration.pooling_fixtures import save_encoder
@@ -24,12 +26,17 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def http(model_dir):
+def server(model_dir):
+    with serving(["-m", "pagedllm.entrypoints.cli", "serve", str(model_dir), "--served-model-name", NAME]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server):
     import httpx
 
-    with serving(["-m", "pagedllm.entrypoints.cli", "serve", str(model_dir), "--served-model-name", NAME]) as srv:
-        with httpx.Client(base_url=srv.url, headers=srv.headers, timeout=60.0) as c:
-            yield c
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=60.0) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +108,24 @@ def test_cross_encoder_refuses_embeddings_and_generation(http):
     assert r.status_code == 400 and "embed" in r.json()["error"]["message"], r.text
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400 and "/v1/chat/completions" in r.json()["error"]["message"], r.text
+
+
+def test_core_process_death_is_503_then_exit_1(server, http):
+    """Last in this module: the pooling engine runs in its own process; killed, /health and
+    requests answer 503 naming why, and the server exits 1 for a supervisor to restart."""
+    import psutil
+
+    cores = [c for c in psutil.Process(server.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+    assert len(cores) == 1, cores
+    cores[0].kill()
+    r = None
+    for _ in range(100):
+        try:
+            r = http.get("/health")
+        except Exception:
+            break
+        if r.status_code == 503:
+            break
+        time.sleep(0.05)
+    assert r is None or r.status_code == 503
+    assert server.proc.wait(timeout=30) == 1

@@ -35,8 +35,8 @@ from pagedllm.entrypoints.openai.pooling_protocol import (
 )
 from pagedllm.entrypoints.openai.protocol import random_uuid
 from pagedllm.entrypoints.openai.serving import with_cancellation
-from pagedllm.pooling.async_engine import AsyncPoolingEngine
-from pagedllm.pooling.engine import PromptError
+from pagedllm.pooling.async_engine import AsyncPoolingEngine, PoolingEngineDeadError
+from pagedllm.pooling.inputs import PromptError
 from pagedllm.pooling.params import PoolingParams
 
 POOLING_ENDPOINTS = ("/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank",
@@ -85,7 +85,7 @@ class PoolingRoutes:
 
     def _check_task(self, task: str) -> None:
         try:
-            self.engine.engine.check_task(task)
+            self.engine.inputs.check_task(task)
         except ValueError as exc:
             raise OpenAIError(str(exc), 400) from None
 
@@ -99,7 +99,7 @@ class PoolingRoutes:
             raise OpenAIError(f"{field} has {len(prompts)} items; at most {MAX_INPUTS} per request.", 400, field)
         base = f"{prefix}-{random_uuid()}"
         try:
-            return self.engine.engine.prepare_many([f"{base}-{i}" for i in range(len(prompts))], prompts, params,
+            return self.engine.inputs.prepare_many([f"{base}-{i}" for i in range(len(prompts))], prompts, params,
                                                    pairs)
         except PromptError as exc:
             where = field if len(prompts) == 1 else f"{field}[{exc.index}]"
@@ -114,6 +114,8 @@ class PoolingRoutes:
         tasks = [asyncio.ensure_future(self.engine.submit(p, w)) for p, w in prepared]
         try:
             return await asyncio.gather(*tasks)
+        except PoolingEngineDeadError as exc:
+            raise OpenAIError(str(exc), 503) from None
         finally:
             for t in tasks:  # a failure or a client gone: the rest are aborted
                 if not t.done():
@@ -164,7 +166,7 @@ class PoolingRoutes:
         params = _params(request, "classify")
         inputs = [request.input] if isinstance(request.input, str) else list(request.input)
         outs = await self._run(self._prepare("classify", inputs, params))
-        id2label = getattr(self.engine.engine.hf_config, "id2label", None) or {}
+        id2label = getattr(self.engine.inputs.hf_config, "id2label", None) or {}
         data = []
         for i, o in enumerate(outs):
             probs = o.outputs.data.tolist()
@@ -191,7 +193,7 @@ class PoolingRoutes:
             raise OpenAIError(f"{q_field} and {d_field} pair one to one: got {len(queries)} and {len(docs)}.",
                               400, q_field)
         params = _params(request, "score")
-        if self.engine.engine.is_classifier:
+        if self.engine.inputs.is_classifier:
             outs = await self._run(self._prepare("score", queries, params, pairs=docs, field=d_field))
             return [float(o.outputs.data.reshape(-1)[0]) for o in outs], sum(len(o.prompt_token_ids) for o in outs)
         unique = list(dict.fromkeys(queries + docs))

@@ -40,8 +40,8 @@ def build_pooling_app(engine: AsyncPoolingEngine, model_names: list[str], api_ke
             await engine.shutdown()
 
     app = new_app(http_options or HTTPOptions(), lifecycle, api_key, lifespan)
-    max_len = engine.engine.max_model_len
-    root = engine.engine.source.path
+    max_len = engine.inputs.max_model_len
+    root = engine.inputs.source.path
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
@@ -63,24 +63,35 @@ def build_pooling_app(engine: AsyncPoolingEngine, model_names: list[str], api_ke
 def serve_pooling(args: argparse.Namespace, config: EngineConfig, sock: socket.socket, limits: HTTPLimits,
                   http_options) -> int:
     from pagedllm.entrypoints.openai.api_server import API_KEY_ENV, Lifecycle, serve_app
-    from pagedllm.pooling.engine import PoolingEngine
 
     if getattr(args, "enable_lora", False) or getattr(args, "lora_modules", None):
         sock.close()
         print("error: LoRA adapters apply to generation models, not to pooling models.", file=sys.stderr)
         return 2
     try:
-        engine = PoolingEngine(config)
-    except (ValueError, OSError) as exc:
+        engine = AsyncPoolingEngine(config)  # the front end's rule here, the model in its own process
+    except (ValueError, OSError, RuntimeError) as exc:
         sock.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    names = config.served_model_names or [engine.model_name]
-    logger.info("Pooling model %s (%s; tasks %s; pooling %s from %s) ready in %.1f s", engine.model_name,
-                "encoder" if engine.is_encoder else "decoder, paged", list(engine.supported_tasks),
-                engine.pooler.pooling_type, engine.pooler.source, engine.startup_seconds)
+    inputs = engine.inputs
+    names = config.served_model_names or [inputs.model_name]
+    logger.info("Pooling model %s (%s; tasks %s; pooling %s from %s): core process ready in %.1f s",
+                inputs.model_name, "encoder" if inputs.is_encoder else "decoder, paged",
+                list(inputs.supported_tasks), inputs.pooler.pooling_type, inputs.pooler.source,
+                engine.core.startup_seconds)
     lifecycle = Lifecycle()
+
+    def on_fatal(message: str) -> None:
+        logger.error("%s Exiting with status 1.", message)
+        lifecycle.fatal = message
+        lifecycle.exit_code = 1
+
+    engine.on_fatal = on_fatal
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    app = build_pooling_app(AsyncPoolingEngine(engine), names, api_key, lifecycle, http_options)
-    serve_app(app, sock, args, limits, lifecycle, names[0], api_key)
+    app = build_pooling_app(engine, names, api_key, lifecycle, http_options)
+    try:
+        serve_app(app, sock, args, limits, lifecycle, names[0], api_key)
+    finally:
+        engine.core.shutdown(5)
     return lifecycle.exit_code
