@@ -64,8 +64,17 @@ def architecture_of(hf_config: Any) -> str:
     )
 
 
+# Headless decoders have no LM head: they run only under the pooling runner, which marks the
+# config it loads them with (`pagedllm_pooling`); generation would read the embedding as a head.
+POOLING_ONLY = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
+
+
 def get_model_class(hf_config: Any) -> type[nn.Module]:
     """The model class for a transformers config; ValueError for an unsupported architecture."""
-    module_name, class_name = _MODEL_REGISTRY[architecture_of(hf_config)]
+    arch = architecture_of(hf_config)
+    if arch in POOLING_ONLY and not getattr(hf_config, "pagedllm_pooling", False):
+        raise ValueError(f"{arch} has no LM head: it runs as a pooling (embedding) model only "
+                         "(runner='pooling', the default for it); it cannot generate.")
+    module_name, class_name = _MODEL_REGISTRY[arch]
     module = importlib.import_module(f"pagedllm.model.{module_name}")
     return getattr(module, class_name)

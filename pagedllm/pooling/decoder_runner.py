@@ -53,6 +53,7 @@ class DecoderPoolingRunner:
 
         cfg = copy.copy(hf_config)
         cfg.architectures = [arch]
+        cfg.pagedllm_pooling = True  # a headless architecture is loaded for pooling only
         self.model = load_model(source.path, source.gguf_file, cfg, dtype, device,
                                 quantization=config.quantization, quant_compute=config.quant_compute)
         self.hidden_size = int(hf_config.hidden_size)

@@ -71,6 +71,9 @@ class PoolingInputs:
         # a decoder's KV pool, for the rule of what can ever fit (the runner allocates it)
         self.num_kv_blocks = None if self.is_encoder else decoder_num_blocks(config, self.hf_config, self.dtype)
         self.embedding_size = embedding_dimensions(self.pooler, int(self.hf_config.hidden_size))
+        if self.pooler.dimensions is not None and self.pooler.dimensions > self.embedding_size:
+            raise ValueError(f"pooler_config dimensions={self.pooler.dimensions} is larger than the model's "
+                             f"embedding size {self.embedding_size}.")
         self.matryoshka = getattr(self.hf_config, "matryoshka_dimensions", None)
         self.num_labels = int(getattr(self.hf_config, "num_labels", 0) or 0) if self.is_classifier else 0
         self.startup_seconds = time.perf_counter() - t0

@@ -208,3 +208,11 @@ def test_hub_id_resolves_sentence_transformers_folder(folders, tmp_path, monkeyp
     for needed in ("modules.json", "1_Pooling/config.json", "2_Dense/config.json", "2_Dense/model.safetensors",
                    "config_sentence_transformers.json"):
         assert any(fnmatch.fnmatch(needed, p) for p in patterns), needed
+
+
+def test_headless_decoder_cannot_generate(folders):
+    """A `Qwen3Model` folder has no LM head: the generation runner refuses it by name."""
+    from pagedllm import LLM
+
+    with pytest.raises(ValueError, match="no LM head"):
+        LLM(str(folders / "qwen3"), runner="generate", num_kv_blocks=16)
