@@ -17,7 +17,6 @@ text-embeddings-inference (Hugging Face's Rust server) has no pip-installable CP
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import os
 import random
@@ -96,17 +95,21 @@ def serve_and_measure(folder: Path, texts: list[str], clients: int, repeats: int
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"server did not start: {open(log.name).read()[-2000:]}")
             time.sleep(0.3)
-        with httpx.Client(base_url=url, timeout=300, limits=httpx.Limits(max_connections=clients)) as http:
-            def one(text: str) -> int:
-                r = http.post("/v1/embeddings", json={"input": text, "encoding_format": "base64"})
-                r.raise_for_status()
-                return r.json()["usage"]["prompt_tokens"]
+        # the load: `clients` asyncio clients on one event loop (as vLLM's serving benchmark),
+        # each sending its share of the passages one after another
+        import asyncio
 
-            def run() -> None:
-                with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-                    list(pool.map(one, texts))
+        async def run_async() -> None:
+            async with httpx.AsyncClient(base_url=url, timeout=300,
+                                         limits=httpx.Limits(max_connections=clients)) as http:
+                async def client(share: list[str]) -> None:
+                    for text in share:
+                        r = await http.post("/v1/embeddings", json={"input": text, "encoding_format": "base64"})
+                        r.raise_for_status()
 
-            return timed(run, repeats)
+                await asyncio.gather(*(client(texts[i::clients]) for i in range(clients)))
+
+        return timed(lambda: asyncio.run(run_async()), repeats)
     finally:
         proc.terminate()
         proc.wait(30)
