@@ -265,12 +265,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "compile_batch_sizes", "num_threads", "served_model_name", "chat_template",
         "scheduling_policy", "generation_config", "max_logprobs", "structured_outputs_timeout",
         "revision", "tokenizer_revision", "download_dir", "gguf_file", "speculative_config",
-        "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+        "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "runner", "task", "pooler_config",
     ):
         kwargs[name] = getattr(args, name)
-    for name in ("runner", "task", "pooler_config"):  # parsers built before pooling lack them
-        if hasattr(args, name):
-            kwargs[name] = getattr(args, name)
     positional, model = getattr(args, "model_tag", None), args.model
     if positional and model and positional != model:
         raise ValueError(f"Two models given: {positional!r} (positional) and --model {model!r}.")
