@@ -18,6 +18,11 @@ _LAZY = {
     "LLMEngine": "pagedllm.engine.engine",
     "EngineConfig": "pagedllm.config",
     "LoRARequest": "pagedllm.lora.request",
+    "PoolingParams": "pagedllm.pooling.params",
+    "PoolingRequestOutput": "pagedllm.pooling.outputs",
+    "EmbeddingRequestOutput": "pagedllm.pooling.outputs",
+    "ClassificationRequestOutput": "pagedllm.pooling.outputs",
+    "ScoringRequestOutput": "pagedllm.pooling.outputs",
 }
 __all__ = [*_LAZY, "__version__"]
 

@@ -34,6 +34,9 @@ SUPPORTED_QUANT_COMPUTE = ("auto", "exact", "int8")
 SUPPORTED_EXECUTOR_BACKENDS = ("mp", "ray")
 # vLLM's --scheduling-policy (core/scheduler.py)
 SUPPORTED_SCHEDULING_POLICIES = ("fcfs", "priority")
+# vLLM's --runner and its older --task spelling (docs/pooling.md)
+SUPPORTED_RUNNERS = ("auto", "generate", "pooling")
+SUPPORTED_TASKS = ("auto", "generate", "embed", "classify", "score")
 # vLLM's allowed --max-lora-rank values (adapters of a smaller rank are zero-padded to it)
 SUPPORTED_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -123,12 +126,31 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Pooling models (docs/pooling.md): vLLM's --runner (auto: pooling for an encoder or a
+    # headless `*Model` decoder, generation otherwise), its older --task spelling (embed /
+    # classify / score -> pooling; generate), and --pooler-config (JSON: pooling_type,
+    # normalize, dimensions, use_activation).
+    runner: str = "auto"
+    task: str | None = None
+    pooler_config: Any = None
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         self._validate_model_source()
+        if self.runner not in SUPPORTED_RUNNERS:
+            raise ValueError(f"runner must be one of {list(SUPPORTED_RUNNERS)}, got {self.runner!r}.")
+        if self.task is not None and self.task not in SUPPORTED_TASKS:
+            raise ValueError(f"task must be one of {list(SUPPORTED_TASKS)}, got {self.task!r}.")
+        if self.task not in (None, "auto") and self.runner != "auto":
+            implied = "generate" if self.task == "generate" else "pooling"
+            if implied != self.runner:
+                raise ValueError(f"task={self.task!r} asks for the {implied} runner, but runner={self.runner!r}.")
+        if self.pooler_config is not None:
+            from pagedllm.pooling.pooler_config import parse_override
+
+            parse_override(self.pooler_config)
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {list(SUPPORTED_DTYPES)}, got {self.dtype!r}.")
         if self.device not in SUPPORTED_DEVICES:
@@ -280,6 +302,13 @@ class EngineConfig:
         if self.enable_lora and self.compile_batch_sizes:
             raise ValueError("compile_batch_sizes (compiled decode graphs) is not supported with enable_lora: "
                              "the graphs do not read the step's adapter indices; leave it unset.")
+
+    @property
+    def requested_runner(self) -> str:
+        """"generate", "pooling" or "auto" (decided by the model's architecture)."""
+        if self.task not in (None, "auto"):
+            return "generate" if self.task == "generate" else "pooling"
+        return self.runner
 
     @property
     def resolved_max_cpu_loras(self) -> int:

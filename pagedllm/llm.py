@@ -13,6 +13,7 @@ from pagedllm.engine.engine import LLMEngine, PromptType
 from pagedllm.engine.kv_stats import KVCacheStats
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling.offline import PoolingAPI
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import apply_chat_template
 
@@ -43,23 +44,43 @@ def _final_only(params: list) -> list:
     return out
 
 
-class LLM:
+class LLM(PoolingAPI):
     """An engine plus a batch loop: submit all prompts, step until all are done.
 
     Every `EngineConfig` field is a keyword argument (block_size, kv_cache_space,
     max_model_len, max_num_seqs, enable_prefix_caching, ...). `model=None` uses the default
-    SmolLM2-135M-Instruct GGUF, downloaded once.
+    SmolLM2-135M-Instruct GGUF, downloaded once. A pooling model (`runner="pooling"`, or an
+    encoder / headless decoder with runner "auto") gets `embed`, `classify`, `score` and
+    `encode` instead of `generate` (pooling/offline.py, docs/pooling.md).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        from pagedllm.pooling.runner_choice import is_pooling_config
+
+        config = EngineConfig.from_kwargs(model=model, **kwargs)
+        self.pooling_engine = None
+        self.llm_engine = None
+        if is_pooling_config(config):
+            from pagedllm.pooling.engine import PoolingEngine
+
+            self.pooling_engine = PoolingEngine(config)
+        else:
+            self.llm_engine = LLMEngine(config)
         self._request_counter = itertools.count()
+
+    def _generation(self) -> LLMEngine:
+        if self.llm_engine is None:
+            raise ValueError(f"{self.pooling_engine.model_name} runs as a pooling model: use embed / classify / "
+                             "score / encode; generate, chat and beam_search need a generation model.")
+        return self.llm_engine
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> "LLM":
         return cls(**{k: getattr(config, k) for k in config.__dataclass_fields__})
 
     def get_tokenizer(self):
+        if self.pooling_engine is not None:
+            return self.pooling_engine.tokenizer
         return self.llm_engine.get_tokenizer()
 
     def kv_cache_stats(self) -> KVCacheStats:
@@ -82,7 +103,7 @@ class LLM:
         """The parameters used when none are given: vLLM's defaults, overridden by the model's
         generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
         max_new_tokens -> max_tokens) unless generation_config="vllm"."""
-        return SamplingParams(**self.llm_engine.generation_defaults)
+        return SamplingParams(**self._generation().generation_defaults)
 
     def generate(
         self,
@@ -140,6 +161,7 @@ class LLM:
         lora_request: LoRARequest | SequenceT[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate."""
+        self._generation()
         if not messages:
             raise ValueError("chat() needs at least one message.")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -190,7 +212,7 @@ class LLM:
         priority: SequenceT[int] | None = None,
         lora_request: LoRARequest | SequenceT[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        engine = self.llm_engine
+        engine = self._generation()
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"Got {len(priority)} priorities for {len(prompts)} prompts: "
                              "pass one per prompt.")

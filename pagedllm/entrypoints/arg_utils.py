@@ -16,7 +16,9 @@ from pagedllm.config import (
     SUPPORTED_KV_CACHE_DTYPES,
     SUPPORTED_PREEMPTION_MODES,
     SUPPORTED_QUANT_COMPUTE,
+    SUPPORTED_RUNNERS,
     SUPPORTED_SCHEDULING_POLICIES,
+    SUPPORTED_TASKS,
     EngineConfig,
 )
 
@@ -108,6 +110,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank (default 16)")
     g.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept loaded in host memory (default: --max-loras)")
+    g.add_argument("--runner", default="auto", choices=list(SUPPORTED_RUNNERS),
+                   help="generate or pooling (embeddings, classification, scores; docs/pooling.md); auto: "
+                        "pooling for an encoder or a headless *Model decoder")
+    g.add_argument("--task", default=None, choices=list(SUPPORTED_TASKS),
+                   help="vLLM's older spelling: embed / classify / score run the pooling runner")
+    g.add_argument("--pooler-config", default=None,
+                   help='pooling override as JSON, e.g. \'{"pooling_type": "MEAN", "normalize": false}\' '
+                        "(keys: pooling_type LAST|MEAN|CLS, normalize, dimensions, use_activation)")
 
 
 MODEL_SOURCE_GROUP = "model source (Hugging Face Hub)"
@@ -255,7 +265,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "compile_batch_sizes", "num_threads", "served_model_name", "chat_template",
         "scheduling_policy", "generation_config", "max_logprobs", "structured_outputs_timeout",
         "revision", "tokenizer_revision", "download_dir", "gguf_file", "speculative_config",
-        "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+        "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "runner", "task", "pooler_config",
     ):
         kwargs[name] = getattr(args, name)
     positional, model = getattr(args, "model_tag", None), args.model

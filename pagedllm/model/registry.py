@@ -24,6 +24,11 @@ _MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    # headless decoders for pooling (embedding) models: pagedllm/pooling/
+    "LlamaModel": ("decoder_embedders", "LlamaModel"),
+    "MistralModel": ("decoder_embedders", "LlamaModel"),
+    "Qwen2Model": ("decoder_embedders", "LlamaModel"),
+    "Qwen3Model": ("decoder_embedders", "Qwen3Model"),
 }
 
 # Configs read from a GGUF file carry no `architectures`; fall back on `model_type`.
@@ -59,8 +64,17 @@ def architecture_of(hf_config: Any) -> str:
     )
 
 
+# Headless decoders have no LM head: they run only under the pooling runner, which marks the
+# config it loads them with (`pagedllm_pooling`); generation would read the embedding as a head.
+POOLING_ONLY = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
+
+
 def get_model_class(hf_config: Any) -> type[nn.Module]:
     """The model class for a transformers config; ValueError for an unsupported architecture."""
-    module_name, class_name = _MODEL_REGISTRY[architecture_of(hf_config)]
+    arch = architecture_of(hf_config)
+    if arch in POOLING_ONLY and not getattr(hf_config, "pagedllm_pooling", False):
+        raise ValueError(f"{arch} has no LM head: it runs as a pooling (embedding) model only "
+                         "(runner='pooling', the default for it); it cannot generate.")
+    module_name, class_name = _MODEL_REGISTRY[arch]
     module = importlib.import_module(f"pagedllm.model.{module_name}")
     return getattr(module, class_name)

@@ -455,6 +455,20 @@ class ModelRunner:
         batch.record([rows[i] for i in keep], out.sampled_token_ids)
         return out
 
+    def execute_hidden(self, scheduler_output: Any) -> list[torch.Tensor]:
+        """Pooling models (pagedllm/pooling/): the final hidden states of each scheduled
+        sequence's tokens this step, in scheduled order; no logits, no sampling rows."""
+        for seq_id in getattr(scheduler_output, "released_seq_ids", ()):
+            for table in self.block_tables:
+                table.release(seq_id)
+        scheduled = list(scheduler_output.scheduled)
+        if not scheduled:
+            return []
+        inp = self.prepare_input(scheduled)
+        with torch.inference_mode():
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)
+        return [hidden[first:first + len(s.token_ids)] for first, s in zip(inp.first_rows, scheduled)]
+
     def run_model(self, inp: ModelInput) -> torch.Tensor | None:
         """float32 logits of the rows `inp.logits_rows`: from a compiled decode graph where one
         is ready for this step, else from the eager model (None on tensor-parallel ranks > 0)."""

@@ -51,6 +51,9 @@ NON_DEFAULT = {
     "max_loras": (["--max-loras", "3"], 3),
     "max_lora_rank": (["--max-lora-rank", "64"], 64),
     "max_cpu_loras": (["--max-cpu-loras", "4"], 4),
+    "runner": (["--runner", "pooling"], "pooling"),
+    "task": (["--task", "embed"], "embed"),
+    "pooler_config": (["--pooler-config", '{"normalize": false}'], '{"normalize": false}'),
 }
 
 

@@ -8,14 +8,21 @@ from types import SimpleNamespace
 import pytest
 from torch import nn
 
-from pagedllm.model.registry import architecture_of, get_model_class, supported_architectures
+from pagedllm.model.registry import POOLING_ONLY, architecture_of, get_model_class, supported_architectures
 
 
 @pytest.mark.parametrize("arch", supported_architectures())
 def test_every_registered_architecture_imports(arch):
-    cls = get_model_class(SimpleNamespace(architectures=[arch]))
+    pooling = arch in POOLING_ONLY  # headless decoders load only for pooling (pagedllm/pooling/)
+    cls = get_model_class(SimpleNamespace(architectures=[arch], pagedllm_pooling=pooling))
     assert isinstance(cls, type) and issubclass(cls, nn.Module)
     assert hasattr(cls, "load_weights") and hasattr(cls, "compute_logits")
+
+
+@pytest.mark.parametrize("arch", POOLING_ONLY)
+def test_headless_decoders_refuse_generation(arch):
+    with pytest.raises(ValueError, match="no LM head"):
+        get_model_class(SimpleNamespace(architectures=[arch]))
 
 
 def test_unknown_architecture_lists_the_supported_ones():

@@ -55,6 +55,7 @@ from pagedllm.entrypoints.openai.http_limits import (
     RequestBodyMiddleware,
     limited_h11_protocol,
 )
+from pagedllm.entrypoints.openai.pooling_routes import add_generation_model_refusals
 from pagedllm.entrypoints.openai.lora_models import ServedLoRAs, parse_lora_modules, runtime_updating_allowed
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -154,30 +155,10 @@ class HTTPOptions:
     templates: RequestTemplates = field(default_factory=RequestTemplates)
 
 
-def build_app(ctx: ServingContext, api_key: str | list[str] | None = None,
-              lifecycle: Lifecycle | None = None,
-              http_options: HTTPOptions | None = None) -> FastAPI:
-    engine = ctx.async_engine
-    lifecycle = lifecycle if lifecycle is not None else Lifecycle()
-    opts = http_options or HTTPOptions()
-    completions = CompletionServer(ctx)
-    chat = ChatServer(ctx, opts.templates)
-    tokenization = TokenizationServer(ctx, opts.templates)
-    # read here, before the tokenizer thread owns ctx.tokenizer: the event loop reads a number
-    chars_per_token = max_chars_per_token(ctx.tokenizer)
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI):
-        engine.start()
-        if ctx.loras is not None:  # --lora-modules: checked and loaded before serving
-            for module in ctx.lora_modules:
-                await ctx.loras.load(module.name, module.path, module.base_model_name)
-        try:
-            yield
-        finally:
-            await engine.shutdown()
-            ctx.close()
-
+def new_app(opts: HTTPOptions, lifecycle: Lifecycle, api_key: str | list[str] | None, lifespan) -> FastAPI:
+    """The FastAPI app with what every server of this project shares: OpenAI-style error
+    answers, the body limits, the API key, CORS and the in-flight count (generation and
+    pooling servers alike)."""
     docs = {} if not opts.disable_fastapi_docs else dict(docs_url=None, redoc_url=None,
                                                          openapi_url=None)
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__,
@@ -204,6 +185,35 @@ def build_app(ctx: ServingContext, api_key: str | list[str] | None = None,
                        allow_credentials=opts.allow_credentials,
                        expose_headers=[REQUEST_ID_HEADER, IGNORED_FIELDS_HEADER])
     app.add_middleware(InFlightMiddleware, lifecycle=lifecycle)  # outermost: sees every request
+
+    return app
+
+
+def build_app(ctx: ServingContext, api_key: str | list[str] | None = None,
+              lifecycle: Lifecycle | None = None,
+              http_options: HTTPOptions | None = None) -> FastAPI:
+    engine = ctx.async_engine
+    lifecycle = lifecycle if lifecycle is not None else Lifecycle()
+    opts = http_options or HTTPOptions()
+    completions = CompletionServer(ctx)
+    chat = ChatServer(ctx, opts.templates)
+    tokenization = TokenizationServer(ctx, opts.templates)
+    # read here, before the tokenizer thread owns ctx.tokenizer: the event loop reads a number
+    chars_per_token = max_chars_per_token(ctx.tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()
+        if ctx.loras is not None:  # --lora-modules: checked and loaded before serving
+            for module in ctx.lora_modules:
+                await ctx.loras.load(module.name, module.path, module.base_model_name)
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+            ctx.close()
+
+    app = new_app(opts, lifecycle, api_key, lifespan)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
@@ -270,6 +280,7 @@ def build_app(ctx: ServingContext, api_key: str | list[str] | None = None,
     async def detokenize(request: DetokenizeRequest) -> dict:
         return (await tokenization.detokenize(request)).model_dump()
 
+    add_generation_model_refusals(app, ctx.model_name)
     return app
 
 
@@ -340,11 +351,56 @@ async def _watch_lifecycle(server, lifecycle: Lifecycle, drain_timeout: float) -
                 server.should_exit = True
 
 
+def _http_options(args: argparse.Namespace, limits: HTTPLimits, templates: RequestTemplates) -> HTTPOptions:
+    return HTTPOptions(
+        allowed_origins=getattr(args, "allowed_origins", ["*"]),
+        allowed_methods=getattr(args, "allowed_methods", ["*"]),
+        allowed_headers=getattr(args, "allowed_headers", ["*"]),
+        allow_credentials=bool(getattr(args, "allow_credentials", False)),
+        root_path=getattr(args, "root_path", None),
+        disable_fastapi_docs=bool(getattr(args, "disable_fastapi_docs", False)),
+        limits=limits, templates=templates,
+    )
+
+
+def serve_app(app: FastAPI, sock: socket.socket, args: argparse.Namespace, limits: HTTPLimits,
+              lifecycle: Lifecycle, model_name: str, api_key: str | None) -> None:
+    """Serve `app` with uvicorn on the bound socket until a drain or an interrupt ends it."""
+    import uvicorn
+
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    ssl_keyfile = getattr(args, "ssl_keyfile", None)
+    scheme = "https" if ssl_keyfile else "http"
+    logger.info("Serving %s on %s://%s:%d (OpenAI API under /v1)%s", model_name, scheme,
+                shown, port, "; API key required" if api_key else "")
+    drain_timeout = float(getattr(args, "drain_timeout", 30.0))
+    ssl_kwargs = {}
+    if ssl_keyfile:
+        ssl_kwargs = dict(ssl_keyfile=ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                          ssl_ca_certs=getattr(args, "ssl_ca_certs", None),
+                          ssl_cert_reqs=getattr(args, "ssl_cert_reqs", 0))
+    server = _Server(uvicorn.Config(
+        app, http=limited_h11_protocol(limits), log_level=args.uvicorn_log_level,
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=5,
+        access_log=not getattr(args, "disable_uvicorn_access_log", False),
+        **ssl_kwargs,
+    ), lifecycle, drain_timeout)
+
+    async def serve() -> None:
+        watcher = asyncio.ensure_future(_watch_lifecycle(server, lifecycle, drain_timeout))
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            watcher.cancel()
+
+    asyncio.run(serve())
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Validate the flags, bind, start the engine and serve until interrupted. Returns the
     exit code: 0 after a drain or Ctrl-C, 1 if the engine core died, 2 for bad flags."""
-    import uvicorn
-
     from pagedllm.engine.core_client import EngineCoreStartError
     from pagedllm.entrypoints.arg_utils import engine_config_from_args, validate_server_args
 
@@ -376,6 +432,12 @@ def run_server(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
+    from pagedllm.pooling.runner_choice import is_pooling_config
+
+    if is_pooling_config(config):
+        from pagedllm.entrypoints.openai.pooling_server import serve_pooling
+
+        return serve_pooling(args, config, sock, limits, _http_options(args, limits, templates))
     try:
         async_engine = AsyncLLMEngine.from_engine_config(config)
     except (ValueError, EngineCoreStartError) as exc:
@@ -395,34 +457,7 @@ def run_server(args: argparse.Namespace) -> int:
         enable_prompt_tokens_details=bool(getattr(args, "enable_prompt_tokens_details", False)),
     )
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    app = build_app(ctx, api_key, lifecycle, HTTPOptions(
-        allowed_origins=getattr(args, "allowed_origins", ["*"]),
-        allowed_methods=getattr(args, "allowed_methods", ["*"]),
-        allowed_headers=getattr(args, "allowed_headers", ["*"]),
-        allow_credentials=bool(getattr(args, "allow_credentials", False)),
-        root_path=getattr(args, "root_path", None),
-        disable_fastapi_docs=bool(getattr(args, "disable_fastapi_docs", False)),
-        limits=limits, templates=templates,
-    ))
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    ssl_keyfile = getattr(args, "ssl_keyfile", None)
-    scheme = "https" if ssl_keyfile else "http"
-    logger.info("Serving %s on %s://%s:%d (OpenAI API under /v1)%s", ctx.model_name, scheme,
-                shown, port, "; API key required" if api_key else "")
-    drain_timeout = float(getattr(args, "drain_timeout", 30.0))
-    ssl_kwargs = {}
-    if ssl_keyfile:
-        ssl_kwargs = dict(ssl_keyfile=ssl_keyfile, ssl_certfile=args.ssl_certfile,
-                          ssl_ca_certs=getattr(args, "ssl_ca_certs", None),
-                          ssl_cert_reqs=getattr(args, "ssl_cert_reqs", 0))
-    server = _Server(uvicorn.Config(
-        app, http=limited_h11_protocol(limits), log_level=args.uvicorn_log_level,
-        timeout_keep_alive=5,
-        timeout_graceful_shutdown=5,
-        access_log=not getattr(args, "disable_uvicorn_access_log", False),
-        **ssl_kwargs,
-    ), lifecycle, drain_timeout)
+    app = build_app(ctx, api_key, lifecycle, _http_options(args, limits, templates))
 
     def on_fatal(message: str) -> None:
         logger.error("%s Exiting with status 1.", message)
@@ -431,15 +466,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     async_engine.on_fatal = on_fatal
 
-    async def serve() -> None:
-        watcher = asyncio.ensure_future(_watch_lifecycle(server, lifecycle, drain_timeout))
-        try:
-            await server.serve(sockets=[sock])
-        finally:
-            watcher.cancel()
-
     try:
-        asyncio.run(serve())
+        serve_app(app, sock, args, limits, lifecycle, ctx.model_name, api_key)
     finally:
         # The lifespan shut the cores down; a start-up that never reached it must too.
         if async_engine.is_running or not async_engine._started:
