@@ -3,7 +3,8 @@
     pagedllm serve [MODEL] [--host 127.0.0.1 --port 8000 --api-key KEY ...]
     python -m pagedllm.entrypoints.openai.api_server --model MODEL [flags]
 
-Endpoints: GET (and HEAD) /health, GET /version, /v1/models, /metrics; POST /v1/completions,
+Endpoints: GET (and HEAD) /health, GET /version, /v1/models, /metrics, /dashboard and its data
+/v1/internal/engine_state (unless --disable-dashboard; dashboard.py); POST /v1/completions,
 /v1/chat/completions, /tokenize, /detokenize; with --enable-lora and runtime updating allowed,
 POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_models.py). Start-up: the flags are validated, the port is
 bound (a busy port fails before the model loads), the engine core process(es) load the model
@@ -43,6 +44,7 @@ import pagedllm
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.input_processing import check_prompt_chars
 from pagedllm.entrypoints.openai.chat import DEFAULT_RENDER_TIMEOUT_S, ChatServer, RequestTemplates
+from pagedllm.entrypoints.openai.dashboard import install_dashboard, is_dashboard_page
 from pagedllm.entrypoints.openai.completions import CompletionServer
 from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
@@ -79,8 +81,8 @@ UNPROTECTED_PATHS = ("/health", "/metrics")
 
 
 class APIKeyMiddleware:
-    """401 unless `Authorization: Bearer <api key>` with one of the keys (health and metrics
-    are open). Plain ASGI (not BaseHTTPMiddleware), so that streaming and disconnect detection
+    """401 unless `Authorization: Bearer <api key>` with one of the keys (health, metrics and
+    the dashboard page's static files are open; its data endpoint is not). Plain ASGI (not BaseHTTPMiddleware), so that streaming and disconnect detection
     pass through as is."""
 
     def __init__(self, app, api_key: str | list[str]) -> None:
@@ -90,7 +92,8 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:
         if (scope["type"] != "http" or scope.get("method") == "OPTIONS"
-                or scope.get("path") in UNPROTECTED_PATHS):
+                or scope.get("path") in UNPROTECTED_PATHS
+                or (scope.get("method") == "GET" and is_dashboard_page(scope.get("path", "")))):
             await self.app(scope, receive, send)
             return
         given = Headers(scope=scope).get("authorization", "").encode()
@@ -152,6 +155,7 @@ class HTTPOptions:
     disable_fastapi_docs: bool = False
     limits: HTTPLimits = field(default_factory=HTTPLimits)
     templates: RequestTemplates = field(default_factory=RequestTemplates)
+    dashboard: bool = True  # GET /dashboard and /v1/internal/engine_state (dashboard.py)
 
 
 def build_app(ctx: ServingContext, api_key: str | list[str] | None = None,
@@ -246,6 +250,9 @@ def build_app(ctx: ServingContext, api_key: str | list[str] | None = None,
         if engine.metrics is None:
             raise OpenAIError("Metrics are off.", 404)
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    if opts.dashboard:
+        install_dashboard(app, engine)
 
     @app.post("/v1/completions")
     @with_cancellation
@@ -403,6 +410,7 @@ def run_server(args: argparse.Namespace) -> int:
         root_path=getattr(args, "root_path", None),
         disable_fastapi_docs=bool(getattr(args, "disable_fastapi_docs", False)),
         limits=limits, templates=templates,
+        dashboard=not getattr(args, "disable_dashboard", False),
     ))
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
