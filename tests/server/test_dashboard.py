@@ -96,17 +96,21 @@ def test_dashboard_in_a_real_browser(server, http):
 
     stop = threading.Event()
 
-    def long_request() -> None:
+    prompt = ("PagedAttention keeps the KV cache of every sequence in fixed-size blocks, maps "
+              "each sequence's positions to blocks through a block table, and shares blocks "
+              "between sequences that have the same prefix. Write a long story about it. ") * 3
+
+    def stream(request_id: str, n: int) -> None:
         """A streamed request long enough to outlast the checks (1500 tokens); the test ends
         it by closing the stream (the server aborts it), so its length does not depend on how
         fast this machine is."""
-        body = {"model": "SmolLM2-135M-Instruct", "prompt": "Write a long story about paged memory.",
-                "max_tokens": 1500, "ignore_eos": True, "temperature": 0.0, "stream": True,
-                "request_id": "dashboard-long"}
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 1500,
+                "ignore_eos": True, "temperature": 1.0 if n > 1 else 0.0, "n": n, "stream": True,
+                "request_id": request_id}
         try:
             with httpx.Client(base_url=server.url, headers=server.headers, timeout=300.0) as own:
                 with own.stream("POST", "/v1/completions", json=body) as resp:
-                    result["status"] = resp.status_code
+                    result[request_id] = resp.status_code
                     for _ in resp.iter_lines():
                         result["chunks"] = result.get("chunks", 0) + 1
                         if stop.is_set():
@@ -133,13 +137,18 @@ def test_dashboard_in_a_real_browser(server, http):
             assert int(grid.get_attribute("data-blocks")) > 0
             assert int(grid.get_attribute("data-used")) == 0
 
-            worker = threading.Thread(target=long_request)
-            worker.start()
+            # a long request, and one of n = 3 samples on the same prompt (a prefix hit,
+            # then three tables sharing its blocks)
+            workers = [threading.Thread(target=stream, args=("dashboard-long", 1))]
+            workers[0].start()
             item = page.locator("ul[data-queue='running'] li.request[data-request-id*='dashboard-long']")
             item.wait_for(timeout=60_000)
             page.wait_for_function(
                 "() => Number(document.querySelector('section.engine canvas.grid').dataset.used) > 0",
                 timeout=10_000)
+            workers.append(threading.Thread(target=stream, args=("dashboard-shared", 3)))
+            workers[1].start()
+            page.locator("li.request[data-request-id*='dashboard-shared']").wait_for(timeout=60_000)
             item.click()
             # every cell of its table outlined: as many as the request holds blocks
             page.wait_for_function(
@@ -157,8 +166,10 @@ def test_dashboard_in_a_real_browser(server, http):
             page.screenshot(path=str(ARTIFACTS / "dashboard_running.png"), full_page=True)
 
             stop.set()  # client gone: the server aborts the request and frees its blocks
-            worker.join(timeout=120)
-            assert result.get("status") == 200 and result.get("chunks", 0) > 1, result
+            for worker in workers:
+                worker.join(timeout=120)
+            assert result.get("dashboard-long") == result.get("dashboard-shared") == 200, result
+            assert result.get("chunks", 0) > 2, result
             page.wait_for_function(
                 "() => document.querySelector('section.engine canvas.grid').dataset.used === '0'",
                 timeout=15_000)
