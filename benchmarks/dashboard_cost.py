@@ -33,7 +33,7 @@ KEY = "dashboard-cost"
 
 
 async def _poll(url: str, interval_s: float, stop: asyncio.Event, times: list[float],
-                sizes: list[int]) -> None:
+                sizes: list[int], builds: list[float]) -> None:
     headers = {"Authorization": f"Bearer {KEY}"}
     async with httpx.AsyncClient(timeout=30.0) as client:
         while not stop.is_set():
@@ -41,7 +41,7 @@ async def _poll(url: str, interval_s: float, stop: asyncio.Event, times: list[fl
             resp = await client.get(url + "/v1/internal/engine_state", headers=headers)
             resp.raise_for_status()
             sizes.append(len(resp.content))
-            resp.json()
+            builds += [e["build_ms"] for e in resp.json()["engines"] if "build_ms" in e]
             times.append(time.perf_counter() - t0)
             try:
                 await asyncio.wait_for(stop.wait(), interval_s)
@@ -53,7 +53,8 @@ async def _run(url: str, reqs, with_dashboard: bool, interval_s: float) -> dict:
     stop = asyncio.Event()
     times: list[float] = []
     sizes: list[int] = []
-    poller = (asyncio.create_task(_poll(url, interval_s, stop, times, sizes))
+    builds: list[float] = []
+    poller = (asyncio.create_task(_poll(url, interval_s, stop, times, sizes, builds))
               if with_dashboard else None)
     result = await run_rate(url, MODEL, reqs, float("inf"), 256, 0, KEY)
     stop.set()
@@ -63,6 +64,9 @@ async def _run(url: str, reqs, with_dashboard: bool, interval_s: float) -> dict:
         result["poll_ms_median"] = round(statistics.median(times) * 1000, 2)
         result["poll_ms_max"] = round(max(times) * 1000, 2)
         result["poll_bytes_median"] = int(statistics.median(sizes))
+        if builds:  # the core's time per snapshot (engine_state's build_ms)
+            result["poll_build_ms_median"] = round(statistics.median(builds), 3)
+            result["poll_build_ms_max"] = round(max(builds), 3)
     return result
 
 
@@ -122,6 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
         "polls": [r.get("polls") for r in runs["with"]],
         "poll_ms_median": [r.get("poll_ms_median") for r in runs["with"]],
         "poll_bytes_median": [r.get("poll_bytes_median") for r in runs["with"]],
+        "poll_build_ms_median": [r.get("poll_build_ms_median") for r in runs["with"]],
+        "poll_build_ms_max": [r.get("poll_build_ms_max") for r in runs["with"]],
     }
     print(json.dumps(out, indent=1))
     if args.json_out:

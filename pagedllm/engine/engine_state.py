@@ -61,6 +61,7 @@ def _request_state(seqs: list["Sequence"]) -> str:
 
 def core_engine_state(core: "EngineCore") -> dict[str, Any]:
     """The core's half of the snapshot (plain JSON data). Runs between steps."""
+    t0 = time.perf_counter()
     sched, kv = core.scheduler, core.kv_cache_manager
     states, groups = block_states(kv)
     host = host_block_states(kv)
@@ -123,6 +124,7 @@ def core_engine_state(core: "EngineCore") -> dict[str, Any]:
         },
         "queues": queues,
         "requests": requests,
+        "build_ms": round((time.perf_counter() - t0) * 1000, 3),  # what it cost the core
     }
 
 
