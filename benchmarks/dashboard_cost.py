@@ -123,12 +123,17 @@ def main(argv: list[str] | None = None) -> dict:
         "output_tokens_per_s": {k: [r["output_tokens_per_s"] for r in v] for k, v in runs.items()},
         "median_without": med["without"], "median_with": med["with"],
         "ratio": round(med["with"] / med["without"], 4),
+        # each "with" run over the "without" run just before it: the pairs share the machine's
+        # load of the moment (other jobs on a shared machine move single runs by 2x)
+        "pair_ratios": [round(w["output_tokens_per_s"] / o["output_tokens_per_s"], 4)
+                        for o, w in zip(runs["without"], runs["with"])],
         "polls": [r.get("polls") for r in runs["with"]],
         "poll_ms_median": [r.get("poll_ms_median") for r in runs["with"]],
         "poll_bytes_median": [r.get("poll_bytes_median") for r in runs["with"]],
         "poll_build_ms_median": [r.get("poll_build_ms_median") for r in runs["with"]],
         "poll_build_ms_max": [r.get("poll_build_ms_max") for r in runs["with"]],
     }
+    out["median_pair_ratio"] = statistics.median(out["pair_ratios"])
     print(json.dumps(out, indent=1))
     if args.json_out:
         with open(args.json_out, "w") as f:
