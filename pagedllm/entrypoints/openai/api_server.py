@@ -44,8 +44,8 @@ import pagedllm
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.input_processing import check_prompt_chars
 from pagedllm.entrypoints.openai.chat import DEFAULT_RENDER_TIMEOUT_S, ChatServer, RequestTemplates
-from pagedllm.entrypoints.openai.dashboard import install_dashboard, is_dashboard_page
 from pagedllm.entrypoints.openai.completions import CompletionServer
+from pagedllm.entrypoints.openai.dashboard import install_dashboard, is_dashboard_page
 from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
     as_openai_error,
@@ -82,8 +82,8 @@ UNPROTECTED_PATHS = ("/health", "/metrics")
 
 class APIKeyMiddleware:
     """401 unless `Authorization: Bearer <api key>` with one of the keys (health, metrics and
-    the dashboard page's static files are open; its data endpoint is not). Plain ASGI (not BaseHTTPMiddleware), so that streaming and disconnect detection
-    pass through as is."""
+    GETs of the dashboard page's static files are open; its data endpoint is not). Plain ASGI
+    (not BaseHTTPMiddleware), so that streaming and disconnect detection pass through as is."""
 
     def __init__(self, app, api_key: str | list[str]) -> None:
         self.app = app
