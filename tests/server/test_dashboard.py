@@ -5,7 +5,8 @@
   page's files are served without the key, an unknown file is a 404.
 - A real browser (Debian's chromium, driven by Playwright): the page asks for the key, then
   while a long request runs the grid shows used blocks, the request is in the running list,
-  clicking it outlines as many cells as its block table has blocks; when it is over (the
+  clicking it outlines as many cells as its block table has blocks, hovering its first block
+  names its owners; when it is over (the
   test closes its stream: the server aborts it) the grid shows no used block. Screenshots go to $PAGEDLLM_TEST_ARTIFACTS (default test-artifacts/).
 - `--disable-dashboard`: both routes 404, a completion still succeeds.
 """
@@ -162,6 +163,16 @@ def test_dashboard_in_a_real_browser(server, http):
             table = req["seqs"][0]["block_tables"][0]
             assert len(table) == len(set(table)) and abs(len(table) - blocks) <= 1  # it grows meanwhile
             assert page.locator(".details").first.is_visible()
+            # hovering a cell names its owners: the first block of the prompt, shared by both
+            first = table[0]
+            cols, cell = int(grid.get_attribute("data-cols")), int(grid.get_attribute("data-cell"))
+            box = grid.bounding_box()
+            page.mouse.move(box["x"] + (first % cols) * cell + cell / 2,
+                            box["y"] + (first // cols) * cell + cell / 2)
+            tip = page.locator("#tooltip")
+            tip.wait_for(state="visible", timeout=5_000)
+            assert tip.inner_text().startswith(f"block {first}: ")
+            assert "dashboard-long" in tip.inner_text(), tip.inner_text()
             time.sleep(1.5)  # a few polls of history for the charts
             page.screenshot(path=str(ARTIFACTS / "dashboard_running.png"), full_page=True)
 
