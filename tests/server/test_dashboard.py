@@ -77,6 +77,13 @@ def test_engine_state_counters_equal_metrics_at_rest(http):
     # a second poll within 250 ms gets the same snapshot: the core made one
     first, second = http.get(STATE).json(), http.get(STATE).json()
     assert first["served_at"] == second["served_at"]
+    assert "history" not in first["engines"][0]
+    # ?history=1: the last minutes of the stats the core sent, one sample a second
+    history = http.get(STATE, params={"history": 1}).json()["engines"][0]["history"]
+    assert len(history) >= 1 and all(a["t"] < b["t"] for a, b in zip(history, history[1:]))
+    last = history[-1]
+    assert last["prefix_cache_hits"] <= k["prefix_cache_hits"] and last["kv_num_blocks"] == snap["config"]["num_blocks"]
+    assert history[0]["num_batched_tokens_total"] <= last["num_batched_tokens_total"]
 
 
 def _chromium() -> str:

@@ -17,7 +17,7 @@ import time
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.engine_state import add_request_timings
@@ -108,8 +108,15 @@ def install_dashboard(app: FastAPI, engine: "AsyncLLMEngine") -> EngineStateSour
     source = EngineStateSource(engine)
 
     @app.get(STATE_PATH)
-    async def engine_state() -> JSONResponse:
-        return JSONResponse(await source.get(), headers={"Cache-Control": "no-store"})
+    async def engine_state(history: bool = Query(False)) -> JSONResponse:
+        """`?history=1`: also each core's last minutes (engine/stats_history.py), which a page
+        asks for once, when it opens."""
+        data = await source.get()
+        if history:
+            data = dict(data, engines=[
+                dict(e, history=engine.stats_history.samples(e["engine_index"]))
+                for e in data["engines"]])
+        return JSONResponse(data, headers={"Cache-Control": "no-store"})
 
     @app.get(DASHBOARD_PATH)
     async def dashboard_page() -> Response:

@@ -21,6 +21,7 @@ const ui = {
   prev: {}, // engine index -> previous snapshot counters (for rates)
   engines: {}, // engine index -> DOM and decoded state
   last: null,
+  wantHistory: true, // the first answer brings the server's last minutes
 };
 window.pagedllmDashboard = ui; // tests read it
 
@@ -61,13 +62,15 @@ async function poll() {
   const status = document.getElementById("status");
   try {
     const headers = ui.key ? { Authorization: "Bearer " + ui.key } : {};
-    const resp = await fetch("v1/internal/engine_state", { headers, cache: "no-store" });
+    const url = "v1/internal/engine_state" + (ui.wantHistory ? "?history=1" : "");
+    const resp = await fetch(url, { headers, cache: "no-store" });
     if (resp.status === 401) {
       askKey(ui.key ? "The API key was refused." : "This server needs its API key.");
       return;
     }
     if (!resp.ok) throw new Error("HTTP " + resp.status);
     const data = await resp.json();
+    ui.wantHistory = false;
     ui.pollMs = Math.max(250, data.poll_interval_ms || 500);
     render(data);
     status.textContent = "live · " + new Date(data.served_at * 1000).toLocaleTimeString()
@@ -367,25 +370,39 @@ function renderDetails(view, snap) {
 
 // ---- time series ----------------------------------------------------------------------
 
-function recordHistory(snap) {
-  const i = snap.engine_index;
-  const k = snap.counters;
-  const t = snap.timestamp;
-  const prev = ui.prev[i];
-  const hist = (ui.history[i] = ui.history[i] || []);
-  if (prev && t <= prev.t) return; // the same (shared) snapshot again
-  const dt = prev ? t - prev.t : null;
-  const rate = (key) => (prev && dt > 0 && k[key] !== undefined ? Math.max(0, k[key] - prev.k[key]) / dt : null);
-  const dq = prev ? k.prefix_cache_queries - prev.k.prefix_cache_queries : 0;
-  hist.push({
+// One chart point from two readings of the cumulative counters (`k` now, `p` before, or
+// null), the same for the server's history samples and the page's own polls.
+function chartPoint(t, k, prevT, p, numBlocks) {
+  const dt = p ? t - prevT : null;
+  const rate = (key) => (p && dt > 0 && k[key] != null && p[key] != null ? Math.max(0, k[key] - p[key]) / dt : null);
+  const dq = p ? k.prefix_cache_queries - p.prefix_cache_queries : 0;
+  return {
     t,
-    usage: (100 * k.kv_used_blocks) / snap.config.num_blocks,
+    usage: (100 * k.kv_used_blocks) / numBlocks,
     genRate: rate("generation_tokens_total"),
     batchRate: rate("num_batched_tokens_total"),
     running: k.num_running, waiting: k.num_waiting, swapped: k.num_swapped,
-    preemptions: prev ? k.num_preemptions - prev.k.num_preemptions : 0,
-    hitRate: dq > 0 ? (100 * (k.prefix_cache_hits - prev.k.prefix_cache_hits)) / dq : null,
-  });
+    preemptions: p ? Math.max(0, k.num_preemptions - p.num_preemptions) : 0,
+    hitRate: dq > 0 ? (100 * (k.prefix_cache_hits - p.prefix_cache_hits)) / dq : null,
+  };
+}
+
+function recordHistory(snap) {
+  const i = snap.engine_index;
+  const hist = (ui.history[i] = ui.history[i] || []);
+  if (snap.history && !hist.length) {
+    // the minutes before the page opened (the server's samples, one a second)
+    let prev = null;
+    for (const s of snap.history) {
+      hist.push(chartPoint(s.t, s, prev && prev.t, prev, s.kv_num_blocks || snap.config.num_blocks));
+      prev = s;
+    }
+  }
+  const k = snap.counters;
+  const t = snap.timestamp;
+  const prev = ui.prev[i];
+  if (prev && t <= prev.t) return; // the same (shared) snapshot again
+  hist.push(chartPoint(t, k, prev && prev.t, prev && prev.k, snap.config.num_blocks));
   while (hist.length && hist[0].t < t - HISTORY_S) hist.shift();
   ui.prev[i] = { t, k };
 }
