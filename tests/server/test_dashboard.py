@@ -170,6 +170,8 @@ def test_dashboard_in_a_real_browser(server, http):
             table = req["seqs"][0]["block_tables"][0]
             assert len(table) == len(set(table)) and abs(len(table) - blocks) <= 1  # it grows meanwhile
             assert page.locator(".details").first.is_visible()
+            time.sleep(1.5)  # a few polls of history for the charts
+            page.screenshot(path=str(ARTIFACTS / "dashboard_running.png"), full_page=True)
             # hovering a cell names its owners: the first block of the prompt, shared by both
             first = table[0]
             cols, cell = int(grid.get_attribute("data-cols")), int(grid.get_attribute("data-cell"))
@@ -180,8 +182,6 @@ def test_dashboard_in_a_real_browser(server, http):
             tip.wait_for(state="visible", timeout=5_000)
             assert tip.inner_text().startswith(f"block {first}: ")
             assert "dashboard-long" in tip.inner_text(), tip.inner_text()
-            time.sleep(1.5)  # a few polls of history for the charts
-            page.screenshot(path=str(ARTIFACTS / "dashboard_running.png"), full_page=True)
 
             stop.set()  # client gone: the server aborts the request and frees its blocks
             for worker in workers:
@@ -192,6 +192,11 @@ def test_dashboard_in_a_real_browser(server, http):
                 "() => document.querySelector('section.engine canvas.grid').dataset.used === '0'",
                 timeout=15_000)
             assert page.locator("ul[data-queue='running'] li.request").count() == 0
+            # the tooltip under the still mouse follows the redraws: the block has no owner now
+            page.wait_for_function(
+                """(b) => { const t = document.getElementById('tooltip');
+                            return !t.hidden && t.textContent.startsWith('block ' + b + ': ')
+                                   && !t.textContent.includes('owners'); }""", arg=first, timeout=5_000)
             page.screenshot(path=str(ARTIFACTS / "dashboard_idle.png"), full_page=True)
             assert errors == []
         finally:

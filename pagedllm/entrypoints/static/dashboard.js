@@ -211,6 +211,8 @@ function renderEngine(view, snap) {
   }
   renderQueues(view, snap, states);
   renderDetails(view, snap);
+  const h = ui.hover;
+  if (h && h.view === view && h.canvas.isConnected) hover(h.ev, view, h.canvas, h.isHost);
 }
 
 function selectedBlocks(snap) {
@@ -280,6 +282,8 @@ function drawGrid(canvas, states, groups, group, highlighted) {
 }
 
 function hover(ev, view, canvas, isHost) {
+  // kept so that the next poll's redraw refreshes the tooltip under a still mouse
+  ui.hover = { ev: { clientX: ev.clientX, clientY: ev.clientY }, view, canvas, isHost };
   const rect = canvas.getBoundingClientRect();
   const cell = Number(canvas.dataset.cell), cols = Number(canvas.dataset.cols);
   const x = Math.floor((ev.clientX - rect.left) * canvas.width / rect.width / cell);
@@ -298,7 +302,10 @@ function hover(ev, view, canvas, isHost) {
 }
 
 function hideTooltip() {
-  document.getElementById("tooltip").hidden = true;
+  ui.hover = null;
+  const tip = document.getElementById("tooltip");
+  tip.hidden = true;
+  tip.textContent = "";
 }
 
 function renderQueues(view, snap, states) {
