@@ -1,6 +1,7 @@
 """Offline throughput: all requests at once, output tokens/s, peak RSS; backends side by side.
 
     python -m benchmarks.throughput --workload seed20 --compare pagedllm,hf --hf-batch-size 1
+    python -m benchmarks.throughput --plot benchmarks/results/side_by_side.jsonl --plot-out chart.png
 
 Each backend runs in its own child process (so its peak RSS is its own), one after the other:
 one start-up, then `--repeats` timed runs of the whole workload (the median run is reported,
@@ -281,11 +282,63 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-python", default=None,
                    help="interpreter for the vllm backend (default: this one)")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--plot", default=None, metavar="JSONL",
+                   help="draw recorded results (--json-out lines) as a bar chart and exit")
+    p.add_argument("--plot-out", default="throughput.png", help="the chart's PNG (with --plot)")
+    p.add_argument("--plot-title", default=None, help="the chart's title, e.g. the CPU it ran on")
     return p
+
+
+WORKLOAD_OF_SIZE = {1: "single", 20: "seed20", 200: "burst200"}
+
+
+def plot_results(rows: list[dict], out: str, title: str | None = None) -> str:
+    """Output tokens/s per workload (grouped by request count) and backend, with each run's
+    figure as a dot over the median's bar; the last row of a (workload, backend) pair wins."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    latest: dict[tuple[int, str], dict] = {}
+    for r in rows:
+        latest[(r["num_requests"], r["backend"])] = r
+    sizes = sorted({n for n, _ in latest})
+    backends = list(dict.fromkeys(b for _, b in latest))
+    width = 0.8 / len(backends)
+    fig, ax = plt.subplots(figsize=(1.6 + 2.2 * len(sizes), 3.6))
+    for j, backend in enumerate(backends):
+        xs, ys = [], []
+        for i, n in enumerate(sizes):
+            r = latest.get((n, backend))
+            if r is None:
+                continue
+            x = i + (j - (len(backends) - 1) / 2) * width
+            xs.append(x)
+            ys.append(r["output_tokens_per_s"])
+            runs = r.get("runs_output_tokens_per_s") or []
+            ax.plot([x] * len(runs), runs, ".", color="black", markersize=3)
+            ax.text(x, r["output_tokens_per_s"], f"{r['output_tokens_per_s']:.0f}", ha="center",
+                    va="bottom", fontsize=7)
+        ax.bar(xs, ys, width * 0.95, label=backend)
+    ax.set_xticks(range(len(sizes)))
+    ax.set_xticklabels([f"{WORKLOAD_OF_SIZE.get(n, '')} ({n} req)" for n in sizes])
+    ax.set_ylabel("output tokens/s (median; dots: runs)")
+    ax.set_title(title or "throughput", fontsize=9)
+    ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(out, dpi=150)
+    plt.close(fig)
+    return out
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
+    if args.plot:
+        with open(args.plot) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        print(plot_results(rows, args.plot_out, args.plot_title))
+        return rows
     if not args.compare:
         res = BACKENDS[args.backend](args, args.model)
         print(json.dumps(res), flush=True)

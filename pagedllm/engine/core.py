@@ -37,6 +37,7 @@ from pagedllm.engine.core_messages import (
     SampleDelta,
 )
 from pagedllm.engine.errors import STALL_STEPS, EngineFatalError, SchedulerStallError
+from pagedllm.engine.engine_state import core_engine_state
 from pagedllm.engine.input_processing import InputProcessor
 from pagedllm.engine.kv_stats import KVCacheStats, KVCacheStatsTracker
 from pagedllm.engine.request_state import RequestState
@@ -167,6 +168,7 @@ class EngineCore:
         # reads them.
         self._step_tokens: collections.deque[int] = collections.deque(maxlen=4096)
         self._num_steps = 0
+        self.num_batched_tokens_total = 0  # tokens fed to the model, cumulative (engine_state)
         self.startup_seconds = time.perf_counter() - t0
         log_kernel_status(self.device)  # which path runs: the C kernels or plain torch
         logger.info("Engine core ready in %.1f s (%s, %s)", self.startup_seconds, self.device,
@@ -522,6 +524,7 @@ class EngineCore:
             self.step_cost.observe(sched_out.num_batched_tokens, time.perf_counter() - t0)
         self._num_steps += 1
         self._step_tokens.append(sched_out.num_batched_tokens)
+        self.num_batched_tokens_total += sched_out.num_batched_tokens
         self.scheduler.update_after_step(sched_out, runner_out.num_accepted if runner_out else None)
         if self.proposer is not None:
             self.proposer.after_step(sched_out, runner_out.num_accepted if runner_out else {})
@@ -794,6 +797,11 @@ class EngineCore:
     def reset_kv_cache_peak(self) -> None:
         self._kv_stats.reset_peak()
 
+    def engine_state(self) -> dict[str, Any]:
+        """The block map, queues and block tables now (engine/engine_state.py): made only when
+        asked, between steps (the dashboard's poll is a utility call)."""
+        return core_engine_state(self)
+
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
@@ -805,7 +813,8 @@ class EngineCore:
 
     def utility(self, name: str, args: list[Any]) -> Any:
         """The calls a front end in another process may make (besides requests)."""
-        if name not in ("reset_prefix_cache", "reset_kv_cache_peak", "kv_cache_stats", "add_lora",
+        if name not in ("reset_prefix_cache", "reset_kv_cache_peak", "kv_cache_stats",
+                        "engine_state", "add_lora",
                         "remove_lora", "list_loras", "pin_lora"):
             raise ValueError(f"Unknown engine core call {name!r}.")
         return getattr(self, name)(*args)

@@ -15,6 +15,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.beam_search import beam_params_from_sampling, sampling_params_from_beam
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.core_messages import EngineCoreRequest
+from pagedllm.engine.engine_state import add_request_timings
 from pagedllm.engine.input_processing import InputProcessor, PromptType
 from pagedllm.engine.generation_defaults import load_generation_defaults
 from pagedllm.engine.kv_stats import KVCacheStats
@@ -217,6 +218,11 @@ class LLMEngine:
 
     def reset_kv_cache_peak(self) -> None:
         self.core.reset_kv_cache_peak()
+
+    def engine_state(self) -> dict[str, Any]:
+        """The dashboard's snapshot (docs/dashboard.md): block map, queues, block tables,
+        counters, each request's TTFT / ITL."""
+        return add_request_timings(self.core.engine_state(), self.output_processor)
 
     def reset_prefix_cache(self) -> bool:
         return self.core.reset_prefix_cache()

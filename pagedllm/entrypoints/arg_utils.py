@@ -178,6 +178,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "the prefix cache")
     g.add_argument("--disable-fastapi-docs", action="store_true",
                    help="no /docs, /redoc and /openapi.json")
+    g.add_argument("--disable-dashboard", action="store_true",
+                   help="no /dashboard page and no /v1/internal/engine_state (docs/dashboard.md)")
     from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
     from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 

@@ -81,6 +81,13 @@ def test_shared_system_prompt_stays_on_one_replica_and_hits_its_prefix_cache(cli
     hits = (value(after, "pagedllm:prefix_cache_hits_total", home)
             - value(before, "pagedllm:prefix_cache_hits_total", home))
     assert hits >= 3 * 64, hits  # the system prompt's blocks, reused by requests 2..4
+    # the dashboard's endpoint: one snapshot per replica, each equal to its /metrics series
+    engines = http.get("/v1/internal/engine_state").json()["engines"]
+    assert [e["engine_index"] for e in engines] == [0, 1]
+    for e in engines:
+        assert e["counters"]["prefix_cache_hits"] == value(after, "pagedllm:prefix_cache_hits_total",
+                                                           str(e["engine_index"]))
+        assert e["counters"]["kv_used_blocks"] == 0 and e["requests"] == []
 
 
 def wait_idle_all(http) -> dict:
@@ -138,4 +145,6 @@ def test_killing_one_replica_fails_only_its_requests(dp_server, client, http):
     out = client.completions.create(model=MODEL, prompt="Still serving?", max_tokens=3,
                                     temperature=0, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 3  # the live replica takes every request
+    engines = http.get("/v1/internal/engine_state").json()["engines"]  # the dead one named
+    assert "error" not in engines[0] and "killed by signal 9" in engines[1]["error"], engines
     assert dp_server.proc.poll() is None

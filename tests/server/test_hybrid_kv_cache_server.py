@@ -148,3 +148,30 @@ def test_streaming_past_the_window_then_a_plain_request(http):
     ok = _complete(http, prompt="t7 t8 t9", max_tokens=5)
     assert ok.status_code == 200, ok.text
     _wait_empty(http)
+
+
+def test_engine_state_names_each_blocks_group(http):
+    """The dashboard's snapshot of a hybrid pool: one group per block, as the tables say."""
+    from pagedllm.core.kv_snapshot import BLOCK_STATES, NO_GROUP, rle_decode
+
+    seen_used = False
+    with http.stream("POST", "/v1/completions", json={
+            "model": NAME, "prompt": _prompt(60), "max_tokens": 40, "ignore_eos": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            snap = http.get("/v1/internal/engine_state").json()["engines"][0]
+            assert snap["config"]["kv_cache_groups"] == ["full"] + ["sliding_window=8"] * 3
+            n = snap["config"]["num_blocks"]
+            states, groups = rle_decode(snap["blocks"]["rle"]), rle_decode(snap["blocks"]["groups_rle"])
+            assert len(states) == len(groups) == n
+            assert states.count(BLOCK_STATES.index("reserved")) == 1  # the null block
+            owner = {b: g for req in snap["requests"] for s in req["seqs"] if not s["on_host"]
+                     for g, table in enumerate(s["block_tables"]) for b in table if b >= 0}
+            for b in range(n):
+                held = BLOCK_STATES[states[b]] in ("used", "shared")
+                assert held == (b in owner), b
+                assert groups[b] == (owner[b] if held else NO_GROUP), b
+            seen_used = seen_used or bool(owner)
+    assert seen_used
+    _wait_empty(http)

@@ -3,7 +3,8 @@
     pagedllm serve [MODEL] [--host 127.0.0.1 --port 8000 --api-key KEY ...]
     python -m pagedllm.entrypoints.openai.api_server --model MODEL [flags]
 
-Endpoints: GET (and HEAD) /health, GET /version, /v1/models, /metrics; POST /v1/completions,
+Endpoints: GET (and HEAD) /health, GET /version, /v1/models, /metrics, /dashboard and its data
+/v1/internal/engine_state (unless --disable-dashboard; dashboard.py); POST /v1/completions,
 /v1/chat/completions, /tokenize, /detokenize; with --enable-lora and runtime updating allowed,
 POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_models.py). Start-up: the flags are validated, the port is
 bound (a busy port fails before the model loads), the engine core process(es) load the model
@@ -44,6 +45,7 @@ from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.input_processing import check_prompt_chars
 from pagedllm.entrypoints.openai.chat import DEFAULT_RENDER_TIMEOUT_S, ChatServer, RequestTemplates
 from pagedllm.entrypoints.openai.completions import CompletionServer
+from pagedllm.entrypoints.openai.dashboard import install_dashboard, is_dashboard_page
 from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
     as_openai_error,
@@ -80,9 +82,9 @@ UNPROTECTED_PATHS = ("/health", "/metrics")
 
 
 class APIKeyMiddleware:
-    """401 unless `Authorization: Bearer <api key>` with one of the keys (health and metrics
-    are open). Plain ASGI (not BaseHTTPMiddleware), so that streaming and disconnect detection
-    pass through as is."""
+    """401 unless `Authorization: Bearer <api key>` with one of the keys (health, metrics and
+    GETs of the dashboard page's static files are open; its data endpoint is not). Plain ASGI
+    (not BaseHTTPMiddleware), so that streaming and disconnect detection pass through as is."""
 
     def __init__(self, app, api_key: str | list[str]) -> None:
         self.app = app
@@ -91,7 +93,8 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:
         if (scope["type"] != "http" or scope.get("method") == "OPTIONS"
-                or scope.get("path") in UNPROTECTED_PATHS):
+                or scope.get("path") in UNPROTECTED_PATHS
+                or (scope.get("method") == "GET" and is_dashboard_page(scope.get("path", "")))):
             await self.app(scope, receive, send)
             return
         given = Headers(scope=scope).get("authorization", "").encode()
@@ -153,6 +156,7 @@ class HTTPOptions:
     disable_fastapi_docs: bool = False
     limits: HTTPLimits = field(default_factory=HTTPLimits)
     templates: RequestTemplates = field(default_factory=RequestTemplates)
+    dashboard: bool = True  # GET /dashboard and /v1/internal/engine_state (dashboard.py)
 
 
 def new_app(opts: HTTPOptions, lifecycle: Lifecycle, api_key: str | list[str] | None, lifespan) -> FastAPI:
@@ -257,6 +261,9 @@ def build_app(ctx: ServingContext, api_key: str | list[str] | None = None,
             raise OpenAIError("Metrics are off.", 404)
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
+    if opts.dashboard:
+        install_dashboard(app, engine)
+
     @app.post("/v1/completions")
     @with_cancellation
     async def create_completion(request: CompletionRequest, raw_request: Request):
@@ -360,6 +367,7 @@ def _http_options(args: argparse.Namespace, limits: HTTPLimits, templates: Reque
         root_path=getattr(args, "root_path", None),
         disable_fastapi_docs=bool(getattr(args, "disable_fastapi_docs", False)),
         limits=limits, templates=templates,
+        dashboard=not getattr(args, "disable_dashboard", False),
     )
 
 
