@@ -51,6 +51,7 @@ def _script(path, body: str) -> str:
 
 
 @needs_compiler
+@pytest.mark.slow  # seconds (a subprocess / a compile): not in the quick `not slow` run
 def test_loading_kernels_keeps_denormals():
     """gcc links crtfastmath.o into a library linked with -ffast-math, and its constructor sets
     flush-to-zero / denormals-are-zero for the whole process (torch, numpy, the user's code).
@@ -199,6 +200,7 @@ def test_disabled_kernels_are_reported(fresh, monkeypatch):
 
 
 @needs_compiler
+@pytest.mark.slow  # seconds (a subprocess / a compile): not in the quick `not slow` run
 def test_active_kernels_are_reported(fresh):
     status = kernel_status()
     assert status.any_active and all(k.active for k in status.kernels.values()), status
@@ -227,6 +229,7 @@ def _version(**env) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=full, timeout=300)
 
 
+@pytest.mark.slow  # seconds (a subprocess / a compile): not in the quick `not slow` run
 def test_version_shows_the_torch_path_when_disabled():
     import pagedllm
 
@@ -236,6 +239,7 @@ def test_version_shows_the_torch_path_when_disabled():
     assert "torch" in proc.stdout and kernel_build.DISABLE_ENV in proc.stdout
 
 
+@pytest.mark.slow  # seconds (a subprocess / a compile): not in the quick `not slow` run
 def test_version_shows_a_missing_compiler(tmp_path):
     proc = _version(CC=str(tmp_path / "no-such-cc"), PAGEDLLM_CACHE_DIR=str(tmp_path))
     assert proc.returncode == 0, proc.stderr
@@ -243,6 +247,7 @@ def test_version_shows_a_missing_compiler(tmp_path):
 
 
 @needs_compiler
+@pytest.mark.slow  # seconds (a subprocess / a compile): not in the quick `not slow` run
 def test_version_lists_the_active_kernels():
     proc = _version()
     assert proc.returncode == 0, proc.stderr

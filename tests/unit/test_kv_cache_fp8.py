@@ -269,6 +269,7 @@ def test_registered_op_takes_the_scales(dtype):
         torch.ops.pagedllm.paged_decode_attention(q, k, v, kv, slots, tables, ctx, 0.25, None)
 
 
+@pytest.mark.slow  # seconds (a subprocess / a compile): not in the quick `not slow` run
 def test_compiled_graph_mutates_an_fp8_cache_in_place():
     """Under torch.compile (inductor, as the decode graphs) the op is one node that writes the
     fp8 cache input in place and reads the scale inputs (the run is ~4 s of compiling)."""

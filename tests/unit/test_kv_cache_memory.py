@@ -38,6 +38,7 @@ def test_cache_is_zeroed_with_the_right_shape():
 
 @pytest.mark.skipif(not _THP.exists() or "[never]" in _THP.read_text() or not Path("/proc/self/smaps").exists(),
                     reason="no transparent huge pages here")  # fmt: skip
+@pytest.mark.slow  # seconds (a subprocess / a compile): not in the quick `not slow` run
 def test_large_cache_is_advised_onto_huge_pages():
     """The cache's memory carries the huge-page advice (smaps flag `hg`) before it is touched;
     whether the kernel then finds free 2 MB pages depends on the machine's fragmentation."""

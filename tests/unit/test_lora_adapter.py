@@ -443,6 +443,7 @@ def test_lora_request_wire_form():
         msgspec.msgpack.decode(msgspec.msgpack.encode(["sql", 1, "/p", 10]), type=LoRARequest)
 
 
+@pytest.mark.slow  # seconds (a subprocess / a compile): not in the quick `not slow` run
 def test_request_imports_no_torch_and_loader_no_peft(llama_adapter):
     """The front end imports `LoRARequest` without torch; serving loads adapters without peft."""
     import subprocess

@@ -72,6 +72,7 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
         tops.lora_shrink_triton(x, a, idx, torch.empty(2, 8))
 
 
+@pytest.mark.slow  # seconds (a subprocess / a compile): not in the quick `not slow` run
 def test_imports_without_triton():
     assert_needs_triton_without_it("pagedllm.lora.triton_ops",
                                    "t.lora_shrink_triton(torch.zeros(1, 1), None, None, None)", checks="import torch\n")

@@ -121,6 +121,7 @@ def random_workload(seed: int, policy: str = "fcfs", hybrid: bool = False) -> Co
 NUM_CONFIGURATIONS = 2000
 
 
+@pytest.mark.slow  # seconds (a subprocess / a compile): not in the quick `not slow` run
 def test_randomized_liveness_every_request_finishes_or_was_rejected():
     totals = {"requests": 0, "rejected": 0, "steps": 0, "preempted": 0, "swap_out": 0,
               "aborted": 0}
@@ -164,6 +165,7 @@ def test_lockstep_group_is_recomputed_whole_when_the_host_pool_is_full():
 NUM_PRIORITY_CONFIGURATIONS = 500
 
 
+@pytest.mark.slow  # seconds (a subprocess / a compile): not in the quick `not slow` run
 def test_randomized_liveness_under_the_priority_policy():
     """The same workloads with random priorities: the liveness argument (module docstring of
     core/scheduler.py) orders by (priority, arrival), and with finitely many arrivals every
@@ -177,6 +179,7 @@ def test_randomized_liveness_under_the_priority_policy():
     assert preempted > 1000 and swapped > 500 and beams > 300
 
 
+@pytest.mark.slow  # seconds (a subprocess / a compile): not in the quick `not slow` run
 def test_randomized_liveness_with_kv_cache_groups():
     """The same workloads on a hybrid KV cache (a full and a sliding group, sliding groups only,
     two windows): every request finishes or is refused, the runner's per-group tables follow

@@ -70,6 +70,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.slow  # seconds (a subprocess / a compile): not in the quick `not slow` run
 def test_parallel_mlp_and_head_equal_dense(tmp_path, world):
     mp.start_processes(_rank_main, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True,
                        start_method="spawn")

@@ -569,6 +569,7 @@ def test_e4m3_refused_before_sm89(monkeypatch):
                                   v_scale=torch.ones(3))
 
 
+@pytest.mark.slow  # seconds (a subprocess / a compile): not in the quick `not slow` run
 def test_imports_without_triton():
     """With triton unimportable the module still imports, and its functions say what is missing."""
     assert_needs_triton_without_it("pagedllm.layers.backends.triton_attention",
@@ -698,6 +699,7 @@ COMPILE_CASES = [
 @needs_ptxas
 @pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize("head_dim,q_dtype", [(256, torch.bfloat16), (128, torch.float16)])
+@pytest.mark.slow  # seconds (a subprocess / a compile): not in the quick `not slow` run
 def test_softcap_compiles_to_cuda_binary(monkeypatch, tmp_path, capability, head_dim, q_dtype):
     """The SOFTCAP variants compile for sm_80 / sm_90 without register spills, at Gemma 2 9B's
     attention (16 query / 8 KV heads of 256, window 4096, cap 50) and at head_dim 128
@@ -725,6 +727,7 @@ def test_softcap_compiles_to_cuda_binary(monkeypatch, tmp_path, capability, head
 @needs_ptxas
 @pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: f"{c[0]}x{c[1]}-d{c[2]}-b{c[3]}-{str(c[5])[6:]}")
+@pytest.mark.slow  # seconds (a subprocess / a compile): not in the quick `not slow` run
 def test_compiles_to_cuda_binary(monkeypatch, tmp_path, capability, case):
     """What the interpreter cannot show: Triton's compiler accepts every kernel (types, dot
     shapes, layouts) and ptxas assembles it for sm_80 / sm_90 without register spills, with

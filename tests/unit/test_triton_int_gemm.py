@@ -230,6 +230,7 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
         tig.int_gemm_triton(torch.randn(2, 64), qweight, scales, zeros, 4, 16)
 
 
+@pytest.mark.slow  # seconds (a subprocess / a compile): not in the quick `not slow` run
 def test_imports_without_triton():
     """With triton unimportable the module still imports; the function says what is missing and
     the layer hook declines (the caller keeps the torch path)."""
