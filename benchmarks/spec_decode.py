@@ -10,7 +10,7 @@ Targets (`--targets`, comma-separated):
   held-out passage, repeat a code block with one change, multi-turn chat quoting an earlier
   turn; greedy, EOS honoured) one request at a time through the offline `LLM` API, plain and
   with `{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-  "prompt_lookup_min": 2}` for each k of `--ks`: output tok/s (median run), the ratio to plain,
+  "prompt_lookup_min": 2}` (`--lookup-max`, `--lookup-min`) for each k of `--ks`: output tok/s (median run), the ratio to plain,
   acceptance per category (from the engine core's `spec_stats`: drafted and accepted tokens,
   per-position acceptance = accepted at position j / drafts, vLLM's figure), tokens per forward
   step, and the requests whose output differs from plain (greedy: must be 0).
@@ -82,9 +82,9 @@ LLAMA_SPEC_OPTIONS = [
 ]
 
 
-def spec_config(k: int) -> dict:
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-            "prompt_lookup_min": 2}
+def spec_config(k: int, lookup_min: int = 2, lookup_max: int = 4) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": lookup_max,
+            "prompt_lookup_min": lookup_min}
 
 
 def loadavg() -> str:
@@ -116,13 +116,34 @@ def machine_info() -> dict:
 
 # ---- pagedllm --------------------------------------------------------------------------------
 
-def make_llm(args, k: int | None, **kw):
+def ngram_setting(value: str, args) -> tuple[int, int, int]:
+    """`--ks` item "K" or "K:MIN-MAX": (num_speculative_tokens, prompt_lookup_min, _max)."""
+    k, _, lookup = value.partition(":")
+    lo, _, hi = lookup.partition("-")
+    return int(k), int(lo or args.lookup_min), int(hi or args.lookup_max)
+
+
+def config_label(k) -> str:
+    """"plain", "ngram k=4" (the run's --lookup-min/max) or "ngram k=7 n=1..4"."""
+    if not k:
+        return "plain"
+    if isinstance(k, tuple):
+        return f"ngram k={k[0]} n={k[1]}..{k[2]}"
+    return f"ngram k={k}"
+
+
+def make_llm(args, k: int | tuple | None, **kw):
+    """An engine: plain (k None), ngram with k tokens (the run's lookup), or ngram with a
+    (k, lookup_min, lookup_max) setting."""
     from pagedllm import LLM
 
     gc.collect()  # the previous engines' memory
     kw.setdefault("kv_cache_space", args.kv_cache_space)
+    if args.quant_compute:
+        kw.setdefault("quant_compute", args.quant_compute)
     if k:
-        kw["speculative_config"] = spec_config(k)
+        kw["speculative_config"] = spec_config(*k) if isinstance(k, tuple) else \
+            spec_config(k, args.lookup_min, args.lookup_max)
     t = time.perf_counter()
     llm = LLM(args.model, **kw)
     from pagedllm import SamplingParams
@@ -195,33 +216,24 @@ def acceptance(counts: dict, output_tokens: int) -> dict:
     return out
 
 
-def single_pass(args, reqs, k: int | None) -> tuple:
-    """One engine, the requests one at a time: per request the time, tokens, spec counts."""
+def run_one(llm, counter, r) -> tuple:
+    """One request alone on `llm` (prefix cache emptied first): its time, tokens, spec counts."""
     from pagedllm import SamplingParams
 
-    llm = make_llm(args, k)
-    counter = SpecCounter(llm)
-    times, tokens, counts = [], [], []
-    for r in reqs:
-        p = {"prompt": r.prompt, "prompt_token_ids": list(r.prompt_token_ids)}
-        llm.reset_prefix_cache()
-        counter.delta()
-        t = time.perf_counter()
-        out = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=r.max_tokens), use_tqdm=False)[0]
-        times.append(time.perf_counter() - t)
-        tokens.append(list(out.outputs[0].token_ids))
-        counts.append(counter.delta())
-    startup = llm._bench_startup_s
-    free(llm)
-    del llm
-    return times, tokens, counts, startup
+    p = {"prompt": r.prompt, "prompt_token_ids": list(r.prompt_token_ids)}
+    llm.reset_prefix_cache()
+    counter.delta()
+    t = time.perf_counter()
+    out = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=r.max_tokens), use_tqdm=False)[0]
+    return time.perf_counter() - t, list(out.outputs[0].token_ids), counter.delta()
 
 
 def summarise_single(reqs, passes, k) -> dict:
     rates = [sum(map(len, toks)) / sum(times) for times, toks, _, _ in passes]
     mid = sorted(range(len(passes)), key=lambda i: rates[i])[len(passes) // 2]
     times, tokens, counts, _ = passes[mid]
-    res = {"config": "plain" if not k else f"ngram k={k}", "k": k,
+    res = {"config": config_label(k), "k": k[0] if isinstance(k, tuple) else k,
+           "prompt_lookup": list(k[1:]) if isinstance(k, tuple) else None,
            "startup_s": [p[3] for p in passes],
            "output_tokens_per_s": round(rates[mid], 2), "runs_output_tokens_per_s": [round(r, 2) for r in rates],
            "elapsed_s": round(sum(times), 2), "output_tokens": sum(map(len, tokens)),
@@ -245,16 +257,27 @@ def summarise_single(reqs, passes, k) -> dict:
 
 
 def target_single(args, reqs) -> dict:
-    """Pass by pass, every config in turn (a fresh engine each time): plain, k1, k2, ...,
-    plain, ...; so that whatever else loads the machine falls on every config alike."""
+    """Every config's engine loaded at once; each pass runs the requests one at a time, each
+    request on every engine in turn (the order rotating from request to request), so that
+    whatever else loads the machine for a while falls on every config alike."""
     configs = [None, *args.ks]
+    llms = {k: make_llm(args, k) for k in configs}
+    counters = {k: SpecCounter(llms[k]) for k in configs}
     passes: dict = {k: [] for k in configs}
     for i in range(args.repeats):
+        runs = {k: ([], [], []) for k in configs}
+        for j, r in enumerate(reqs):
+            shift = (i + j) % len(configs)
+            for k in configs[shift:] + configs[:shift]:
+                for into, v in zip(runs[k], run_one(llms[k], counters[k], r)):
+                    into.append(v)
         for k in configs:
-            passes[k].append(single_pass(args, reqs, k))
-            rate = sum(map(len, passes[k][-1][1])) / sum(passes[k][-1][0])
-            print(f"  pass {i + 1} {'plain' if k is None else f'k={k}'}: {rate:.2f} tok/s  "
-                  f"load {loadavg()}", flush=True)
+            times, tokens, counts = runs[k]
+            passes[k].append((times, tokens, counts, llms[k]._bench_startup_s))
+            print(f"  pass {i + 1} {config_label(k)}: "
+                  f"{sum(map(len, tokens)) / sum(times):.2f} tok/s  load {loadavg()}", flush=True)
+    free(*llms.values())
+    del llms, counters
     plain = summarise_single(reqs, passes[None], None)
     rows = [plain]
     for k in args.ks:
@@ -272,7 +295,8 @@ def target_single(args, reqs) -> dict:
     out = {"requests": len(reqs), "categories": {c: sum(r.category == c for r in reqs) for c in CATEGORIES},
            "max_tokens": {c: next((r.max_tokens for r in reqs if r.category == c), None) for c in CATEGORIES},
            "prompt_tokens": sum(len(r.prompt_token_ids) for r in reqs),
-           "rows": rows, "best_k": best["k"] if best else None}
+           "rows": rows, "best_k": best["k"] if best else None,
+           "prompt_lookup": [args.lookup_min, args.lookup_max]}
     out["_plain_tokens"] = plain["_tokens"]
     for r in rows:
         r.pop("_tokens")
@@ -445,7 +469,8 @@ def target_llamacpp(args, reqs, paged: dict | None) -> dict:
     plain = run_llama(args, reqs, "plain", [], args.repeats)
     sweep_reqs = reqs[:args.llama_sweep_n]
     sweep = []
-    for name, extra in LLAMA_SPEC_OPTIONS:
+    options = [o for o in LLAMA_SPEC_OPTIONS if not args.llama_options or o[0] in args.llama_options]
+    for name, extra in options:
         try:
             r = run_llama(args, sweep_reqs, name, extra, 1)
         except Exception as exc:  # an option this build does not take
@@ -541,12 +566,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct Q4_1 GGUF")
     p.add_argument("--n", type=int, default=64, help="copy-heavy requests")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ks", default="2,4,6", help="num_speculative_tokens values for the single-stream target")
+    p.add_argument("--ks", default="2,4,6", help="ngram settings of the single-stream target: "
+                   "num_speculative_tokens K, or K:MIN-MAX to set prompt_lookup_min/max too")
     p.add_argument("--k", type=int, default=None,
                    help="k for seed20 / concurrency (default: the best of --ks in this run's single target, "
                         "else in --json-out's, else 4)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--lookup-min", type=int, default=2, help="prompt_lookup_min of every ngram config")
+    p.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max of every ngram config")
     p.add_argument("--kv-cache-space", type=float, default=1.0)
+    p.add_argument("--quant-compute", default=None,
+                   help="every pagedllm engine's quant_compute (e.g. int8: activations quantized per "
+                        "block of 32, as llama.cpp's dot products; default: the engine's, exact)")
     p.add_argument("--max-tokens", type=int, default=None, help="cap every request's max_tokens")
     p.add_argument("--seed20-workload", default="seed20")
     p.add_argument("--concurrency", default="1,2,4,8,16")
@@ -556,6 +587,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-threads", type=int, default=2)
     p.add_argument("--llama-ctx", type=int, default=4096)
     p.add_argument("--llama-sweep-n", type=int, default=16)
+    p.add_argument("--llama-options", default=None,
+                   help="'|'-separated names of LLAMA_SPEC_OPTIONS to sweep (default: all of them)")
     p.add_argument("--json-out", default=None, help=f"default {DEFAULT_JSON} (none with --quick)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: 4 requests capped at 8 tokens, one run, k=2, concurrency 2, seed20 -> tiny")
@@ -574,7 +607,11 @@ def main(argv: list[str] | None = None) -> dict:
         LLAMA_SPEC_OPTIONS[:] = LLAMA_SPEC_OPTIONS[:1]
     elif args.json_out is None:
         args.json_out = DEFAULT_JSON
-    args.ks = [int(x) for x in str(args.ks).split(",") if x]
+    args.ks = [ngram_setting(x, args) for x in str(args.ks).split(",") if x]
+    args.llama_options = [o for o in (args.llama_options or "").split("|") if o]
+    unknown_options = set(args.llama_options) - {name for name, _ in LLAMA_SPEC_OPTIONS}
+    if unknown_options:
+        raise SystemExit(f"unknown --llama-options {sorted(unknown_options)}")
     args.concurrency = [int(x) for x in str(args.concurrency).split(",") if x]
     if args.gguf is None:
         from pagedllm.model_source import default_model_path
