@@ -123,18 +123,13 @@ def ngram_setting(value: str, args) -> tuple[int, int, int]:
     return int(k), int(lo or args.lookup_min), int(hi or args.lookup_max)
 
 
-def config_label(k) -> str:
-    """"plain", "ngram k=4" (the run's --lookup-min/max) or "ngram k=7 n=1..4"."""
-    if not k:
-        return "plain"
-    if isinstance(k, tuple):
-        return f"ngram k={k[0]} n={k[1]}..{k[2]}"
-    return f"ngram k={k}"
+def config_label(k: tuple[int, int, int] | None) -> str:
+    """"plain" or "ngram k=7 n=2..4"."""
+    return "plain" if not k else f"ngram k={k[0]} n={k[1]}..{k[2]}"
 
 
-def make_llm(args, k: int | tuple | None, **kw):
-    """An engine: plain (k None), ngram with k tokens (the run's lookup), or ngram with a
-    (k, lookup_min, lookup_max) setting."""
+def make_llm(args, k: tuple[int, int, int] | None, **kw):
+    """An engine: plain (k None) or ngram with a (k, lookup_min, lookup_max) setting."""
     from pagedllm import LLM
 
     gc.collect()  # the previous engines' memory
@@ -142,8 +137,7 @@ def make_llm(args, k: int | tuple | None, **kw):
     if args.quant_compute:
         kw.setdefault("quant_compute", args.quant_compute)
     if k:
-        kw["speculative_config"] = spec_config(*k) if isinstance(k, tuple) else \
-            spec_config(k, args.lookup_min, args.lookup_max)
+        kw["speculative_config"] = spec_config(*k)
     t = time.perf_counter()
     llm = LLM(args.model, **kw)
     from pagedllm import SamplingParams
@@ -232,8 +226,8 @@ def summarise_single(reqs, passes, k) -> dict:
     rates = [sum(map(len, toks)) / sum(times) for times, toks, _, _ in passes]
     mid = sorted(range(len(passes)), key=lambda i: rates[i])[len(passes) // 2]
     times, tokens, counts, _ = passes[mid]
-    res = {"config": config_label(k), "k": k[0] if isinstance(k, tuple) else k,
-           "prompt_lookup": list(k[1:]) if isinstance(k, tuple) else None,
+    res = {"config": config_label(k), "k": k[0] if k else None,
+           "prompt_lookup": list(k[1:]) if k else None,
            "startup_s": [p[3] for p in passes],
            "output_tokens_per_s": round(rates[mid], 2), "runs_output_tokens_per_s": [round(r, 2) for r in rates],
            "elapsed_s": round(sum(times), 2), "output_tokens": sum(map(len, tokens)),
@@ -315,7 +309,7 @@ def timed_batch(llm, prompts, params, counter) -> tuple[float, int, dict, list]:
 
 def alternate(args, prompts, params, k: int, **kw) -> dict:
     """Plain and ngram engines side by side, runs alternating (plain, spec, plain, ...)."""
-    plain, spec = make_llm(args, None, **kw), make_llm(args, k, **kw)
+    plain, spec = make_llm(args, None, **kw), make_llm(args, ngram_setting(str(k), args), **kw)
     cp, cs = SpecCounter(plain), SpecCounter(spec)
     runs = {"plain": [], "spec": []}
     toks = {}

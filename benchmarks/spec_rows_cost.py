@@ -2,7 +2,7 @@
 `num_speculative_tokens` on a CPU).
 
     flock /tmp/pagedllm-cpu.lock python -m benchmarks.spec_rows_cost --ks 0,1,2,3,4,5,6,7,8,9,11,15
-    PAGEDLLM_KERNEL_MARCH=x86-64-v3 python -m benchmarks.spec_rows_cost --ks 0,3,4,7   # the AVX2 build
+    PAGEDLLM_KERNEL_MARCH=x86-64-v3 flock /tmp/pagedllm-cpu.lock python -m benchmarks.spec_rows_cost --ks 0,3,4,7   # the AVX2 build
 
 One sequence decodes a cyclic prompt (40 token ids repeated 6 times) greedily with
 `{"method": "ngram", "num_speculative_tokens": k}` (k = 0: the plain engine), so that nearly
@@ -29,8 +29,9 @@ def step_cost(model: str | None, k: int, repeats: int = 5) -> tuple[float, float
     """(median ms per engine step, median tokens per step) for k drafts (0: plain)."""
     from pagedllm import LLM, SamplingParams
 
-    kw = {} if k == 0 else {"speculative_config": {"method": "ngram", "num_speculative_tokens": k,
-                                                    "prompt_lookup_max": 4, "prompt_lookup_min": 2}}
+    from benchmarks.spec_decode import spec_config
+
+    kw = {} if k == 0 else {"speculative_config": spec_config(k)}
     llm = LLM(model, **kw)
     prompt = {"prompt_token_ids": list(range(1000, 1040)) * 6}
     params = SamplingParams(temperature=0.0, max_tokens=8 * (k + 1) + 1, ignore_eos=True)
