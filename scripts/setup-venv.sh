@@ -6,6 +6,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
+# Skip everything when .venv is current: a stamp of what decides the install (pyproject.toml,
+# this script, the extras asked for, the interpreter) written after the last complete set-up.
+# A fresh clone has no .venv, so it installs from nothing; PAGEDLLM_FORCE_SETUP=1 redoes it.
+STAMP_FILE=".venv/.pagedllm-setup-${EXTRAS:-none}.stamp"
+STAMP="$(cat pyproject.toml scripts/setup-venv.sh | sha256sum | cut -d' ' -f1) extras=${EXTRAS:-} py=$("$PY" -c 'import sys; print(sys.version.split()[0])')"
+if [ -z "${PAGEDLLM_FORCE_SETUP:-}" ] && [ -x .venv/bin/python ] && [ -f "$STAMP_FILE" ] \
+   && [ "$(cat "$STAMP_FILE")" = "$STAMP" ]; then
+  exit 0
+fi
+rm -f "$STAMP_FILE"
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
   .venv/bin/python -m pip install --quiet --upgrade pip
@@ -33,3 +43,4 @@ if [[ ",${EXTRAS:-}," == *",test,"* ]] && ! command -v chromium >/dev/null 2>&1;
     echo "note: chromium is not installed (needs apt-get as root or password-less sudo); the dashboard's browser test will skip" >&2
   fi
 fi
+echo "$STAMP" > "$STAMP_FILE"

@@ -19,6 +19,21 @@ import pytest
 _SLOW_DIRS = ("integration", "server")
 
 
+def pytest_sessionstart(session):
+    from tests import startups
+
+    startups.count_engine_cores()
+
+
+def pytest_terminal_summary(terminalreporter):
+    from tests import startups
+
+    if startups.counts:
+        terminalreporter.write_sep("-", "start-ups in this run")
+        for kind, n in sorted(startups.counts.items()):
+            terminalreporter.write_line(f"{n:5d}  {kind}")
+
+
 def pytest_collection_modifyitems(config, items):
     cuda = None
     for item in items:

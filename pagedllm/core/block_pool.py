@@ -112,16 +112,23 @@ class FreeKVBlockQueue:
 
 
 class BlockPool:
-    """All physical blocks, their ref counts, the free queue and `hash -> block` map."""
+    """All physical blocks, their ref counts, the free queue and `hash -> block` map.
+
+    Blocks are made on first use. `blocks` holds ids `0 .. len(blocks) - 1`, the ones ever
+    handed out; the rest (`num_fresh`) have never been used: free, unhashed, and first in LRU
+    order, ahead of every freed block, as if the queue had started as `0, 1, 2, ...`. A pool
+    sized in bytes can hold millions of blocks (a small model's swap space: 4 GiB of 2 KiB
+    blocks), and making each one up front cost seconds and hundreds of MB at start-up.
+    """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True, num_groups: int = 1) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
-        # Block-id order at start, so the first allocation returns 0, 1, 2, ...
-        self.free_block_queue = FreeKVBlockQueue(self.blocks)
+        self.blocks: list[KVBlock] = []  # index == block_id; grows as fresh blocks are taken
+        # Blocks freed after use, least recently freed first; fresh ones come before them all.
+        self.free_block_queue = FreeKVBlockQueue()
         self.cached_block_hash_to_block: dict[BlockHash, KVBlock] = {}
         # Blocks with ref_count > 1, kept up to date by touch/free so statistics cost O(1).
         self.num_shared_blocks = 0
@@ -130,8 +137,19 @@ class BlockPool:
         self.num_used_by_group = [0] * num_groups
 
     @property
+    def num_fresh(self) -> int:
+        """Blocks never handed out (not yet in `blocks`): free, and taken before freed ones."""
+        return self.num_blocks - len(self.blocks)
+
+    @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_queue)
+        return len(self.free_block_queue) + self.num_fresh
+
+    def free_block_ids(self) -> Iterator[int]:
+        """Free block ids in the order they will be handed out (fresh ones first)."""
+        yield from range(len(self.blocks), self.num_blocks)
+        for block in self.free_block_queue:
+            yield block.block_id
 
     @property
     def num_used_blocks(self) -> int:
@@ -151,7 +169,11 @@ class BlockPool:
             )
         blocks = []
         for _ in range(num_blocks):
-            block = self.free_block_queue.popleft()
+            if self.num_fresh:
+                block = KVBlock(block_id=len(self.blocks))
+                self.blocks.append(block)
+            else:
+                block = self.free_block_queue.popleft()
             assert block.ref_count == 0
             self._evict_cached_block(block)
             block.ref_count = 1

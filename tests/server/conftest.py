@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from tests import startups
 from tests.server.helpers import API_KEY, MAX_MODEL_LEN, free_port
 
 STARTUP_TIMEOUT_S = 240
@@ -70,6 +71,7 @@ def serving(args: list[str], cwd: str | None = None) -> Iterator[Server]:
     cmd = [sys.executable, *args, "--host", "127.0.0.1", "--port", str(port),
            "--api-key", API_KEY, "--uvicorn-log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    startups.record("servers started (pagedllm serve processes)")
     srv = Server("127.0.0.1", port, API_KEY, proc, log.name)
     try:
         _wait_healthy(srv)

@@ -1,5 +1,7 @@
 """BlockPool: exact block ids, LRU free order, ref counts, hash map and eviction."""
 
+import itertools
+
 import pytest
 
 from pagedllm.core.block_pool import BlockPool, FreeKVBlockQueue, KVBlock, hash_block_tokens
@@ -10,7 +12,7 @@ def ids(blocks):
 
 
 def free_ids(pool: BlockPool) -> list[int]:
-    return ids(pool.free_block_queue)
+    return list(pool.free_block_ids())
 
 
 def test_free_queue_o1_operations():
@@ -165,3 +167,21 @@ def test_caching_disabled_never_hashes():
 def test_invalid_size():
     with pytest.raises(ValueError):
         BlockPool(0)
+
+
+def test_blocks_are_made_on_first_use_in_the_same_order():
+    """A small model's 4 GiB swap space is millions of blocks: none is made before it is used
+    (it took seconds and hundreds of MB per engine), and the order is still fresh ids first,
+    then freed blocks, least recently freed first."""
+    pool = BlockPool(2_000_000)
+    assert pool.blocks == [] and pool.num_free_blocks == 2_000_000 and pool.num_fresh == 2_000_000
+    a = pool.get_new_blocks(3)
+    assert ids(a) == [0, 1, 2] and len(pool.blocks) == 3
+    pool.free_blocks([a[1]])
+    assert list(itertools.islice(pool.free_block_ids(), 2)) == [3, 4]
+    assert ids(pool.get_new_blocks(2)) == [3, 4]  # fresh before the freed block 1
+    assert pool.num_free_blocks == 2_000_000 - 4
+    small = BlockPool(3)
+    taken = small.get_new_blocks(3)
+    small.free_blocks([taken[2], taken[0]])
+    assert list(small.free_block_ids()) == [2, 0] and ids(small.get_new_blocks(2)) == [2, 0]

@@ -34,7 +34,7 @@ def run(kv: KVCacheManager, seq: Sequence, num_new: int | None = None) -> list[i
 
 
 def refs(kv: KVCacheManager) -> list[int]:
-    return [b.ref_count for b in kv.block_pool.blocks]
+    return [b.ref_count for b in kv.block_pool.blocks] + [0] * kv.block_pool.num_fresh
 
 
 @pytest.mark.parametrize("B", [8, 16, 32])
@@ -107,10 +107,10 @@ def test_prefix_hit_after_owner_is_freed():
     a = make_seq(prompt)
     assert run(kv, a) == [0, 1, 2]
     kv.free(a)  # tail first: 2 is evicted before 1 before 0
-    assert [b.block_id for b in kv.block_pool.free_block_queue] == [3, 4, 5, 2, 1, 0]
+    assert list(kv.block_pool.free_block_ids()) == [3, 4, 5, 2, 1, 0]
     b = make_seq(prompt + [50])
     assert run(kv, b) == [0, 1, 3]
-    assert [b.block_id for b in kv.block_pool.free_block_queue] == [4, 5, 2]
+    assert list(kv.block_pool.free_block_ids()) == [4, 5, 2]
     kv.check_invariants([b])
 
 
@@ -220,8 +220,8 @@ def test_fork_at_block_boundary_needs_no_copy():
 
 def _snapshot(kv: KVCacheManager):
     return (
-        [b.ref_count for b in kv.block_pool.blocks],
-        [b.block_id for b in kv.block_pool.free_block_queue],
+        [b.ref_count for b in kv.block_pool.blocks] + [0] * kv.block_pool.num_fresh,
+        list(kv.block_pool.free_block_ids()),
         {k: [b.block_id for b in v] for k, v in kv.req_to_blocks.items()},
         list(kv._pending_copies),
     )

@@ -39,7 +39,7 @@ def test_hash_chain_is_parent_tokens_and_salt():
     kv.cache_full_blocks(a)
     assert kv.req_to_block_hashes[a.seq_id] == [h0, hash_block_tokens(h0, [3, 4])]
     assert [b.block_hash for b in kv.block_pool.blocks] == [h0, hash_block_tokens(h0, [3, 4]),
-                                                           None, None]
+                                                           None]  # block 3: never used yet
 
 
 def test_same_prefix_arriving_together_waits_one_step_and_hits():
@@ -95,7 +95,7 @@ def test_lru_eviction_order_and_surviving_prefix_hits():
     a.num_computed_tokens = 7
     kv.cache_full_blocks(a)
     kv.free(a)  # tail first: 3, 2, 1, 0 join the queue behind 4, 5
-    assert [b.block_id for b in kv.block_pool.free_block_queue] == [4, 5, 3, 2, 1, 0]
+    assert list(kv.block_pool.free_block_ids()) == [4, 5, 3, 2, 1, 0]
     b = seq([8, 9, 8, 9, 8, 9, 8])  # 4 blocks: takes 4, 5, 3 (unhashed) and evicts 2
     assert kv.allocate_slots(b, 7) and kv.get_block_ids(b.seq_id) == [4, 5, 3, 2]
     assert kv.block_pool.blocks[2].block_hash is None
