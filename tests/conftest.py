@@ -28,8 +28,11 @@ def pytest_sessionstart(session):
 def pytest_terminal_summary(terminalreporter):
     from tests import startups
 
-    if startups.counts:
+    setup = os.environ.get("PAGEDLLM_TEST_SETUP_SECONDS")
+    if startups.counts or setup:
         terminalreporter.write_sep("-", "start-ups in this run")
+        if setup:
+            terminalreporter.write_line(f"{int(setup):5d}  seconds of scripts/setup-venv.sh before pytest")
         for kind, n in sorted(startups.counts.items()):
             terminalreporter.write_line(f"{n:5d}  {kind}")
 
