@@ -670,7 +670,6 @@ class KVCacheManager:
             for g in range(len(self.groups))], ("per-group used counts", pool.num_used_by_group)
         free = list(pool.free_block_queue)  # freed after use; fresh blocks are not in `blocks`
         assert len(free) == len(pool.free_block_queue)
-        assert pool.num_free_blocks == len(free) + pool.num_fresh
         assert len({b.block_id for b in free}) == len(free)
         assert {b.block_id for b in free} == {b.block_id for b in pool.blocks if b.ref_count == 0}
         for block_hash, block in pool.cached_block_hash_to_block.items():
@@ -696,4 +695,3 @@ class KVCacheManager:
             assert block.block_hash is None
         free = {b.block_id for b in self.host_pool.free_block_queue}
         assert free == {b.block_id for b in self.host_pool.blocks if b.ref_count == 0}
-        assert self.host_pool.num_free_blocks == len(free) + self.host_pool.num_fresh
