@@ -73,8 +73,39 @@ def hf_smollm2(smollm2_gguf):
 
 
 @pytest.fixture(scope="session")
-def smollm2_llm(smollm2_gguf):
-    """One default-configured engine on SmolLM2 shared by the tests that don't change knobs."""
-    from pagedllm import LLM
+def smollm2_hf_folder(hf_smollm2, smollm2_gguf, tmp_path_factory) -> str:
+    """`hf_smollm2` saved as a plain float32 folder (config, safetensors, tokenizer): what loads
+    in a second where the GGUF takes transformers many (the HF side of benchmark smoke tests)."""
+    import copy
 
-    return LLM(smollm2_gguf, kv_cache_space=1.0, max_model_len=2048)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.smollm2 import hf_tokenizer
+
+    out = tmp_path_factory.mktemp("smollm2-hf")
+    hf_tokenizer(smollm2_gguf).save_pretrained(out)
+    config = copy.deepcopy(hf_smollm2.config)
+    if hasattr(config, "quantization_config"):  # loaded from GGUF: transformers refuses to save it
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(hf_smollm2.state_dict())
+    plain.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def shared_llm():
+    """`shared_llm(**config)`: the run's one `LLM(**config)` (tests/shared_engines.py), for tests
+    that only read an engine's behaviour; one that kills or reconfigures an engine builds its own."""
+    from tests.shared_engines import SharedEngines
+
+    engines = SharedEngines()
+    yield engines.get
+    engines.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(shared_llm, smollm2_gguf):
+    """One default-configured engine on SmolLM2 shared by the tests that don't change knobs."""
+    return shared_llm(model=smollm2_gguf, kv_cache_space=1.0, max_model_len=2048)

@@ -97,9 +97,10 @@ def record(arch: str, check: str, ok: bool, **extra: Any) -> None:
 
 
 def check_engine_greedy(arch: str, path: Path, hf_model, mode: str, references: dict[int, list[int]] | None = None,
-                        **llm_kwargs: Any) -> list[list[int]]:
+                        max_tokens: int = MAX_TOKENS, **llm_kwargs: Any) -> list[list[int]]:
     """Greedy output of the whole engine in `mode` equals transformers' `generate` on every
-    prompt (`references`, prompt index -> tokens, memoises transformers' side across modes)."""
+    prompt (`references`, prompt index -> tokens, memoises transformers' side across modes);
+    `max_tokens` below MAX_TOKENS compares that many (slow paths: Triton's interpreter)."""
     from pagedllm import LLM, SamplingParams
 
     prompts = tiny_prompts(hf_model.config.vocab_size)
@@ -115,7 +116,7 @@ def check_engine_greedy(arch: str, path: Path, hf_model, mode: str, references: 
     llm = LLM(str(path), **kwargs)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+                            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
         stats = llm.kv_cache_stats()
     finally:
         llm.shutdown()
@@ -124,7 +125,7 @@ def check_engine_greedy(arch: str, path: Path, hf_model, mode: str, references: 
     for i, p in enumerate(prompts):
         if i not in references:
             references[i] = hf_greedy(hf_model, p)
-    theirs = [references[i] for i in range(len(prompts))]
+    theirs = [references[i][:max_tokens] for i in range(len(prompts))]
     ok = ours == theirs
     record(arch, mode, ok, preemptions=stats.num_preemptions)
     for i, (a, b) in enumerate(zip(ours, theirs)):

@@ -3,13 +3,13 @@ integration and server tests."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from tests.integration.model_fixtures import save_tiny_llama
+from tests.smollm2 import hf_tokenizer
 
 # name -> peft LoraConfig keywords: random A and B (init_lora_weights=False), so every adapter
 # changes the output; ranks, scalings (rsLoRA) and target sets differ.
@@ -29,10 +29,7 @@ class TinyLoRA:
 
 
 def tokenizer(smollm2_gguf: str):
-    from transformers import AutoTokenizer
-
-    folder, name = os.path.split(smollm2_gguf)
-    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return hf_tokenizer(smollm2_gguf)
 
 
 def make_tiny_lora(root: Path, smollm2_gguf: str) -> TinyLoRA:

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from tests.smollm2 import hf_tokenizer
+
 TINY_VOCAB = 256
 
 
@@ -120,12 +122,9 @@ def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
 def save_tiny_llama(path: Path, smollm2_gguf: str):
     """A tiny random Llama (SmolLM2's tokenizer, hidden 64, 2 layers, GQA 4/2, weights N(0, 0.2))
     saved with its tokenizer to `path`; transformers' float32 model."""
-    import os
-
     import transformers as tf
 
-    folder, name = os.path.split(smollm2_gguf)
-    tok = tf.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tok = hf_tokenizer(smollm2_gguf)
     config = tf.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                             eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,

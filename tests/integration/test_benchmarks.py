@@ -31,9 +31,12 @@ def test_dataset_file(tmp_path, smollm2_llm):
 
 
 @pytest.mark.parametrize("backend", ["pagedllm", "hf"])
-def test_throughput_backends(backend, smollm2_gguf, tmp_path):
+def test_throughput_backends(backend, request, tmp_path):
+    # transformers reads the GGUF in Python for many seconds: its side reads the same weights
+    # from a float32 folder (the GGUF path of run_hf is the same call with gguf_file=).
+    model = request.getfixturevalue("smollm2_gguf" if backend == "pagedllm" else "smollm2_hf_folder")
     out = tmp_path / "r.jsonl"
-    [res] = throughput.main(["--backend", backend, "--model", smollm2_gguf, "--workload", "tiny",
+    [res] = throughput.main(["--backend", backend, "--model", model, "--workload", "tiny",
                              "--kv-cache-space", "0.1", "--hf-batch-size", "2", "--repeats", "2",
                              "--json-out", str(out)])
     expected = sum(r.max_tokens for r in load_workload("tiny", 49152))
@@ -56,8 +59,8 @@ def test_throughput_vllm_backend_when_installed(smollm2_gguf):
     assert res["output_tokens"] == sum(r.max_tokens for r in load_workload("tiny", 49152))
 
 
-def test_compare_runs_each_backend_in_a_child(smollm2_gguf):
-    rows = throughput.main(["--compare", "pagedllm,hf", "--model", smollm2_gguf, "--workload", "tiny",
+def test_compare_runs_each_backend_in_a_child(smollm2_hf_folder):
+    rows = throughput.main(["--compare", "pagedllm,hf", "--model", smollm2_hf_folder, "--workload", "tiny",
                             "--kv-cache-space", "0.1", "--hf-batch-size", "4", "--repeats", "1"])
     assert [r["backend"] for r in rows] == ["pagedllm", "hf(B=4)"]
     assert all(len(r["runs_output_tokens_per_s"]) == 1 for r in rows)

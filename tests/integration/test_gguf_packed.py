@@ -24,8 +24,8 @@ def _outputs(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def test_packed_gguf_keeps_no_float_copy_and_equals_the_float_path(monkeypatch):
-    packed = LLM(kv_cache_space=0.25)
+def test_packed_gguf_keeps_no_float_copy_and_equals_the_float_path(monkeypatch, smollm2_llm):
+    packed = smollm2_llm  # the default settings keep the GGUF packed
     model = packed.llm_engine.model
     for layer in model.model.layers:
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
@@ -34,7 +34,6 @@ def test_packed_gguf_keeps_no_float_copy_and_equals_the_float_path(monkeypatch):
     float_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert float_bytes < 1_000_000  # norms only: every matrix is packed
     packed_ids = _outputs(packed)
-    del packed
 
     monkeypatch.setenv("PAGEDLLM_GGUF_BLOCKS", "0")
     dense = LLM(kv_cache_space=0.25)
@@ -42,8 +41,8 @@ def test_packed_gguf_keeps_no_float_copy_and_equals_the_float_path(monkeypatch):
     assert _outputs(dense) == packed_ids
 
 
-def test_int8_path_runs_and_stays_close():
-    exact = _outputs(LLM(kv_cache_space=0.25))
+def test_int8_path_runs_and_stays_close(smollm2_llm):
+    exact = _outputs(smollm2_llm)  # quant_compute's default on this model is the exact path
     int8 = _outputs(LLM(kv_cache_space=0.25, quant_compute="int8"))
     first_diff = []
     for a, b in zip(exact, int8):

@@ -6,6 +6,7 @@ GGUF, alone and mixed with the base in one batch; prompt logprobs agree."""
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
@@ -18,17 +19,17 @@ import torch
 
 from pagedllm import LLM, LoRARequest, SamplingParams
 from tests.integration.lora_fixtures import greedy, prompt_logprobs
+from tests.smollm2 import hf_tokenizer
 
 PROMPTS = ["The history of the city begins", "Photosynthesis is the process by which",
            "def add(a, b):"]
 MAX_TOKENS = 12
 
 
-def _fresh_smollm2(smollm2_gguf: str):
-    from transformers import AutoModelForCausalLM
-
-    folder, name = os.path.split(smollm2_gguf)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+def _fresh_smollm2(hf_smollm2):
+    """A copy of the session's transformers SmolLM2 for peft to wrap (peft changes the model it
+    wraps; a copy costs a fraction of a second, a second load of the GGUF many seconds)."""
+    return copy.deepcopy(hf_smollm2)
 
 
 def _heldout_ids(tok) -> list[int]:
@@ -39,20 +40,18 @@ def _heldout_ids(tok) -> list[int]:
 TRAINED = "smollm2-qv-r8-200x24-v1"  # the recipe below; change the name when it changes
 
 
-def _trained_adapter(smollm2_gguf: str, cache: Path):
+def _trained_adapter(smollm2_gguf: str, hf_smollm2, cache: Path):
     """The adapter trained by peft (q/v, r=8, 200 AdamW steps on 24-token windows of the
     held-out text), trained once per machine (about 2 minutes on 2 cores) and kept under the
     pagedllm cache folder like the kernels; its peft model over a fresh float32 SmolLM2."""
     from peft import LoraConfig, PeftModel, get_peft_model
-    from transformers import AutoTokenizer
 
     path = cache / TRAINED
     if (path / "adapter_model.safetensors").exists():
-        return path, PeftModel.from_pretrained(_fresh_smollm2(smollm2_gguf), path).eval()
-    folder, name = os.path.split(smollm2_gguf)
-    ids = _heldout_ids(AutoTokenizer.from_pretrained(folder, gguf_file=name))
+        return path, PeftModel.from_pretrained(_fresh_smollm2(hf_smollm2), path).eval()
+    ids = _heldout_ids(hf_tokenizer(smollm2_gguf))
     torch.manual_seed(0)
-    model = get_peft_model(_fresh_smollm2(smollm2_gguf), LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+    model = get_peft_model(_fresh_smollm2(hf_smollm2), LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
                                                                       target_modules=["q_proj", "v_proj"]))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     gen = torch.Generator().manual_seed(0)
@@ -74,7 +73,7 @@ def _trained_adapter(smollm2_gguf: str, cache: Path):
 
 
 @pytest.fixture(scope="module")
-def adapters(tmp_path_factory, smollm2_gguf):
+def adapters(tmp_path_factory, smollm2_gguf, hf_smollm2):
     """name -> (folder, peft model): `trained` (see `_trained_adapter`) and `random` (all seven
     projections, r=16, random B)."""
     from peft import LoraConfig, get_peft_model
@@ -84,9 +83,9 @@ def adapters(tmp_path_factory, smollm2_gguf):
     cache = Path(cache_dir()) / "test-adapters"
     cache.mkdir(parents=True, exist_ok=True)
     root = tmp_path_factory.mktemp("lora-smollm2")
-    out = {"trained": _trained_adapter(smollm2_gguf, cache)}
+    out = {"trained": _trained_adapter(smollm2_gguf, hf_smollm2, cache)}
     torch.manual_seed(1)
-    rnd = get_peft_model(_fresh_smollm2(smollm2_gguf), LoraConfig(
+    rnd = get_peft_model(_fresh_smollm2(hf_smollm2), LoraConfig(
         r=16, lora_alpha=16, lora_dropout=0.0, init_lora_weights=False,
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     with torch.no_grad():

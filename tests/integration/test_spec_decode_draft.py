@@ -26,8 +26,9 @@ def random_draft(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plain():
-    return LLM(max_model_len=1024, num_kv_blocks=512)
+def plain(smollm2_llm):
+    """The reference: the run's shared plain engine (greedy output does not depend on its pool)."""
+    return smollm2_llm
 
 
 def test_smollm2_as_its_own_draft_equals_plain_and_accepts_nearly_all(plain):

@@ -18,8 +18,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
 
 
 @pytest.fixture(scope="module")
-def plain():
-    return LLM(max_model_len=1024, num_kv_blocks=512)
+def plain(smollm2_llm):
+    """The reference: the run's shared plain engine (greedy output does not depend on its pool)."""
+    return smollm2_llm
 
 
 @pytest.fixture(scope="module")

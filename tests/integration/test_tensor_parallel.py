@@ -8,7 +8,6 @@ its engine or the engine's process."""
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import subprocess
@@ -22,6 +21,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.executor.worker_proc import FAULT_ENV
+from tests.smollm2 import hf_tokenizer
 
 PROMPTS = ["Hello there, how are", "The quick brown fox", "1, 2, 3, 4,",
            "A much longer prompt that spans more than one block of eight tokens, and then some more words."]
@@ -67,10 +67,7 @@ def greedy(llm, prompts=PROMPTS, params=GREEDY) -> list[list[list[int]]]:
 
 
 def _tokenizer(smollm2_gguf):
-    from transformers import AutoTokenizer
-
-    folder, name = os.path.split(smollm2_gguf)
-    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return hf_tokenizer(smollm2_gguf)
 
 
 def _save_tiny(path, kind: str, tokenizer, **overrides):

@@ -3,19 +3,16 @@ run through the whole engine, greedy equal to transformers' `generate`."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from tests.smollm2 import hf_tokenizer
 
 
 def _tokenizer(smollm2_gguf):
-    from transformers import AutoTokenizer
-
-    folder, name = os.path.split(smollm2_gguf)
-    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return hf_tokenizer(smollm2_gguf)
 
 
 def _save_tiny(kind: str, path, tokenizer):

@@ -36,10 +36,10 @@ def _counter(m: dict, name: str) -> float:
     return sum(v for (n, labels), v in m.items() if n == name and dict(labels).get("model_name") == MODEL)
 
 
-def test_greedy_equals_plain_and_nearly_all_drafts_are_accepted(draft_http):
-    from pagedllm import LLM, SamplingParams
+def test_greedy_equals_plain_and_nearly_all_drafts_are_accepted(draft_http, smollm2_llm):
+    from pagedllm import SamplingParams
 
-    plain = LLM(max_model_len=1024, num_kv_blocks=256)
+    plain = smollm2_llm
     want = [o.outputs[0].text for o in plain.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=32),
                                                       use_tqdm=False)]
     got = [draft_http.post("/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 32,

@@ -32,10 +32,10 @@ def _counter(m: dict, name: str) -> float:
     return sum(v for (n, labels), v in m.items() if n == name and dict(labels).get("model_name") == MODEL)
 
 
-def test_greedy_equals_plain_and_counters_move(spec_http):
-    from pagedllm import LLM, SamplingParams
+def test_greedy_equals_plain_and_counters_move(spec_http, smollm2_llm):
+    from pagedllm import SamplingParams
 
-    want = [o.outputs[0].text for o in LLM(max_model_len=1024, num_kv_blocks=256).generate(
+    want = [o.outputs[0].text for o in smollm2_llm.generate(
         PROMPTS, SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)]
     got = []
     for p in PROMPTS:
@@ -82,15 +82,15 @@ def test_a_bad_speculative_config_stops_the_start_up_with_its_reason(config, wor
 SUFFIX = '{"method": "suffix", "num_speculative_tokens": 8}'
 
 
-def test_suffix_decoding_served_equals_plain_and_reuses_earlier_outputs():
+def test_suffix_decoding_served_equals_plain_and_reuses_earlier_outputs(smollm2_llm):
     """vLLM's suffix method through a real server: greedy output equals the plain engine's, a
     repeated request is drafted from the global tree of earlier outputs (more accepted tokens
     the second time), a hostile request is a 400 and a plain request still runs."""
     import httpx
 
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import SamplingParams
 
-    want = [o.outputs[0].text for o in LLM(max_model_len=1024, num_kv_blocks=256).generate(
+    want = [o.outputs[0].text for o in smollm2_llm.generate(
         PROMPTS, SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)]
     with serving(["-m", "pagedllm.entrypoints.cli", "serve", "--kv-cache-space", "0.25", "--max-model-len", "1024",
                   "--speculative-config", SUFFIX]) as srv:
