@@ -169,17 +169,26 @@ def hf_export(model: str | None) -> str:
         kw = {"gguf_file": src.gguf_file}
         tmp = out.with_name(out.name + ".tmp")
         AutoTokenizer.from_pretrained(src.path, **kw).save_pretrained(tmp)
-        loaded = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32, **kw)
-        # transformers refuses to save a model loaded from GGUF (it counts as quantized):
-        # copy its dequantized weights into a plain model of the same config.
-        config = loaded.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        plain.load_state_dict(loaded.state_dict())
-        plain.save_pretrained(tmp)
+        save_plain(AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32, **kw), tmp)
         os.replace(tmp, out)
     return str(out)
+
+
+def save_plain(loaded, out) -> None:
+    """Save a model transformers loaded from a GGUF as a plain float32 folder: transformers
+    refuses to save it (it counts as quantized), so its dequantized weights go into a plain
+    model of the same config."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(loaded.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    plain.save_pretrained(out)
 
 
 def run_vllm(args, model: str | None) -> dict:

@@ -76,21 +76,12 @@ def hf_smollm2(smollm2_gguf):
 def smollm2_hf_folder(hf_smollm2, smollm2_gguf, tmp_path_factory) -> str:
     """`hf_smollm2` saved as a plain float32 folder (config, safetensors, tokenizer): what loads
     in a second where the GGUF takes transformers many (the HF side of benchmark smoke tests)."""
-    import copy
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    from benchmarks.throughput import save_plain
     from tests.smollm2 import hf_tokenizer
 
     out = tmp_path_factory.mktemp("smollm2-hf")
     hf_tokenizer(smollm2_gguf).save_pretrained(out)
-    config = copy.deepcopy(hf_smollm2.config)
-    if hasattr(config, "quantization_config"):  # loaded from GGUF: transformers refuses to save it
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(hf_smollm2.state_dict())
-    plain.save_pretrained(out)
+    save_plain(hf_smollm2, out)
     return str(out)
 
 

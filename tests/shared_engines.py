@@ -22,7 +22,6 @@ class SharedEngines:
             raise ValueError(f"capacity must be at least 1, got {capacity}")
         self.capacity = capacity
         self._engines: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
-        self.built = 0
 
     def get(self, **config: Any):
         """The engine of `config` (LLM keyword arguments; `model` too), built on first use."""
@@ -35,7 +34,6 @@ class SharedEngines:
         while len(self._engines) >= self.capacity:
             self._engines.popitem(last=False)
         llm = LLM(**config)
-        self.built += 1
         self._engines[key] = llm
         return llm
 
