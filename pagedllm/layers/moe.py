@@ -16,8 +16,9 @@ expert through its `layers/quantization` method, as any dense projection.
 A CUDA graph capture may not read counts to the host: while capturing, every expert runs on every
 token, weighted by a `[tokens, experts]` matrix that is zero off the chosen experts
 (`dense_experts`); same result, more arithmetic. Under torch.compile (compiled CPU decode
-graphs) the grouped computation is left out of the graph (`torch.compiler.disable`): the rest
-of the step is compiled, the experts run eagerly on the C kernels, and no count recompiles.
+graphs) the grouped computation is left out of the graph (`torch.compiler.disable`, applied by
+layers/eager_in_graphs.py): the rest of the step is compiled, the experts run eagerly on the C
+kernels, and no count recompiles.
 
 Tensor parallelism splits each expert's intermediate size (gate/up column-parallel, down
 row-parallel, as LlamaMLP); the router and Qwen2's `shared_expert_gate` are replicated, so every
@@ -43,6 +44,7 @@ from pagedllm.distributed import parallel_state
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.distributed.sharding import column_shard, row_shard, shard_range
 from pagedllm.layers.activation import get_act_and_mul
+from pagedllm.layers.eager_in_graphs import eager_in_graphs
 from pagedllm.layers.linear import Linear, MergedLinear
 from pagedllm.layers.quantization import QuantizationConfig
 
@@ -188,7 +190,7 @@ def _capturing(x: torch.Tensor) -> bool:
 
 # Under torch.compile (the CPU's compiled decode graphs) the grouped experts stay eager: traced,
 # every new set of per-expert counts would be a recompilation; eager, they keep the C kernels.
-_grouped_outside_compile = torch.compiler.disable(grouped_experts)
+_grouped_outside_compile = eager_in_graphs(grouped_experts)
 
 
 class MoeSpec(NamedTuple):

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from pagedllm.layers.eager_in_graphs import prepare_for_compilation
 from pagedllm.worker.padded_decode import DecodeStep, StaticDecodeInputs, bucket_for
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class DecodeGraphs:
         self.step_module = DecodeStep(model, block_size)
         # Dynamo keeps one cache entry per static shape; leave room for every bucket.
         import torch._dynamo
+
+        prepare_for_compilation()
 
         limit = len(self.batch_sizes) + 8
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from pagedllm.kernels import int_gemm_kernel
 from pagedllm.layers import kernel_choice
+from pagedllm.layers.eager_in_graphs import eager_in_graphs
 
 OFFSET_ZERO, OFFSET_MIN = 0, 1  # kernels/int_gemm.c's kinds of offset
 KBLOCK = 32  # the kernel's activation block: group sizes are multiples of it
@@ -88,7 +89,7 @@ def pack_int_weight(codes: torch.Tensor, d: torch.Tensor, offsets: torch.Tensor,
     return PackedIntWeight(out, bits, kind, n, k, group_size)
 
 
-@torch.compiler.disable
+@eager_in_graphs
 def unpack_int_weight(w: PackedIntWeight) -> torch.Tensor:
     """The float32 weight `[N, K]` the packed form stands for (exactly what the exact path uses)."""
     out = torch.empty(w.out_features, w.in_features, dtype=torch.float32)
@@ -99,7 +100,7 @@ def unpack_int_weight(w: PackedIntWeight) -> torch.Tensor:
     return out
 
 
-@torch.compiler.disable
+@eager_in_graphs
 def int_weight_rows(w: PackedIntWeight, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of W as float32 `[*ids.shape, K]` (an embedding lookup from the packed form)."""
     flat = ids.reshape(-1).to(torch.int64).contiguous()
@@ -144,11 +145,11 @@ def _int_matmul(x: torch.Tensor, w: PackedIntWeight, compute: str = "exact") -> 
 
 
 # A ctypes call: runs eagerly inside compiled graphs. Eager callers on the hot path use
-# `_int_matmul` directly (the disable wrapper costs about 2 us a call).
-int_matmul = torch.compiler.disable(_int_matmul)
+# `_int_matmul` directly (once compiling, the disable wrapper costs about 2 us a call).
+int_matmul = eager_in_graphs(_int_matmul)
 
 
-@torch.compiler.disable  # measures eagerly, also when first reached inside a compiled graph
+@eager_in_graphs  # measures eagerly, also when first reached inside a compiled graph
 def with_choice(w: PackedIntWeight, compute: str) -> PackedIntWeight:
     """`w` with its per-bucket paths: `compute` ("exact" / "int8") or torch's `F.linear` on the
     float32 weight, whichever this machine runs faster (layers/kernel_choice.py)."""
