@@ -14,9 +14,9 @@ os.environ.setdefault("PAGEDLLM_KERNEL_CHOICE", "kernel")
 
 import pytest
 
-# Everything that loads a model or starts a server is `slow`; `pytest -m "not slow"` runs the
-# rest (core/, kernels, sampler, pure helpers) in well under a minute. CI runs everything.
-_SLOW_DIRS = ("integration", "server")
+# Tiers by cost, not by folder: a module or test that loads a model, starts a server or builds a
+# library carries `pytest.mark.slow` itself (every module of tests/integration and tests/server
+# but the cheap ones); `pytest -m "not slow"` runs the rest in about a minute. CI runs everything.
 
 
 def pytest_sessionstart(session):
@@ -40,9 +40,6 @@ def pytest_terminal_summary(terminalreporter):
 def pytest_collection_modifyitems(config, items):
     cuda = None
     for item in items:
-        parts = item.path.parts
-        if "tests" in parts and parts[parts.index("tests") + 1] in _SLOW_DIRS:
-            item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("gpu") is not None:
             if cuda is None:
                 import torch

@@ -30,6 +30,8 @@ from tests.integration.arch_parity import (
     tiny_prompts,
 )
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 CONFIGS = {
     # Layers sliding / full / sliding / full; query_pre_attn_scalar 24 != head_dim 16.
     "gemma2": dict(kind="gemma2", sliding_window=8, attn_logit_softcapping=3.0, final_logit_softcapping=0.5),

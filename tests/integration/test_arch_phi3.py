@@ -25,6 +25,8 @@ from tests.integration.arch_parity import (
     tiny_prompts,
 )
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 ORIGINAL = 32  # the 5- and 19-token prompts cross it while generating; 37 and 53 start past it
 
 

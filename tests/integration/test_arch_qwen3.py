@@ -22,6 +22,8 @@ from tests.integration.arch_parity import (
     tiny_prompts,
 )
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 CONFIGS = {
     # head_dim 32 != hidden / heads (16), as in every released Qwen3; GQA 4/2; untied head.
     "qwen3": dict(head_dim=32, tie_word_embeddings=False),

@@ -13,6 +13,8 @@ from transformers import MistralConfig, Qwen2Config
 from pagedllm.core.kv_cache_groups import hybrid_kv_cache_groups
 from tests.integration.arch_parity import MODES, check_engine_greedy, check_prefix_hits_greedy, tiny_checkpoint_fixture
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 CONFIGS = {
     "mistral-window12": dict(kind="mistral", sliding_window=12),
     "qwen2-sliding-above-1": dict(kind="qwen2", use_sliding_window=True, sliding_window=12, max_window_layers=1,

@@ -9,6 +9,8 @@ import torch
 from pagedllm import BeamSearchParams, SamplingParams
 from tests.integration.prompts import PROMPTS
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 WIDTH, MAX_TOKENS = 4, 20
 # (length_penalty, early_stopping) for prompt i: SETTINGS[i % 4].
 SETTINGS = [(1.0, False), (0.6, True), (2.0, "never"), (1.0, True)]

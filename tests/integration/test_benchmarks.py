@@ -9,6 +9,8 @@ import pytest
 from benchmarks import latency, throughput
 from benchmarks.workloads import WORKLOADS, load_dataset, load_workload
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 
 def test_workloads_are_fixed_and_seeded():
     a = load_workload("seed20", 49152, seed=0)

@@ -12,6 +12,8 @@ import torch
 from pagedllm import LLM, SamplingParams
 from tests.integration.test_tiny_models import _save_tiny, _tokenizer
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 PROMPTS = [
     "Hello there, how are",
     "The quick brown fox",

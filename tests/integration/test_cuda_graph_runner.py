@@ -28,6 +28,8 @@ from tests.integration.model_fixtures import (
     tiny_config,
 )
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 NUM_BLOCKS, BLOCK = 64, 8
 
 

@@ -8,6 +8,8 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from tests.integration.prompts import PROMPTS, batch_prompts
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 

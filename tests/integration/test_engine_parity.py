@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedllm import SamplingParams
 from tests.integration.prompts import CHAT, PROMPTS
+
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
 
 MAX_NEW = 48
 

@@ -12,6 +12,8 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.core.kv_snapshot import BLOCK_STATES, rle_decode, rle_encode
 from tests.integration.model_fixtures import save_tiny_llama
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 PROMPT_A = list(range(1000, 1040))  # 40 tokens: blocks of 16, 16, 8
 PROMPT_B = PROMPT_A[:32] + list(range(2000, 2008))  # shares A's two full blocks
 PROMPT_C = list(range(3000, 3060))  # 60 tokens: 4 blocks

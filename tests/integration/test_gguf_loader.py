@@ -22,6 +22,8 @@ from tests.integration.model_fixtures import (
     tiny_config,
 )
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 # SmolLM2's chat template around "Explain in two sentences why the sky is blue during the day and
 # red at sunset." with the default system prompt, tokenized by the GGUF's own tokenizer.
 PROMPT_IDS = [

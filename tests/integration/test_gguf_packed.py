@@ -16,7 +16,10 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.layers.quantization.int_kernel import int_gemm_isa
 from tests.integration.prompts import PROMPTS
 
-pytestmark = pytest.mark.skipif(int_gemm_isa() is None, reason="the int_gemm C kernel cannot be built here")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(int_gemm_isa() is None, reason="the int_gemm C kernel cannot be built here"),
+]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 
 

@@ -14,7 +14,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from tests.integration.model_fixtures import make_hf_model, save_checkpoint, tiny_config
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.slow, pytest.mark.gpu]
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21], list(range(30, 75)), [100], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
 

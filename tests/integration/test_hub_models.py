@@ -18,6 +18,8 @@ from pagedllm.model_source import resolve_model
 from tests.hub_cache import add_folder, add_revision, commit_hash
 from tests.integration.arch_parity import build_tiny
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 MAIN, V1 = commit_hash("tiny main"), commit_hash("tiny v1")
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300, 400, 500]]
 LLM_KW = dict(num_kv_blocks=64, max_model_len=256, enable_prefix_caching=False)

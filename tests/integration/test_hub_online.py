@@ -21,6 +21,8 @@ from tests.hub_endpoint import FakeHub, FakeRepo
 from tests.integration.arch_parity import build_tiny
 from tests.integration.test_hub_models import _greedy, _tiny_config
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 MAIN, V1, GG = commit_hash("online main"), commit_hash("online v1"), commit_hash("online gguf")
 
 _RESOLVE = r"""

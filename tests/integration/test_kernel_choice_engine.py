@@ -11,6 +11,8 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.layers import kernel_choice
 from tests.integration.test_engine_parity import hf_greedy
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "List three colours:"]
 
 

@@ -22,6 +22,8 @@ from pagedllm.kernels import build as kernel_build
 from tests.integration.model_fixtures import FakeScheduledSequence, FakeSchedulerOutput, FakeSeq
 from tests.integration.prompts import LONG_TEXT, PROMPTS, batch_prompts
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 DTYPES = ("float32", "bfloat16", "int8")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 

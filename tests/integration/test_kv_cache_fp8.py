@@ -28,6 +28,8 @@ from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.loader import iter_safetensors_weights
 from tests.integration.model_fixtures import TINY_VOCAB, make_hf_model, save_checkpoint, tiny_config
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 N = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
 _RNG = random.Random(0)

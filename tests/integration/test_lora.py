@@ -16,6 +16,8 @@ from pagedllm import LLM, LoRARequest, SamplingParams
 from tests.integration.lora_fixtures import (ADAPTERS, greedy, make_tiny_lora, peft_model, prompt_logprobs,
                                              tokenizer)
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 PROMPTS = ["The quick brown fox jumps over", "Once upon a time, in a land far away,",
            "1, 2, 3, 4, 5, 6,", "Paged attention keeps the KV cache in blocks so that"]
 MAX_TOKENS = 12

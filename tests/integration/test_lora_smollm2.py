@@ -21,6 +21,8 @@ from pagedllm import LLM, LoRARequest, SamplingParams
 from tests.integration.lora_fixtures import greedy, prompt_logprobs
 from tests.smollm2 import hf_tokenizer
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 PROMPTS = ["The history of the city begins", "Photosynthesis is the process by which",
            "def add(a, b):"]
 MAX_TOKENS = 12

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 TINY = ["--workload", "tiny", "--pool-blocks", "128", "--budget-blocks", "4",
         "--sample-max-tokens", "20", "--beam-width", "3", "--beam-max-tokens", "20",
         "--prefix-requests", "4", "--system-len", "64", "--question-len", "8",

@@ -29,6 +29,8 @@ from pagedllm.layers.rotary import compute_inv_freq
 from pagedllm.model import LlamaForCausalLM, get_model_class, load_model
 from pagedllm.worker import CacheEngine, ModelRunner
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 ATOL = 1e-4
 NUM_BLOCKS = 160
 

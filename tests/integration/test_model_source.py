@@ -6,6 +6,8 @@ import pytest
 
 from pagedllm.model_source import load_hf_config, resolve_model
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 
 def test_resolve_errors(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"x")

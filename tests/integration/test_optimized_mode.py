@@ -9,7 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.integration.test_swap import reference  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
 
 SCRIPT = """
 import json, sys

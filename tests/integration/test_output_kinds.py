@@ -20,9 +20,9 @@ from pagedllm.tokenizer import load_tokenizer
 GGUF_DIR = Path(os.environ.get("PAGEDLLM_TEST_GGUF_DIR", "~/.cache/pagedllm")).expanduser()
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not (GGUF_DIR / GGUF_NAME).is_file(), reason=f"{GGUF_DIR / GGUF_NAME} not present"
-)
+)]
 
 KINDS = list(RequestOutputKind)
 

@@ -10,6 +10,8 @@ import torch
 
 from tests.integration.pooling_fixtures import save_decoder_embedder, save_encoder
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 st = pytest.importorskip("sentence_transformers")
 
 TEXTS = [

@@ -19,6 +19,8 @@ from pagedllm.entrypoints.cli import main as cli_main
 from pagedllm.quantizer import quantize_model
 from tests.integration.model_fixtures import save_tiny_llama
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 AWQ_NIBBLE_TO_COLUMN = [0, 2, 4, 6, 1, 3, 5, 7]
 PROMPTS = ["Hello there, how are", "The quick brown fox", "1, 2, 3, 4,",
            "A much longer prompt that spans more than one block of sixteen tokens for sure."]

@@ -9,6 +9,8 @@ import pytest
 from pagedllm import LLM
 from tests.integration.test_tensor_parallel import PROMPTS, _running, _save_tiny, _tokenizer, greedy, tp_llm
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 ray = pytest.importorskip("ray")
 
 

@@ -12,6 +12,8 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from tests.integration.test_tiny_models import _save_tiny, _tokenizer
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 GEN_CONFIG = {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "min_p": 0.01,
               "repetition_penalty": 1.1, "max_new_tokens": 3}
 

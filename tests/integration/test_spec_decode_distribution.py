@@ -30,6 +30,8 @@ import torch
 from pagedllm import LLM, SamplingParams
 from tests.integration.model_fixtures import make_hf_model, save_checkpoint, tiny_config
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 V = 16
 ALPHA = 1e-3
 N_REQUESTS, N_PER_REQUEST = 60, 100  # n = 100 forks of each prompt: one prefill per 100 draws

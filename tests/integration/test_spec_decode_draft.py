@@ -13,6 +13,8 @@ from pagedllm.model_source import default_model_path
 from tests.integration.model_fixtures import make_hf_model, save_checkpoint, tiny_config
 from tests.integration.test_spec_decode import PROMPTS, _tokens, run_checked
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 SMOLLM2_VOCAB = 49152
 
 

@@ -16,6 +16,8 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 ENGINE = dict(kv_cache_space=1.0, max_model_len=2048)  # smollm2_llm's settings
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)

@@ -13,6 +13,8 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.sampling_params import StructuredOutputsParams
 from tests.integration.test_spec_decode import SPEC, _tokens, run_checked
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 pytest.importorskip("xgrammar")
 
 ITEMS = ["apple", "banana", "cherry", "apple", "banana", "cherry", "apple", "banana"]

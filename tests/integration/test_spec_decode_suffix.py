@@ -11,6 +11,8 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from tests.integration.test_spec_decode import PROMPTS, _tokens, run_checked
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 SPEC = {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 24,
         "suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0,
         "suffix_decoding_min_token_prob": 0.1}

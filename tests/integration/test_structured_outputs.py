@@ -12,6 +12,8 @@ import pytest
 from pagedllm import SamplingParams
 from pagedllm.sampling_params import StructuredOutputsParams
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 

@@ -8,6 +8,8 @@ import pytest
 from pagedllm import LLM, BeamSearchParams, SamplingParams
 from tests.integration.prompts import PROMPTS
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 SAMPLED = SamplingParams(n=3, temperature=0.8, seed=11, max_tokens=20, ignore_eos=True)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 BEAMS = BeamSearchParams(beam_width=3, max_tokens=14)

@@ -23,6 +23,8 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.executor.worker_proc import FAULT_ENV
 from tests.smollm2 import hf_tokenizer
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 PROMPTS = ["Hello there, how are", "The quick brown fox", "1, 2, 3, 4,",
            "A much longer prompt that spans more than one block of eight tokens, and then some more words."]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

@@ -10,6 +10,8 @@ import torch
 from pagedllm import LLM, SamplingParams
 from tests.smollm2 import hf_tokenizer
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 
 def _tokenizer(smollm2_gguf):
     return hf_tokenizer(smollm2_gguf)

@@ -10,9 +10,13 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from pagedllm import SamplingParams
 from pagedllm.kernels import build as kernel_build
 from tests.integration.prompts import PROMPTS
+
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
 
 MAX_NEW = 32
 

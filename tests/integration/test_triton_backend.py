@@ -14,7 +14,10 @@ from pagedllm.layers.attention import Attention
 from pagedllm.layers.backends import triton_attention
 from tests.integration.test_tiny_models import _save_tiny, _tokenizer
 
-pytestmark = pytest.mark.skipif(not triton_attention.HAS_TRITON, reason="triton is not installed")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not triton_attention.HAS_TRITON, reason="triton is not installed"),
+]
 
 PREFIX = "A shared system prompt that is long enough to fill more than two blocks of eight tokens. "
 FIRST = [PREFIX + "First question?", "Short", "1, 2, 3, 4, 5, 6,"]

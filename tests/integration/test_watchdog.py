@@ -8,6 +8,8 @@ from pagedllm import SamplingParams
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.engine.errors import SchedulerStallError
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 
 def _stalled_schedule() -> SchedulerOutput:
     """What a scheduler with no way forward returns: nothing scheduled, no block moved."""

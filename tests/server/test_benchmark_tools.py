@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from benchmarks import serving, throughput
 from benchmarks.workloads import load_workload
+
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
 
 
 def test_serving_benchmark_rates_and_plots(server, tmp_path):

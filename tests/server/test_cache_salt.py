@@ -11,6 +11,8 @@ import pytest
 
 from tests.server.helpers import MODEL, metric, wait_idle
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 
 def _long_prompt() -> str:
     """A prompt of a few hundred tokens nobody has sent before (so nothing is cached yet)."""

@@ -8,6 +8,8 @@ import pytest
 
 from tests.server.helpers import MODEL
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 MESSAGES = [{"role": "user", "content": "Say hi"}]
 
 

@@ -9,6 +9,8 @@ import pytest
 
 from tests.server.helpers import MODEL
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 PROMPT = "1, 2, 3, 4,"  # greedy: " 5, 6, 7, 8, 9, ..."
 
 

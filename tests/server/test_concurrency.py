@@ -8,8 +8,11 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from tests.server.helpers import MODEL, metric, read_metrics, wait_idle
+
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
 
 
 def test_32_concurrent_streams_finish_with_the_right_lengths(server, http):

@@ -25,6 +25,8 @@ import pytest
 from tests.server.conftest import serving
 from tests.server.helpers import MAX_MODEL_LEN, metric, read_metrics, wait_idle
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 STATE = "/v1/internal/engine_state"
 ARTIFACTS = Path(os.environ.get("PAGEDLLM_TEST_ARTIFACTS", "test-artifacts")) / "dashboard"
 

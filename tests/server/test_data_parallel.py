@@ -20,6 +20,8 @@ import pytest
 from tests.server.conftest import serving
 from tests.server.helpers import API_KEY, MODEL, read_metrics
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 
 def value(m: dict, name: str, engine: str, **labels: str) -> float:
     key = (name, tuple(sorted({"model_name": MODEL, "engine": engine, **labels}.items())))

@@ -23,6 +23,8 @@ import pytest
 from tests.server.conftest import STARTUP_TIMEOUT_S, Server
 from tests.server.helpers import API_KEY, MODEL, free_port
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 SECOND_KEY = "second-key-456"
 ORIGIN = "http://allowed.example"
 ROOT = "/gateway"

@@ -7,8 +7,12 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 import pagedllm
 from tests.server.helpers import MAX_MODEL_LEN, MODEL, metric, read_metrics, wait_idle
+
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
 
 
 def test_health_and_version(http, server):

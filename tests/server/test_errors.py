@@ -9,6 +9,8 @@ import pytest
 
 from tests.server.helpers import API_KEY, MAX_MODEL_LEN, MODEL
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 
 def assert_error(resp: httpx.Response, status: int, message: str, param: str | None = None):
     assert resp.status_code == status, resp.text

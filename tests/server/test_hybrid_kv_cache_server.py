@@ -16,6 +16,8 @@ from tests.integration.arch_parity import build_tiny
 from tests.server.conftest import serving
 from tests.server.helpers import read_metrics
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 NAME = "tiny-gemma3"
 MAX_MODEL_LEN = 256
 

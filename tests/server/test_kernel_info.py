@@ -3,7 +3,11 @@ with the active C kernels, the ones on the torch path, and the CPU features."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.server.helpers import MODEL, read_metrics
+
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
 
 
 def test_metrics_export_the_kernel_set(http, server):

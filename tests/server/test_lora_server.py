@@ -15,6 +15,8 @@ from tests.integration.lora_fixtures import ADAPTERS, greedy, make_tiny_lora, pe
 from tests.server.conftest import serving
 from tests.server.helpers import API_KEY, read_metrics
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 PROMPT = "Once upon a time, in a land far away,"
 MAX_TOKENS = 10
 

@@ -17,6 +17,8 @@ import torch
 from tests.integration.pooling_fixtures import save_decoder_embedder
 from tests.server.conftest import serving
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 NAME = "tiny-embed"
 TEXTS = ["the capital of france is paris", "a cat and a dog", "what is the memory cache of the engine"]
 MAX_LEN = 64

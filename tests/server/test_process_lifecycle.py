@@ -20,6 +20,8 @@ import pytest
 from tests.server.conftest import serving
 from tests.server.helpers import MODEL
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 SERVE = ["-m", "pagedllm.entrypoints.cli", "serve", "--kv-cache-space", "0.25",
          "--max-model-len", "1024"]
 

@@ -13,6 +13,8 @@ import pytest
 from tests.server.conftest import serving
 from tests.server.helpers import MODEL, read_metrics
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 pytest.importorskip("ray")
 
 

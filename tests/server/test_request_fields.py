@@ -14,6 +14,8 @@ import pytest
 from tests.server.conftest import serving
 from tests.server.helpers import MAX_MODEL_LEN, MODEL
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 GEN_CAP = 8  # the generation_config's max_new_tokens
 MAX_LOGPROBS = 25
 ALIAS = "smol-alias"

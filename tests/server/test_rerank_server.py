@@ -13,6 +13,8 @@ import pytest
 from tests.integration.pooling_fixtures import save_encoder
 from tests.server.conftest import serving
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 NAME = "tiny-reranker"
 QUERY = "what is the capital of france"
 DOCS = ["paris is the capital of france", "the cat is on the tree", "a small blue book", "music of the city"]

@@ -16,6 +16,8 @@ from tests.server.conftest import serving
 from tests.server.helpers import API_KEY, MODEL, metric, wait_idle
 from tests.server.stall_server import STALL_MARKER
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 
 @pytest.fixture(scope="module")
 def stall_server():

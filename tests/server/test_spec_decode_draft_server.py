@@ -17,6 +17,8 @@ from pagedllm.model_source import default_model_path
 from tests.server.conftest import serving
 from tests.server.helpers import MODEL, read_metrics
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 PROMPTS = ["The cat sat on the mat. The dog sat on the log. The cat sat on the",
            "Write the numbers from one to ten in words:"]
 

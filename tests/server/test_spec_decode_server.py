@@ -13,6 +13,8 @@ import pytest
 from tests.server.conftest import serving
 from tests.server.helpers import MODEL, read_metrics
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 PROMPTS = ["The cat sat on the mat. The dog sat on the log. The cat sat on the",
            "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17,"]

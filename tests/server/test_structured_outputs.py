@@ -12,6 +12,8 @@ import pytest
 
 from tests.server.helpers import MODEL
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 

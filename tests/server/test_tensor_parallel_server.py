@@ -8,9 +8,12 @@ import signal
 
 import httpx
 import psutil
+import pytest
 
 from tests.server.conftest import serving
 from tests.server.helpers import MODEL
+
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
 
 PROMPT = "The three primary colours are"
 

@@ -17,6 +17,8 @@ from tests.server.conftest import serving
 from tests.server.helpers import MAX_MODEL_LEN, MODEL
 from tests.server.tool_templates import QWEN25_TOOL_TEMPLATE
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city",
     "parameters": {"type": "object", "additionalProperties": False,

@@ -15,6 +15,8 @@ import pytest
 
 from tests.server.helpers import MAX_MODEL_LEN, MODEL, metric, read_metrics, wait_idle
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
+
 DASHBOARDS = (Path(__file__).resolve().parents[2] / "examples" / "prometheus_grafana" / "grafana"
               / "dashboards")
 OUR_DASHBOARD = DASHBOARDS / "pagedllm.json"
