@@ -161,6 +161,16 @@ def hybrid_kv_cache_groups(hf_config: Any, disabled: bool = False) -> KVCacheGro
     `disabled` (`--disable-hybrid-kv-cache-manager`)."""
     if disabled:
         return None
-    windows = [layer_sliding_window(hf_config, i) for i in range(hf_config.num_hidden_layers)]
+    return hybrid_groups_of_windows(layer_sliding_windows(hf_config))
+
+
+def layer_sliding_windows(hf_config: Any) -> list[int | None]:
+    """Every layer's attention window (None: full attention)."""
+    return [layer_sliding_window(hf_config, i) for i in range(hf_config.num_hidden_layers)]
+
+
+def hybrid_groups_of_windows(windows: list[int | None]) -> KVCacheGroups | None:
+    """The hybrid groups of layers with these windows; None where one block table serves all.
+    The API process builds them from the windows in the core's hand-shake (no model config)."""
     groups = group_layers(windows)
     return groups if groups.has_null_block else None

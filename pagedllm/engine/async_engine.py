@@ -44,10 +44,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.scheduler import check_request_fits_pool
-from pagedllm.core.kv_cache_groups import hybrid_kv_cache_groups
+from pagedllm.core.kv_cache_groups import hybrid_groups_of_windows
 from pagedllm.engine.stat_logger import PeriodicStatLogger
 from pagedllm.engine.stats_history import StatsHistory
 from pagedllm.engine.core_messages import CoreReady, EngineCoreOutputs
+from pagedllm.engine.core_start import IN_PROCESS_ENV, CoreStart, in_process_requested
 from pagedllm.engine.errors import STALL_STEPS, SchedulerStallError
 from pagedllm.engine.generation_defaults import load_generation_defaults
 from pagedllm.engine.input_processing import InputProcessor
@@ -63,7 +64,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-IN_PROCESS_ENV = "PAGEDLLM_ENGINE_IN_PROCESS"
+
+def _config_vocab_size(source: Any) -> int:
+    """The model config's vocabulary size (a core whose hand-shake did not carry one)."""
+    from pagedllm.model_source import load_hf_config
+
+    return int(load_hf_config(source).vocab_size)
 
 
 class EngineDeadError(RuntimeError):
@@ -177,60 +183,28 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_engine_config(cls, config: "EngineConfig", with_metrics: bool = True,
-                           in_process: bool | None = None) -> "AsyncLLMEngine":
-        """Start the core(s) and wait until they are ready (a ValueError: bad configuration)."""
-        from pagedllm.engine.core_client import InprocCoreClient, MPCoreClient
-        from pagedllm.model_source import pin_revisions, resolve_model_source, resolve_tokenizer_source
+                           in_process: bool | None = None,
+                           start: CoreStart | None = None) -> "AsyncLLMEngine":
+        """Start the core(s) (or take those `start` launched) and wait until they are ready
+        (a ValueError: bad configuration); the tokenizer loads meanwhile."""
         from pagedllm.tokenizer import load_tokenizer
 
-        # Hub ids are downloaded here, once, and the cores get the commits they resolved to.
-        source = resolve_model_source(config)
-        tok_source = resolve_tokenizer_source(config, source)
-        config = pin_revisions(config, source, tok_source)
-
-        if in_process is None:
-            in_process = os.environ.get(IN_PROCESS_ENV, "0") not in ("", "0")
-        replicas = getattr(config, "data_parallel_size", 1)
-        if in_process and replicas != 1:
-            raise ValueError(f"{IN_PROCESS_ENV}=1 runs one engine core in this process; "
-                             f"data_parallel_size={replicas} needs core processes.")
-        clients: list[Any] = []
-        ray_replicas = None
+        if start is None:
+            if in_process is None:
+                in_process = in_process_requested()
+            replicas = getattr(config, "data_parallel_size", 1)
+            if in_process and replicas != 1:
+                raise ValueError(f"{IN_PROCESS_ENV}=1 runs one engine core in this process; "
+                                 f"data_parallel_size={replicas} needs core processes.")
+            start = CoreStart(config, in_process=in_process)
+        source, tok_source, config = start.source, start.tok_source, start.config
         try:
-            if in_process:
-                from pagedllm.engine.core import EngineCore
-
-                clients.append(InprocCoreClient(EngineCore(config)))
-            else:
-                # The cores load their models while this process loads the tokenizer.
-                import concurrent.futures
-
-                make = MPCoreClient
-                if config.distributed_executor_backend == "ray" and replicas > 1:
-                    from pagedllm.engine.core_client import RayCoreClient, RayReplicas
-                    from pagedllm.worker.device import resolve_device
-
-                    ray_replicas = RayReplicas(replicas, resolve_device(config.device).type)
-                    make = functools.partial(RayCoreClient, replicas=ray_replicas)
-                with concurrent.futures.ThreadPoolExecutor(max(replicas, 1)) as pool:
-                    futures = [pool.submit(make, config, i) for i in range(replicas)]
-                    for f in futures:
-                        try:
-                            clients.append(f.result())
-                        except BaseException:
-                            for other in futures:
-                                if other is not f and other.exception() is None:
-                                    other.result().shutdown(5)
-                            raise
+            tokenizer = load_tokenizer(tok_source.path, tok_source.gguf_file)
         except BaseException:
-            for c in clients:
-                c.shutdown(5)
-            if ray_replicas is not None:
-                ray_replicas.remove()
+            start.abandon()
             raise
-        from pagedllm.model_source import load_hf_config
-
-        tokenizer = load_tokenizer(tok_source.path, tok_source.gguf_file)
+        clients = start.clients()
+        ray_replicas = start.ray_replicas
         for c in clients:
             logger.info("Engine core %d ready in %.1f s (pid %d)", c.engine_index,
                         c.ready.startup_seconds, c.ready.pid)
@@ -240,7 +214,7 @@ class AsyncLLMEngine:
             model_root=os.path.join(source.path, source.gguf_file) if source.gguf_file
             else source.path,
             max_model_len=ready.max_model_len,
-            vocab_size=ready.vocab_size or int(load_hf_config(source).vocab_size),
+            vocab_size=ready.vocab_size or _config_vocab_size(source),
             num_blocks=min(c.ready.num_blocks for c in clients),
             block_size=ready.block_size,
             chat_template=config.chat_template,
@@ -252,8 +226,8 @@ class AsyncLLMEngine:
             generation_defaults=load_generation_defaults(config.generation_config, source.path,
                                                          bool(source.gguf_file)),
             served_model_names=config.served_model_names,
-            kv_cache_groups=hybrid_kv_cache_groups(load_hf_config(source),
-                                                   config.disable_hybrid_kv_cache_manager),
+            kv_cache_groups=hybrid_groups_of_windows(ready.hybrid_layer_windows)
+            if ready.hybrid_layer_windows else None,
             max_num_batched_tokens=ready.max_num_batched_tokens,
         )
         metrics = None

@@ -176,7 +176,17 @@ def ready_info(core: Any) -> CoreReady:
         model_name=getattr(core, "model_name", ""), vocab_size=getattr(core, "vocab_size", 0),
         eos_token_ids=sorted(getattr(core, "eos_token_ids", ())),
         startup_seconds=getattr(core, "startup_seconds", 0.0), pid=os.getpid(),
+        hybrid_layer_windows=hybrid_layer_windows(core),
     )
+
+
+def hybrid_layer_windows(core: Any) -> list[int | None]:
+    """The hand-shake's per-layer windows: empty unless the core's KV cache is hybrid."""
+    if getattr(core, "kv_cache_groups", None) is None:
+        return []
+    from pagedllm.core.kv_cache_groups import layer_sliding_windows
+
+    return layer_sliding_windows(core.hf_config)
 
 
 class MPCoreClient:

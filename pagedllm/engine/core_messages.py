@@ -144,6 +144,9 @@ class CoreReady(msgspec.Struct):
     startup_seconds: float = 0.0
     kernel_info: dict[str, str] = {}
     pid: int = 0
+    # Each layer's attention window (None: full); empty where the KV cache is not hybrid
+    # (`--disable-hybrid-kv-cache-manager` included): the front end's KV cache groups.
+    hybrid_layer_windows: list[int | None] = []
 
 
 _encoder = msgspec.msgpack.Encoder()

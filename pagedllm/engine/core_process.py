@@ -81,6 +81,7 @@ def run_engine_core(config, engine_index: int, addresses: CoreAddresses,
     ready.connect(addresses.ready)
     try:
         from pagedllm.engine.core import EngineCore
+        from pagedllm.engine.core_client import ready_info
         from pagedllm.kernels.status import kernel_status
 
         _bind_replica(config, engine_index)
@@ -104,13 +105,9 @@ def run_engine_core(config, engine_index: int, addresses: CoreAddresses,
                               args=(_output_thread, addresses, out_q, loop),
                               name="pagedllm-core-output", daemon=True)
     sender.start()
-    ready.send(encode(CoreReady(
-        ok=True, num_blocks=core.num_blocks, block_size=core.block_size,
-        max_model_len=core.max_model_len, max_num_batched_tokens=core.max_num_batched_tokens,
-        model_name=core.model_name, vocab_size=core.vocab_size,
-        eos_token_ids=sorted(core.eos_token_ids), startup_seconds=core.startup_seconds,
-        kernel_info=info, pid=os.getpid(),
-    )))
+    hand_shake = ready_info(core)
+    hand_shake.kernel_info = info
+    ready.send(encode(hand_shake))
     ready.close()
     try:
         loop.run()

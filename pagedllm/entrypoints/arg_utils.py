@@ -255,6 +255,23 @@ def validate_server_args(args: argparse.Namespace) -> None:
         raise ValueError("--lora-modules needs --enable-lora.")
 
 
+def server_extras_from_args(args: argparse.Namespace) -> tuple[list[Any], Any]:
+    """The served LoRA modules (each a local directory) and the tool / reasoning settings;
+    checked (ValueError) before any engine core starts."""
+    from pagedllm.entrypoints.openai.lora_models import parse_lora_modules
+    from pagedllm.entrypoints.openai.tool_calling import ToolConfig
+
+    lora_modules = parse_lora_modules(getattr(args, "lora_modules", None))
+    for module in lora_modules:
+        if not os.path.isdir(module.path):
+            raise ValueError(f"--lora-modules {module.name}={module.path}: not a local directory.")
+    tool_config = ToolConfig(
+        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None))
+    return lora_modules, tool_config
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build the EngineConfig; a chat template given as a file path is read here."""
     kwargs: dict[str, Any] = {}

@@ -11,7 +11,6 @@ from pagedllm.entrypoints.arg_utils import (
     add_engine_args,
     add_server_args,
     engine_config_from_args,
-    validate_server_args,
 )
 
 
@@ -193,12 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":
-            # Bad flags fail here, before the server's heavy imports and the model load.
-            validate_server_args(args)
-            engine_config_from_args(args)
+            # Bad flags and a busy port fail here, before the model load; the engine cores
+            # then load the model while this process imports the server (serve_start.py).
+            from pagedllm.entrypoints.openai.serve_start import start_serving
+
+            started = start_serving(args)
             from pagedllm.entrypoints.openai.api_server import run_server
 
-            return run_server(args)
+            return run_server(args, started)
         if args.command == "generate":
             return run_generate(args)
         if args.command == "quantize":

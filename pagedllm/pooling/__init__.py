@@ -1,18 +1,33 @@
-"""The pooling side of the engine: embeddings, classification, scores (docs/pooling.md)."""
+"""The pooling side of the engine: embeddings, classification, scores (docs/pooling.md).
 
-from pagedllm.pooling.outputs import (
-    ClassificationOutput,
-    ClassificationRequestOutput,
-    EmbeddingOutput,
-    EmbeddingRequestOutput,
-    PoolingOutput,
-    PoolingRequestOutput,
-    ScoringOutput,
-    ScoringRequestOutput,
-)
-from pagedllm.pooling.params import PoolingParams
+Names are imported lazily: `pooling.runner_choice` is asked by `pagedllm serve` before its
+engine cores start, and must not import torch on the way (pagedllm/engine/core_start.py)."""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_LAZY = {
+    **dict.fromkeys(("ClassificationOutput", "ClassificationRequestOutput", "EmbeddingOutput",
+                     "EmbeddingRequestOutput", "PoolingOutput", "PoolingRequestOutput",
+                     "ScoringOutput", "ScoringRequestOutput"), "pagedllm.pooling.outputs"),
+    "PoolingParams": "pagedllm.pooling.params",
+}
 __all__ = [
     "ClassificationOutput", "ClassificationRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput",
     "PoolingOutput", "PoolingParams", "PoolingRequestOutput", "ScoringOutput", "ScoringRequestOutput",
 ]
+
+if TYPE_CHECKING:
+    from pagedllm.pooling.outputs import (ClassificationOutput, ClassificationRequestOutput,
+                                          EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput,
+                                          PoolingRequestOutput, ScoringOutput, ScoringRequestOutput)
+    from pagedllm.pooling.params import PoolingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pagedllm.pooling' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -4,6 +4,9 @@ takes pooling for an encoder or a headless `*Model` decoder (nothing to generate
 
 from __future__ import annotations
 
+import json
+import os
+
 from pagedllm.config import EngineConfig
 
 POOLING_ARCH_SUFFIXES = ("Model", "ForSequenceClassification")
@@ -21,7 +24,18 @@ def is_pooling_config(config: EngineConfig) -> bool:
         source = resolve_model_source(config)
         if source.is_gguf:
             return False
-        archs = getattr(load_hf_config(source), "architectures", None) or []
+        archs = _architectures(source.path) or getattr(load_hf_config(source), "architectures", None)
     except (OSError, ValueError):
         return False  # the generation engine reports it
-    return any(a.endswith(POOLING_ARCH_SUFFIXES) for a in archs)
+    return any(a.endswith(POOLING_ARCH_SUFFIXES) for a in archs or [])
+
+
+def _architectures(folder: str) -> list[str] | None:
+    """`architectures` of the folder's config.json, read as JSON: transformers' config classes
+    cost `pagedllm serve` seconds of imports before its engine cores could start."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        archs = json.load(f).get("architectures")
+    return archs if isinstance(archs, list) else None

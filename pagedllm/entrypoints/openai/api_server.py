@@ -58,7 +58,7 @@ from pagedllm.entrypoints.openai.http_limits import (
     limited_h11_protocol,
 )
 from pagedllm.entrypoints.openai.pooling_routes import add_generation_model_refusals
-from pagedllm.entrypoints.openai.lora_models import ServedLoRAs, parse_lora_modules, runtime_updating_allowed
+from pagedllm.entrypoints.openai.lora_models import ServedLoRAs, runtime_updating_allowed
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -71,7 +71,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.request_fields import IGNORED_FIELDS_HEADER, REQUEST_ID_HEADER
 from pagedllm.entrypoints.openai.serving import ServerOptions, ServingContext, with_cancellation
-from pagedllm.entrypoints.openai.tool_calling import ToolConfig
+from pagedllm.entrypoints.openai.serve_start import ServeStart, bind_socket
 from pagedllm.entrypoints.openai.tokenization import TokenizationServer
 from pagedllm.tokenizer import max_chars_per_token
 
@@ -302,20 +302,6 @@ def _runtime_loras(ctx: ServingContext):
 # ------------------------------------------------------------------------------ start-up
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind (not yet listen) so that a busy port is an error before the model loads."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
-
-
 class _Server:
     """uvicorn's server with pagedllm's life cycle: the first SIGTERM drains instead of
     closing the listening socket (so that new requests get a 503, not a refused connection)."""
@@ -406,11 +392,22 @@ def serve_app(app: FastAPI, sock: socket.socket, args: argparse.Namespace, limit
     asyncio.run(serve())
 
 
-def run_server(args: argparse.Namespace) -> int:
+def run_server(args: argparse.Namespace, started: ServeStart | None = None) -> int:
     """Validate the flags, bind, start the engine and serve until interrupted. Returns the
-    exit code: 0 after a drain or Ctrl-C, 1 if the engine core died, 2 for bad flags."""
+    exit code: 0 after a drain or Ctrl-C, 1 if the engine core died, 2 for bad flags.
+    `started`: the port and cores that `pagedllm serve` set going before its imports
+    (serve_start.py); its flags were checked then."""
+    try:
+        return _run_server(args, started)
+    finally:
+        if started is not None and started.cores is not None and not started.claimed:
+            started.abandon()
+
+
+def _run_server(args: argparse.Namespace, started: ServeStart | None) -> int:
     from pagedllm.engine.core_client import EngineCoreStartError
-    from pagedllm.entrypoints.arg_utils import engine_config_from_args, validate_server_args
+    from pagedllm.entrypoints.arg_utils import (engine_config_from_args, server_extras_from_args,
+                                                validate_server_args)
 
     try:
         validate_server_args(args)
@@ -424,22 +421,18 @@ def run_server(args: argparse.Namespace) -> int:
             render_timeout_s=getattr(args, "chat_template_render_timeout",
                                      DEFAULT_RENDER_TIMEOUT_S))
         config = engine_config_from_args(args)
-        lora_modules = parse_lora_modules(getattr(args, "lora_modules", None))
-        for module in lora_modules:
-            if not os.path.isdir(module.path):
-                raise ValueError(f"--lora-modules {module.name}={module.path}: not a local directory.")
-        tool_config = ToolConfig(
-            enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
-            tool_call_parser=getattr(args, "tool_call_parser", None),
-            reasoning_parser=getattr(args, "reasoning_parser", None))
+        lora_modules, tool_config = server_extras_from_args(args)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    try:
-        sock = bind_socket(args.host, args.port)
-    except OSError as exc:
-        print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
-        return 2
+    if started is not None:
+        sock = started.sock
+    else:
+        try:
+            sock = bind_socket(args.host, args.port)
+        except OSError as exc:
+            print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+            return 2
     from pagedllm.pooling.runner_choice import is_pooling_config
 
     if is_pooling_config(config):
@@ -447,7 +440,8 @@ def run_server(args: argparse.Namespace) -> int:
 
         return serve_pooling(args, config, sock, limits, _http_options(args, limits, templates))
     try:
-        async_engine = AsyncLLMEngine.from_engine_config(config)
+        async_engine = AsyncLLMEngine.from_engine_config(
+            config, start=started.claim() if started is not None else None)
     except (ValueError, EngineCoreStartError) as exc:
         sock.close()
         print(f"error: {exc}", file=sys.stderr)
