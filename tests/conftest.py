@@ -70,6 +70,18 @@ def hf_smollm2(smollm2_gguf):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_folder(smollm2_gguf, tmp_path_factory) -> str:
+    """A tiny random Llama with SmolLM2's tokenizer (tests/integration/model_fixtures.py), saved
+    once per run: for tests that need a real model process but not SmolLM2 itself (its server
+    is up in about 4 s where SmolLM2's takes 7)."""
+    from tests.integration.model_fixtures import save_tiny_llama
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_llama(path, smollm2_gguf)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def smollm2_hf_folder(hf_smollm2, smollm2_gguf, tmp_path_factory) -> str:
     """`hf_smollm2` saved as a plain float32 folder (config, safetensors, tokenizer): what loads
     in a second where the GGUF takes transformers many (the HF side of benchmark smoke tests)."""

@@ -170,7 +170,10 @@ def layer_sliding_windows(hf_config: Any) -> list[int | None]:
 
 
 def hybrid_groups_of_windows(windows: list[int | None]) -> KVCacheGroups | None:
-    """The hybrid groups of layers with these windows; None where one block table serves all.
-    The API process builds them from the windows in the core's hand-shake (no model config)."""
+    """The hybrid groups of layers with these windows; None where one block table serves all
+    (or no windows: a core's hand-shake sends none unless its cache is hybrid). The API process
+    builds them from the windows in the core's hand-shake (it loads no model config)."""
+    if not windows:
+        return None
     groups = group_layers(windows)
     return groups if groups.has_null_block else None

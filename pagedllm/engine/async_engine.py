@@ -226,8 +226,7 @@ class AsyncLLMEngine:
             generation_defaults=load_generation_defaults(config.generation_config, source.path,
                                                          bool(source.gguf_file)),
             served_model_names=config.served_model_names,
-            kv_cache_groups=hybrid_groups_of_windows(ready.hybrid_layer_windows)
-            if ready.hybrid_layer_windows else None,
+            kv_cache_groups=hybrid_groups_of_windows(ready.hybrid_layer_windows),
             max_num_batched_tokens=ready.max_num_batched_tokens,
         )
         metrics = None

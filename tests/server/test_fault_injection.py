@@ -40,8 +40,13 @@ def _health(srv) -> int:
 
 
 @pytest.fixture
-def fault(monkeypatch):
-    def start(kind: str, args: list[str] = SERVE):
+def fault(monkeypatch, tiny_llama_folder):
+    """`fault(kind, args)`: a server with that fault armed; by default on a tiny random Llama
+    (the faults are in the engine's machinery, not in SmolLM2), served under SmolLM2's name."""
+    tiny = [*SERVE, "--model", tiny_llama_folder, "--served-model-name", MODEL]
+
+    def start(kind: str, args: list[str] | None = None):
+        args = tiny if args is None else args
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
             [HOOKS, str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]))
         monkeypatch.setenv("PAGEDLLM_TEST_FAULT", kind)

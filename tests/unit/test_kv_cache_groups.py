@@ -96,3 +96,22 @@ def test_groups_from_hf_configs():
     assert [g.sliding_window for g in mixed.groups] == [None, 16, 16, 16] and mixed.slots == 1
     assert [g.layer_ids for g in hybrid_kv_cache_groups(gemma).groups] == [(1, 3), (0, 2)]
     assert all(hybrid_kv_cache_groups(c, disabled=True) is None for c in (mistral, qwen2, gemma))
+
+
+def test_the_hand_shake_gives_the_front_end_the_cores_groups():
+    """The API process builds its KV cache groups from the windows in the core's hand-shake
+    (no model config there): the same groups as the core's, none where the core has none."""
+    from types import SimpleNamespace as NS
+
+    from pagedllm.core.kv_cache_groups import hybrid_groups_of_windows, hybrid_kv_cache_groups
+    from pagedllm.engine.core_client import ready_info
+    from pagedllm.engine.core_messages import CoreReady, decode_ready, encode
+
+    gemma = NS(model_type="gemma2", num_hidden_layers=4, sliding_window=16,
+               layer_types=["sliding_attention", "full_attention"] * 2)
+    llama = NS(model_type="llama", num_hidden_layers=4, sliding_window=None)
+    for hf_config, disabled in ((gemma, False), (gemma, True), (llama, False)):
+        core = NS(hf_config=hf_config, kv_cache_groups=hybrid_kv_cache_groups(hf_config, disabled))
+        ready = decode_ready(encode(ready_info(core)))
+        assert isinstance(ready, CoreReady)
+        assert hybrid_groups_of_windows(ready.hybrid_layer_windows) == core.kv_cache_groups

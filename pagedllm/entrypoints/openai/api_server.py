@@ -6,9 +6,11 @@
 Endpoints: GET (and HEAD) /health, GET /version, /v1/models, /metrics, /dashboard and its data
 /v1/internal/engine_state (unless --disable-dashboard; dashboard.py); POST /v1/completions,
 /v1/chat/completions, /tokenize, /detokenize; with --enable-lora and runtime updating allowed,
-POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_models.py). Start-up: the flags are validated, the port is
-bound (a busy port fails before the model loads), the engine core process(es) load the model
-while this process loads the tokenizer, then uvicorn serves (engine/async_engine.py).
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_models.py). Start-up
+(serve_start.py): the flags are validated, the port is bound (a busy port fails before the
+model loads) and the engine core process(es) are launched before this module is imported; they
+load the model while this process imports and loads the tokenizer, then uvicorn serves
+(engine/async_engine.py).
 
 Life cycle: SIGTERM drains (new requests get 503, in-flight ones may finish for
 --drain-timeout seconds, then exit 0); a second SIGTERM or SIGINT stops at once. If the engine

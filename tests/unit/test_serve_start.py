@@ -1,0 +1,32 @@
+"""`pagedllm serve` launches its engine cores before it imports torch and transformers (about 3 s
+on 2 cores; entrypoints/openai/serve_start.py): the two start-ups overlap."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+_BEFORE_THE_CORES = ("pagedllm.entrypoints.cli", "pagedllm.entrypoints.openai.serve_start",
+                     "pagedllm.engine.core_start", "pagedllm.engine.core_client",
+                     "pagedllm.pooling.runner_choice", "pagedllm.entrypoints.arg_utils",
+                     "pagedllm.entrypoints.openai.lora_models",
+                     "pagedllm.entrypoints.openai.tool_calling", "pagedllm.config",
+                     "pagedllm.model_source")
+
+
+def test_what_runs_before_the_cores_launch_imports_nothing_heavy():
+    code = (f"import sys\nimport {', '.join(_BEFORE_THE_CORES)}\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_pooling_check_reads_architectures_from_config_json(tmp_path):
+    from pagedllm.config import EngineConfig
+    from pagedllm.pooling.runner_choice import is_pooling_config
+
+    for archs, pooling in ((["BertModel"], True), (["LlamaForCausalLM"], False),
+                           (["Qwen2ForSequenceClassification"], True)):
+        (tmp_path / "config.json").write_text(
+            '{"architectures": %s, "model_type": "x"}' % str(archs).replace("'", '"'))
+        assert is_pooling_config(EngineConfig(model=str(tmp_path))) is pooling
