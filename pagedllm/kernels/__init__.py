@@ -9,6 +9,8 @@
   compressed-tensors / GGUF, and float weights that are exactly 4-bit / 8-bit blocks,
   layers/block_formats.py), exact float32 arithmetic or int8 activations with VNNI
   (layers/quantization/int_kernel.py);
+- `gguf_gemm.c`: the same product against llama.cpp's GGUF blocks read in place (every K-quant,
+  legacy and IQ4 type; layers/quantization/gguf_kernel.py);
 - `fused_ops.c`: residual add + RMSNorm, SiLU-and-mul, rotary embedding in place, one call each
   (layers/norm.py, activation.py, rotary.py);
 - `lora.c`: the batched multi-LoRA shrink / expand, one call for a batch mixing adapters
@@ -21,10 +23,11 @@ compiler) or kernels are disabled with `PAGEDLLM_DISABLE_C_KERNELS=1`.
 from pagedllm.kernels.build import (
     decode_attention_kernel,
     fused_ops_kernel,
+    gguf_gemm_kernel,
     int_gemm_kernel,
     lora_kernel,
     packed_gemm_kernel,
     prefill_attention_kernel,
 )
 
-__all__ = ["decode_attention_kernel", "fused_ops_kernel", "int_gemm_kernel", "lora_kernel", "packed_gemm_kernel", "prefill_attention_kernel"]
+__all__ = ["decode_attention_kernel", "fused_ops_kernel", "gguf_gemm_kernel", "int_gemm_kernel", "lora_kernel", "packed_gemm_kernel", "prefill_attention_kernel"]

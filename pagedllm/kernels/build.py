@@ -372,6 +372,36 @@ def int_gemm_kernel(variant: str | None = None) -> IntGemm | None:
     )
 
 
+class GGUFGemm(NamedTuple):
+    """The functions of `gguf_gemm.c` (GGUF blocks read in place; see there)."""
+
+    block_length: Callable[..., int]  # (type) -> weights per block, 0 if not taken
+    block_bytes: Callable[..., int]  # (type) -> bytes per block
+    rows: Callable[..., int]  # (type, w, ids, n_ids, out, N, K, threads): embedding lookup
+    exact: Callable[..., int]  # (type, x, w, y, scratch, M, N, K, ldy, threads)
+    int8: Callable[..., int]  # (type, x, w, y, scratch, M, N, K, ldy, threads)
+    int8_scratch: Callable[..., int]  # (M, K) -> bytes of scratch for `int8`
+    isa: Callable[..., int]  # () -> as int_gemm_isa
+
+
+@functools.cache
+def gguf_gemm_kernel(variant: str | None = None) -> GGUFGemm | None:
+    """The GGUF-block GEMM of `gguf_gemm.c` (built and loaded once), or None."""
+    src = "gguf_gemm.c"
+    length = _kernel_function(src, "gguf_block_length", (_I32,), variant=variant)
+    if length is None:
+        return None
+    return GGUFGemm(
+        length,
+        _kernel_function(src, "gguf_block_bytes", (_I32,), variant=variant),
+        _kernel_function(src, "gguf_rows", (_I32, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I32), variant=variant),
+        _kernel_function(src, "gguf_gemm_exact", (_I32,) + (_PTR,) * 4 + (_I64,) * 4 + (_I32,), variant=variant),
+        _kernel_function(src, "gguf_gemm_int8", (_I32,) + (_PTR,) * 4 + (_I64,) * 4 + (_I32,), variant=variant),
+        _kernel_function(src, "gguf_int8_scratch", (_I64, _I64), _I64, variant=variant),
+        _kernel_function(src, "gguf_gemm_isa", (), variant=variant),
+    )
+
+
 class FusedOps(NamedTuple):
     """The functions of `fused_ops.c`."""
 

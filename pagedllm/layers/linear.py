@@ -338,37 +338,55 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(self.vocab_rows, embedding_dim, dtype=dtype, device=device), requires_grad=False
         )
-        self.int_weight = None  # int_kernel.PackedIntWeight, for a packed GGUF table
+        self.int_weight = None  # int_kernel.PackedIntWeight, for a Q4_0 / Q4_1 / Q8_0 GGUF table
+        self.gguf_weight = None  # gguf_kernel.GGUFTensor, any other GGUF type, read in place
 
     @torch.no_grad()
     def load_blocks(self, blocks) -> None:
-        """Load a GGUF table given as blocks (model/gguf_loader.GGUFBlockWeight)."""
-        from pagedllm.layers.quantization.gguf import pack_gguf_blocks
+        """Load a GGUF table given as the file's blocks (layers/quantization/gguf_kernel.GGUFTensor,
+        or model/gguf_loader.GGUFBlockWeight): Q4_0 / Q4_1 / Q8_0 repacked for int_gemm.c, every
+        other type kept as it is in the file (gguf_gemm.c); rows are widened on lookup."""
+        from pagedllm.layers.quantization.gguf import pack_for_int_gemm, pack_gguf_blocks, warn_widened, widened
+        from pagedllm.layers.quantization.gguf_kernel import GGUFTensor, kernel_takes
 
         if tuple(blocks.shape) != tuple(self.weight.shape):
             raise ValueError(f"Shape mismatch loading the embedding: checkpoint has {tuple(blocks.shape)}, "
                              f"model expects {tuple(self.weight.shape)}")
-        packed = None
-        if self.weight.device.type == "cpu" and self.weight.dtype == torch.float32:
-            packed = pack_gguf_blocks([blocks])
-        if packed is None:  # no kernel, GPU, another dtype: the float table
-            self.weight.data.copy_(blocks.dequantize())
+        on_cpu = self.weight.device.type == "cpu" and self.weight.dtype == torch.float32
+        if on_cpu and isinstance(blocks, GGUFTensor):
+            self.int_weight = pack_for_int_gemm([blocks])
+            if self.int_weight is None and kernel_takes(blocks.type_name, blocks.shape[1]):
+                self.gguf_weight = blocks
+        elif on_cpu:
+            self.int_weight = pack_gguf_blocks([blocks])
+        if self.int_weight is None and self.gguf_weight is None:  # no kernel, GPU, another dtype
+            warn_widened("embedding table", [blocks], "no kernel for it here" if on_cpu else "not float32 on CPU")
+            self.weight.data.copy_(widened(blocks))
             return
-        self.int_weight = packed  # the paths are chosen once the lm head's compute is known
-        del self.weight  # the packed form is the only copy
+        del self.weight  # the packed form is the only copy (the paths are chosen once the head's compute is known)
         self.weight = None
+
+    @property
+    def packed(self) -> bool:
+        """Whether the table is kept in a GGUF file's blocks (no float weight)."""
+        return self.int_weight is not None or self.gguf_weight is not None
 
     def choose_logit_paths(self, compute: str) -> None:
         """Once, by the model after loading (the tied head's compute is known there): the packed
         table's per-batch paths as an LM head (layers/kernel_choice.py)."""
         from pagedllm.layers.quantization.int_kernel import with_choice
 
-        self.int_weight = with_choice(self.int_weight, compute)
+        if self.int_weight is not None:
+            self.int_weight = with_choice(self.int_weight, compute)
 
     def packed_logits(self, hidden: torch.Tensor, compute: str) -> torch.Tensor:
+        from pagedllm.layers.quantization.gguf_kernel import gguf_linear
         from pagedllm.layers.quantization.int_kernel import int_linear
 
-        return int_linear(hidden.reshape(-1, hidden.shape[-1]).float(), self.int_weight, compute)
+        flat = hidden.reshape(-1, hidden.shape[-1]).float()
+        if self.gguf_weight is not None:
+            return gguf_linear(flat, [self.gguf_weight], compute)
+        return int_linear(flat, self.int_weight, compute)
 
     def checkpoint_slices(self) -> list[tuple[int, int, int]]:
         """The rows of the checkpoint's table this rank holds (empty: all)."""
@@ -387,6 +405,10 @@ class VocabEmbedding(nn.Module):
             from pagedllm.layers.quantization.int_kernel import int_weight_rows
 
             return int_weight_rows(self.int_weight, input_ids)
+        if self.gguf_weight is not None:
+            from pagedllm.layers.quantization.gguf_kernel import gguf_rows
+
+            return gguf_rows(self.gguf_weight, input_ids)
         return F.embedding(input_ids, self.weight)
 
     def extra_repr(self) -> str:

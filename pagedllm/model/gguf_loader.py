@@ -19,6 +19,7 @@ the layer count); a file whose metadata disagrees with the config is refused by 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import warnings
@@ -27,6 +28,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
+from pagedllm.layers.quantization.gguf_kernel import TYPES, GGUFTensor
+
+logger = logging.getLogger(__name__)
+# Matrices of these types stay in the file's blocks (F32 ones are already the compute form).
+KEPT_TYPES = frozenset(TYPES) - {"F32"}
 
 _BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -67,7 +74,7 @@ def supported_tensor_types() -> set[Any]:
     return {
         T.F32, T.F16, T.BF16,
         T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
-        T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
+        T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS,
     }  # fmt: skip
 
 
@@ -137,8 +144,8 @@ class GGUFBlockWeight(NamedTuple):
 
 
 def gguf_blocks(data: np.ndarray, tensor_type: Any, shape: tuple[int, ...]) -> GGUFBlockWeight | None:
-    """The blocks of a 2-D Q4_0 / Q4_1 / Q8_0 tensor of `shape` (rows, row length); None for
-    other types and shapes."""
+    """The blocks of a 2-D Q4_0 / Q4_1 / Q8_0 tensor of `shape` (rows, row length), unpacked
+    for kernels/int_gemm.c's repacking; None for other types and shapes."""
     from gguf import GGMLQuantizationType as T
 
     if tensor_type not in (T.Q4_0, T.Q4_1, T.Q8_0) or len(shape) != 2 or shape[1] % 32:
@@ -286,10 +293,12 @@ def _apply_cuts(t: torch.Tensor, cuts: Cuts) -> torch.Tensor:
 
 
 def iter_gguf_weights(path: str, hf_config: Any, keep_blocks: bool = False, slices_of=None
-                      ) -> Iterator[tuple[str, torch.Tensor | GGUFBlockWeight]]:
-    """Yield `(transformers name, tensor)` for every tensor of the GGUF file at `path`: float32
-    values, or with `keep_blocks` a `GGUFBlockWeight` for each Q4_0 / Q4_1 / Q8_0 matrix (the
-    linear layers and the embedding keep those packed: no float32 copy is ever made).
+                      ) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+    """Yield `(transformers name, tensor)` for every tensor of the GGUF file at `path`: float
+    values, or with `keep_blocks` a `GGUFTensor` for each matrix of a quantized or 16-bit type
+    (`KEPT_TYPES`): the file's own bytes, a view of the memory-mapped file unless its rows are
+    reordered (Q/K) or cut (tensor parallelism), so the model takes the file's size. The linear
+    layers, the embedding and the LM head read them in place (layers/quantization/gguf_kernel.py).
 
     `slices_of(name, shape) -> cuts` (a tensor-parallel model's `checkpoint_slices`): yield only
     this rank's part of each tensor, cut from the memory-mapped file before it is converted
@@ -324,14 +333,17 @@ def iter_gguf_weights(path: str, hf_config: Any, keep_blocks: bool = False, slic
         heads = n_head if ".self_attn.q_proj." in hf_name else n_kv_head
         if cuts and (".self_attn.q_proj." in hf_name or ".self_attn.k_proj." in hf_name):
             heads = shape[0] // head_dim  # this rank's (whole) heads
-        blocks = gguf_blocks(data, tensor.tensor_type, shape) if keep_blocks and not left else None
-        if blocks is not None:
-            weight = blocks
+        if keep_blocks and not left and len(shape) == 2 and tensor.tensor_type.name in KEPT_TYPES:
+            weight = GGUFTensor(_as_tensor(data.view(np.uint8)).reshape(shape[0], -1), tensor.tensor_type.name, shape)
             if permute and (".self_attn.q_proj." in hf_name or ".self_attn.k_proj." in hf_name):
-                weight = blocks.permute_rows(lambda t: reverse_permute(t, heads))
+                weight = weight.permute_rows(lambda t: reverse_permute(t, heads))  # a copy of those rows
             yield hf_name, weight
             continue
         weight = dequantize_tensor(data, tensor.tensor_type).reshape(shape)
+        if keep_blocks and len(shape) == 2 and tensor.tensor_type.name != "F32":
+            logger.warning("GGUF tensor %s (%s) widened to float32: %d bytes instead of the file's %d (%s)",
+                           tensor.name, tensor.tensor_type.name, weight.numel() * 4, data.nbytes,
+                           "a tensor-parallel cut inside a block" if left else "a type kept only as floats")
         if permute and (".self_attn.q_proj." in hf_name or ".self_attn.k_proj." in hf_name):
             weight = reverse_permute(weight, heads)
         if gemma and tensor.name.endswith("norm.weight"):

@@ -281,8 +281,11 @@ class LlamaForCausalLM(nn.Module):
             shard = None
             if tp.world_size > 1:  # vocab-parallel: the same rows as the embedding
                 shard = column_shard([config.vocab_size], [(embed.vocab_start, embed.vocab_rows)], config.hidden_size)
+            # A GGUF file's head (often Q6_K / Q8_0) stays in its blocks like every projection.
+            head_method = quant_config.get_linear_method("lm_head", ["lm_head"]) \
+                if quant_config is not None and quant_config.name == "gguf" else None
             self.lm_head = Linear(config.hidden_size, embed.vocab_rows, bias=False, dtype=dtype, device=device,
-                                  tp_shard=shard)
+                                  tp_shard=shard, quant_method=head_method)
         self.head_prepared = None  # the C kernels' form of a tied head (an untied one is a Linear)
 
     # Shapes the model runner / cache engine need.
@@ -347,7 +350,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         embed = self.model.embed_tokens
-        if self.lm_head is None and embed.int_weight is not None:  # tied to a packed GGUF table
+        if self.lm_head is None and embed.packed:  # tied to a packed GGUF table
             compute = self.quant_config.compute if self.quant_config is not None else "exact"
             return embed.packed_logits(hidden, compute)
         if self.lm_head is not None:
@@ -359,7 +362,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _head_weight(self) -> torch.Tensor | None:
         """The LM head's float weight (None: a tied head on a packed embedding table)."""
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return self.model.embed_tokens.weight if self.lm_head is None else getattr(self.lm_head, "weight", None)
 
     def projection_weights(self) -> list[torch.Tensor]:
         """Every float weight that goes through `linear` (the projections and the LM head)."""
@@ -375,7 +378,7 @@ class LlamaForCausalLM(nn.Module):
         embed = self.model.embed_tokens
         if self.lm_head is None and embed.weight is not None:
             self.head_prepared = prepare_weight(embed.weight)
-        elif self.lm_head is None and embed.int_weight is not None:  # tied to a packed GGUF table
+        elif self.lm_head is None and embed.packed:  # tied to a packed GGUF table
             embed.choose_logit_paths(self.quant_config.compute if self.quant_config is not None else "exact")
         kernel_choice.save()  # this process's measurements, for the next start
         kernel_choice.log_summary()
@@ -473,11 +476,12 @@ class LlamaForCausalLM(nn.Module):
                 module.load_weight(parts[-1], tensor)  # the method checks names, shapes, dtypes
                 loaded.add((name, None))
                 continue
-            if isinstance(module, VocabEmbedding) and hasattr(tensor, "codes"):
-                module.load_blocks(tensor)  # a GGUF Q8_0 / Q4 table: kept packed
+            gguf_packed = not isinstance(tensor, torch.Tensor)  # a GGUF file's blocks (GGUFTensor)
+            if isinstance(module, VocabEmbedding) and gguf_packed:
+                module.load_blocks(tensor)  # kept in the file's blocks
                 loaded.add((name, None))
                 continue
-            if hasattr(tensor, "codes"):  # GGUF blocks for a float parameter (an untied head)
+            if gguf_packed:  # GGUF blocks for a float parameter
                 tensor = tensor.dequantize()
             param = params.get(name)
             if param is None:

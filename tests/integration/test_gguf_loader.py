@@ -132,11 +132,17 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_tiny_gguf(hf_model, config, gguf_arch: str, path) -> None:
+def _write_tiny_gguf(hf_model, config, gguf_arch: str, path, types: dict[str, str] | None = None) -> None:
     """Write `hf_model` as llama.cpp would (permuted Q/K for `llama`), in mixed quantization
-    types, and round `hf_model`'s weights to what the file holds, so both sides see the same."""
+    types (`types`: per llama.cpp tensor kind, default `_TYPES`), and round `hf_model`'s weights
+    to what the file holds, so both sides see the same. Types gguf-py cannot quantize (the
+    K-quants, IQ4) get random valid blocks of about the weights' size (tests/gguf_random.py)."""
     import gguf
     from gguf.quants import dequantize, quantize
+
+    from tests.gguf_random import F16_FIELDS, random_tensor
+
+    types = _TYPES if types is None else types
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     unpermute = LlamaTensorProcessor(
@@ -154,11 +160,13 @@ def _write_tiny_gguf(hf_model, config, gguf_arch: str, path) -> None:
                 w = _llama_cpp_permute(w, config.num_attention_heads)
             elif gguf_arch == "llama" and kind == "attn_k":
                 w = _llama_cpp_permute(w, config.num_key_value_heads)
-            qtype = gguf.GGMLQuantizationType[_TYPES.get(kind, "F32") if w.ndim == 2 else "F32"]
+            qtype = gguf.GGMLQuantizationType[types.get(kind, "F32") if w.ndim == 2 else "F32"]
             if qtype == gguf.GGMLQuantizationType.F32:
                 data = w
             elif qtype == gguf.GGMLQuantizationType.F16:
                 data = w.astype(np.float16)
+            elif qtype.name in F16_FIELDS and qtype.name not in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+                data = random_tensor(qtype.name, *w.shape, seed=len(name), typical=float(np.abs(w).mean()))
             else:
                 data = quantize(w, qtype)
             writer.add_tensor(name, data, raw_dtype=qtype)
@@ -197,21 +205,52 @@ def test_tiny_gguf_with_mixed_quant_types_matches_transformers(tmp_path, arch, g
     assert load_model(str(path), None, config, torch.float32, "cpu") is not None
 
 
+_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "token_embd", "output")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                                   "Q6_K", "IQ4_NL", "IQ4_XS", "F16", "BF16"])
+def test_every_gguf_type_kept_in_its_blocks_matches_transformers(tmp_path, qtype) -> None:
+    """Every matrix of the file in `qtype` (embedding and untied head too): each stays in the
+    file's blocks (no float weight anywhere), and the logits of a 37-token prefill (the panel
+    path) and of single-token decodes equal transformers' on the same values."""
+    from pagedllm.layers.quantization.gguf_kernel import kernel_takes
+
+    if not kernel_takes(qtype, 256):
+        pytest.skip("gguf_gemm.c cannot be built here")
+    config = tiny_config("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                         num_key_value_heads=2)
+    hf_model = make_hf_model(config, seed=5)
+    _write_tiny_gguf(hf_model, config, "llama", tmp_path / "t.gguf", types={k: qtype for k in _KINDS})
+    model = load_model(str(tmp_path / "t.gguf"), None, config, torch.float32, "cpu")
+    layer = model.model.layers[0]
+    for lin in (layer.self_attn.qkv_proj, layer.mlp.down_proj, model.lm_head):
+        assert getattr(lin, "weight", None) is None and (lin.gguf_weights or lin.int_weight is not None)
+    assert model.model.embed_tokens.weight is None
+    runner = ModelRunner(model, config, 8, 16, torch.float32, "cpu")
+    prompt = [(7 * i + 3) % config.vocab_size for i in range(37)]
+    out = runner.execute_model(
+        FakeSchedulerOutput([FakeScheduledSequence(FakeSeq(0), prompt, 0, [5, 1, 6], all_logits=True)])
+    )
+    ref = hf_logits(hf_model, prompt)
+    torch.testing.assert_close(out.all_logits[0], ref, atol=1e-4 * max(1.0, float(ref.abs().max())), rtol=0)
+
+
 def test_unsupported_gguf_tensor_type_raises(tmp_path) -> None:
     import gguf
 
     writer = gguf.GGUFWriter(str(tmp_path / "iq.gguf"), "llama")
-    writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
-    # One IQ4_NL block row: 32 weights in 18 bytes; the content is irrelevant.
+    writer.add_tensor("output_norm.weight", np.ones(256, dtype=np.float32))
+    # One IQ2_XXS block row: 256 weights in 66 bytes; the content is irrelevant.
     writer.add_tensor(
-        "token_embd.weight", np.zeros((4, 18 * 2), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL
+        "token_embd.weight", np.zeros((4, 66), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS
     )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    config = tiny_config("llama", hidden_size=64, vocab_size=4, num_hidden_layers=0)
-    with pytest.raises(ValueError, match="Unsupported GGUF tensor type IQ4_NL for tensor 'token_embd.weight'"):
+    config = tiny_config("llama", hidden_size=256, vocab_size=4, num_hidden_layers=0)
+    with pytest.raises(ValueError, match="Unsupported GGUF tensor type IQ2_XXS for tensor 'token_embd.weight'"):
         load_model(str(tmp_path / "iq.gguf"), None, config, torch.float32, "cpu")
 
 

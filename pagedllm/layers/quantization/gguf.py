@@ -1,23 +1,28 @@
-"""GGUF files' Q4_0 / Q4_1 / Q8_0 matrices kept packed: the linear method and the embedding form.
+"""GGUF files' matrices kept packed: the linear method and the embedding form.
 
-The loader (model/gguf_loader.py) hands each such matrix over as its blocks of 32
-(`GGUFBlockWeight`: codes, d, zero points or minimums); `GGUFLinearMethod` concatenates the
-shards of a fused layer (q/k/v, gate/up) and packs them once for kernels/int_gemm.c, whose exact
-path multiplies by the very float32 values llama.cpp's dequantization gives. Shards of different
-types are brought to one form without changing a value: 4-bit codes fit 8 bits, and a zero point
-z is the minimum -d * z (exact in float32 for a float16 d). Nothing else stays resident: no float32
-copy of the weight (about 0.75 bytes a weight for Q4_1 instead of 4). Float tensors (F16 / F32,
-K-quants) and machines without the kernel get a float weight and the float path.
+The loader (model/gguf_loader.py) hands each matrix over as the file's own bytes
+(`GGUFTensor`). A layer whose parts are all Q4_0 / Q4_1 / Q8_0 is repacked once for
+kernels/int_gemm.c (its register-tiled kernels, tuned for the default model; 0.75 bytes a
+weight for Q4_1 against the file's 0.625), whose exact path multiplies by the very float32
+values llama.cpp's dequantization gives; shards of those types are brought to one form without
+changing a value (4-bit codes fit 8 bits, a zero point z is the minimum -d * z). Every other
+layer (K-quants, Q5_0 / Q5_1, IQ4_NL / IQ4_XS, F16 / BF16, and any mix of types in one fused
+layer) keeps its parts as they are in the file and kernels/gguf_gemm.c reads them in place, each
+part writing its own output columns. Nothing is widened to float32 unless the kernels cannot run
+(no compiler, a GPU, another dtype, rows that are not whole blocks): then a warning names the
+layer and the bytes.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from torch import nn
 
 from pagedllm.layers.quantization.base import LinearMethod, QuantizationConfig, Slices, logical_weight_slices
+from pagedllm.layers.quantization.gguf_kernel import GGUFTensor, gguf_linear, kernel_takes
 from pagedllm.layers.quantization.int_kernel import (
     PackedIntWeight,
     int_linear,
@@ -27,11 +32,55 @@ from pagedllm.layers.quantization.int_kernel import (
     with_choice,
 )
 
+logger = logging.getLogger(__name__)
 GGUF_BLOCK = 32
+INT_GEMM_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # repacked for int_gemm.c when a layer has only these
 
 
 def _is_blocks(t: Any) -> bool:
     return hasattr(t, "codes") and hasattr(t, "offsets")  # model/gguf_loader.GGUFBlockWeight
+
+
+def as_gguf_tensor(t: Any) -> GGUFTensor:
+    """A float32 / float16 / bfloat16 tensor as a GGUFTensor of its type (GGUFTensors as they are)."""
+    if isinstance(t, GGUFTensor):
+        return t
+    names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+    if t.dim() != 2 or t.dtype not in names:
+        raise ValueError(f"a GGUF matrix must be 2-D float32/16, got {tuple(t.shape)} {t.dtype}")
+    t = t.contiguous()
+    return GGUFTensor(t.view(torch.uint8), names[t.dtype], tuple(t.shape))
+
+
+def int_gemm_blocks(t: GGUFTensor) -> Any:
+    """A Q4_0 / Q4_1 / Q8_0 GGUFTensor unpacked for int_gemm.c's repacking."""
+    from gguf import GGMLQuantizationType
+
+    from pagedllm.model.gguf_loader import gguf_blocks
+
+    return gguf_blocks(t.data.numpy(), GGMLQuantizationType[t.type_name], t.shape)
+
+
+def pack_for_int_gemm(shards: list[Any]) -> PackedIntWeight | None:
+    """int_gemm.c's form of a layer whose parts are all Q4_0 / Q4_1 / Q8_0 (None otherwise,
+    or without the kernel)."""
+    if not all(isinstance(s, GGUFTensor) and s.type_name in INT_GEMM_TYPES for s in shards):
+        return None
+    blocks = [int_gemm_blocks(s) for s in shards]
+    return None if any(b is None for b in blocks) else pack_gguf_blocks(blocks)
+
+
+def widened(t: Any) -> torch.Tensor:
+    """The float values of a GGUFTensor (or a float tensor as it is)."""
+    return t.dequantize() if isinstance(t, GGUFTensor) or _is_blocks(t) else t
+
+
+def warn_widened(what: str, parts: list[Any], why: str) -> None:
+    packed = [p for p in parts if isinstance(p, GGUFTensor)]
+    if packed:
+        rows = sum(p.shape[0] for p in parts)
+        logger.warning("GGUF %s widened to float32 (%s): %d bytes instead of the file's %d", what, why,
+                       rows * parts[0].shape[1] * 4, sum(p.nbytes for p in packed))
 
 
 def pack_gguf_blocks(shards: list[Any]) -> PackedIntWeight | None:
@@ -60,6 +109,7 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_shards = {}
         layer.gguf_dtype, layer.gguf_device = dtype or torch.float32, torch.device(device or "cpu")
         layer.int_weight = None
+        layer.gguf_weights = None
         layer.prepared = None  # the float fallback's kernel form
 
     def required_weights(self, layer) -> list[str]:
@@ -81,12 +131,25 @@ class GGUFLinearMethod(LinearMethod):
 
         shards = [layer.gguf_shards[i] for i in range(len(layer.output_sizes))]
         del layer.gguf_shards
-        if layer.gguf_device.type == "cpu" and layer.gguf_dtype == torch.float32 and all(map(_is_blocks, shards)):
+        layer.gguf_weights = None  # the file's parts, read in place by gguf_gemm.c
+        on_cpu = layer.gguf_device.type == "cpu" and layer.gguf_dtype == torch.float32
+        if on_cpu and any(isinstance(s, GGUFTensor) for s in shards):
+            packed = pack_for_int_gemm(shards)
+            if packed is not None:
+                layer.int_weight = with_choice(packed, self.compute)
+                return
+            parts = [as_gguf_tensor(s) for s in shards]
+            if all(kernel_takes(p.type_name, p.shape[1]) for p in parts):
+                layer.gguf_weights = parts
+                return
+        if on_cpu and all(map(_is_blocks, shards)):  # blocks handed over directly (tests, tools)
             packed = pack_gguf_blocks(shards)
             if packed is not None:
                 layer.int_weight = with_choice(packed, self.compute)
                 return
-        w = torch.cat([s.dequantize() if _is_blocks(s) else s.float() for s in shards])
+        warn_widened(f"layer {self.prefix}", shards,
+                     "no kernel for it here" if on_cpu else f"{layer.gguf_dtype} on {layer.gguf_device}")
+        w = torch.cat([widened(s).float() for s in shards])
         layer.weight = nn.Parameter(w.to(layer.gguf_dtype).to(layer.gguf_device), requires_grad=False)
         layer.prepared = prepare_weight(layer.weight)  # the float path's kernel form, kept
 
@@ -98,22 +161,29 @@ class GGUFLinearMethod(LinearMethod):
     def weight_bytes(self, layer) -> int:
         if layer.int_weight is not None:
             return layer.int_weight.data.numel()
+        if layer.gguf_weights is not None:
+            return sum(p.nbytes for p in layer.gguf_weights)
         return layer.weight.numel() * layer.weight.element_size()
 
     def dequantized_weight(self, layer) -> torch.Tensor:
         """The float32 `[out, in]` weight (what the exact path multiplies by)."""
-        return unpack_int_weight(layer.int_weight) if layer.int_weight is not None else layer.weight.float()
+        if layer.int_weight is not None:
+            return unpack_int_weight(layer.int_weight)
+        if layer.gguf_weights is not None:
+            return torch.cat([p.dequantize() for p in layer.gguf_weights])
+        return layer.weight.float()
 
     def apply(self, layer, x, bias) -> torch.Tensor:
         from pagedllm.layers.linear import linear
 
-        packed = layer.int_weight
-        if packed is not None and x.dtype == torch.float32 and x.device.type == "cpu":
-            lead = x.shape[:-1]
-            out = int_linear(x.reshape(-1, x.shape[-1]), packed, self.compute).view(*lead, packed.out_features)
+        packed, parts = layer.int_weight, layer.gguf_weights
+        if (packed is not None or parts is not None) and x.dtype == torch.float32 and x.device.type == "cpu":
+            lead, flat = x.shape[:-1], x.reshape(-1, x.shape[-1])
+            out = int_linear(flat, packed, self.compute) if packed is not None else gguf_linear(flat, parts, self.compute)
+            out = out.view(*lead, out.shape[-1])
             return out if bias is None else out.add_(bias)
-        if packed is not None:  # a non-float32 input: the values, then the float product
-            return torch.nn.functional.linear(x, unpack_int_weight(packed).to(x.dtype), bias)
+        if packed is not None or parts is not None:  # a non-float32 input: the values, then the float product
+            return torch.nn.functional.linear(x, self.dequantized_weight(layer).to(x.dtype), bias)
         return linear(x, layer.weight, bias, layer.prepared)
 
 

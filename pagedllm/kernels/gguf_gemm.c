@@ -1,0 +1,456 @@
+/* y[M, N] (row stride ldy) = x[M, K] @ w[N, K]^T with w in llama.cpp's own GGUF block formats,
+ * read in place: the rows of a memory-mapped file, byte for byte (no repacking, no float copy).
+ *
+ * One table of type traits (`TRAITS`): per type its block length, block bytes and one decoder
+ * that turns a block into int8 codes q and, per 16 weights, a float scale s and offset m with
+ * w = s * q + m. That form is exact for every type here: s is a float16 scale times a small
+ * integer (at most 11 + 8 significant bits), s * q needs at most 24 bits (float32's mantissa),
+ * so s * q + m rounds once, as llama.cpp's and gguf-py's dequantization do. Everything else is
+ * shared by all types:
+ * - exact path: each block is decoded, widened to float32 in L1 (w = s * q + m) and multiplied
+ *   by float32 activations with FMAs: dequantize-then-matmul's products, summed in another order.
+ *   From PANEL_ROWS rows on, each panel of NR weight rows is decoded once per chunk of rows into
+ *   packed_gemm.c's panel layout and its register-tiled float kernel runs against it.
+ * - int8 path: each activation row is quantized per 32 k (scale absmax / 127, llama.cpp's Q8_0
+ *   grain, finer than its Q8_K), and every 16 weights' dot product is an integer one:
+ *   y += s * xs * sum(q * xq) + m * sum(x). The integer products use the build's instruction set
+ *   (gcc vectorizes the widening multiply-add; VNNI's vpdpwssd where the build has it).
+ * Threads split the weight rows (OpenMP, torch's own pool: see build.py). */
+#include <math.h>
+#include <stdlib.h>
+
+#include "packed_gemm.c" /* vf, VL, NR, MR, M_CHUNK, pack_rows, chunk_times_panel */
+
+#define SUB 16 /* weights per scale / offset in the decoded form */
+#define QMAX 256 /* the longest block */
+#define XB 32 /* activation block of the int8 path */
+#define PANEL_ROWS 17 /* exact path: from here on decode panels once per row chunk */
+
+/* ggml's type numbers (gguf-py's GGMLQuantizationType) */
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+       T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20,
+       T_IQ4_XS = 23, T_BF16 = 30, T_COUNT = 31 };
+
+static inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, mant = h & 0x3FF;
+    uint32_t bits;
+    if (e == 0) { /* zero or subnormal: mant * 2^-24, exact in float32 */
+        const float v = (float)mant * 5.9604644775390625e-8f;
+        memcpy(&bits, &v, 4);
+        bits |= sign;
+    } else if (e == 31) {
+        bits = sign | 0x7F800000u | (mant << 13);
+    } else {
+        bits = sign | ((e + 112) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float bf16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                      1,    13,   25,  38,  53,  69,  89,  113};
+
+/* Each decoder: block b -> q[len], s[len / 16], m[len / 16]. */
+typedef void (*decode_fn)(const uint8_t *b, int8_t *q, float *s, float *m);
+
+static void set_subs(float *s, float *m, int first, int count, float sv, float mv) {
+    for (int i = first; i < first + count; ++i) s[i] = sv, m[i] = mv;
+}
+
+static void dec_q4_0(const uint8_t *b, int8_t *q, float *s, float *m) {
+    for (int j = 0; j < 16; ++j) q[j] = (int8_t)((b[2 + j] & 0xF) - 8), q[j + 16] = (int8_t)((b[2 + j] >> 4) - 8);
+    set_subs(s, m, 0, 2, f16(b), 0.0f);
+}
+
+static void dec_q4_1(const uint8_t *b, int8_t *q, float *s, float *m) {
+    for (int j = 0; j < 16; ++j) q[j] = (int8_t)(b[4 + j] & 0xF), q[j + 16] = (int8_t)(b[4 + j] >> 4);
+    set_subs(s, m, 0, 2, f16(b), f16(b + 2));
+}
+
+static void dec_q5(const uint8_t *qs, uint32_t qh, int8_t *q, int bias) {
+    for (int j = 0; j < 16; ++j) {
+        q[j] = (int8_t)(((qs[j] & 0xF) | (((qh >> j) & 1) << 4)) - bias);
+        q[j + 16] = (int8_t)(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - bias);
+    }
+}
+
+static void dec_q5_0(const uint8_t *b, int8_t *q, float *s, float *m) {
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    dec_q5(b + 6, qh, q, 16);
+    set_subs(s, m, 0, 2, f16(b), 0.0f);
+}
+
+static void dec_q5_1(const uint8_t *b, int8_t *q, float *s, float *m) {
+    uint32_t qh;
+    memcpy(&qh, b + 4, 4);
+    dec_q5(b + 8, qh, q, 0);
+    set_subs(s, m, 0, 2, f16(b), f16(b + 2));
+}
+
+static void dec_q8_0(const uint8_t *b, int8_t *q, float *s, float *m) {
+    memcpy(q, b + 2, 32);
+    set_subs(s, m, 0, 2, f16(b), 0.0f);
+}
+
+static void dec_iq4_nl(const uint8_t *b, int8_t *q, float *s, float *m) {
+    for (int j = 0; j < 16; ++j) q[j] = IQ4_VALUES[b[2 + j] & 0xF], q[j + 16] = IQ4_VALUES[b[2 + j] >> 4];
+    set_subs(s, m, 0, 2, f16(b), 0.0f);
+}
+
+/* Q2_K: scales[16] (low nibble scale, high nibble min), qs[64], d, dmin. */
+static void dec_q2_k(const uint8_t *b, int8_t *q, float *s, float *m) {
+    const uint8_t *sc = b, *qs = b + 16;
+    const float d = f16(b + 80), dmin = f16(b + 82);
+    for (int half = 0; half < 2; ++half)
+        for (int shift = 0, j = 0; j < 4; ++j, shift += 2)
+            for (int h = 0; h < 2; ++h) {
+                const int sub = half * 8 + j * 2 + h;
+                for (int l = 0; l < 16; ++l) q[sub * 16 + l] = (int8_t)((qs[half * 32 + h * 16 + l] >> shift) & 3);
+                s[sub] = d * (float)(sc[sub] & 0xF);
+                m[sub] = -(dmin * (float)(sc[sub] >> 4));
+            }
+}
+
+/* Q3_K: hmask[32], qs[64], scales[12] (16 six-bit signed scales), d. */
+static void dec_q3_k(const uint8_t *b, int8_t *q, float *s, float *m) {
+    const uint8_t *hm = b, *qs = b + 32;
+    const float d = f16(b + 108);
+    uint32_t aux[4];
+    memcpy(aux, b + 96, 12);
+    const uint32_t tmp = aux[2], k1 = 0x03030303u, k2 = 0x0f0f0f0fu;
+    aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
+    aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
+    aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4);
+    aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
+    const int8_t *scales = (const int8_t *)aux;
+    uint8_t bit = 1;
+    for (int half = 0; half < 2; ++half)
+        for (int shift = 0, j = 0; j < 4; ++j, shift += 2, bit <<= 1)
+            for (int h = 0; h < 2; ++h) {
+                const int sub = half * 8 + j * 2 + h;
+                for (int l = 0; l < 16; ++l) {
+                    const int i = h * 16 + l;
+                    q[sub * 16 + l] = (int8_t)(((qs[half * 32 + i] >> shift) & 3) - ((hm[i] & bit) ? 0 : 4));
+                }
+                s[sub] = d * (float)(scales[sub] - 32);
+                m[sub] = 0.0f;
+            }
+}
+
+/* The six-bit scale and minimum of sub-block j of Q4_K / Q5_K. */
+static inline void scale_min_k4(int j, const uint8_t *q, int *d, int *m) {
+    if (j < 4) {
+        *d = q[j] & 63, *m = q[j + 4] & 63;
+    } else {
+        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+static void k4_scales(const uint8_t *b, float *s, float *m) {
+    const float d = f16(b), dmin = f16(b + 2);
+    for (int j = 0; j < 8; ++j) {
+        int sc, mn;
+        scale_min_k4(j, b + 4, &sc, &mn);
+        set_subs(s, m, 2 * j, 2, d * (float)sc, -(dmin * (float)mn));
+    }
+}
+
+/* Q4_K: d, dmin, scales[12], qs[128]. */
+static void dec_q4_k(const uint8_t *b, int8_t *q, float *s, float *m) {
+    const uint8_t *qs = b + 16;
+    for (int c = 0; c < 4; ++c)
+        for (int l = 0; l < 32; ++l) q[c * 64 + l] = (int8_t)(qs[c * 32 + l] & 0xF), q[c * 64 + 32 + l] = (int8_t)(qs[c * 32 + l] >> 4);
+    k4_scales(b, s, m);
+}
+
+/* Q5_K: d, dmin, scales[12], qh[32], qs[128]. */
+static void dec_q5_k(const uint8_t *b, int8_t *q, float *s, float *m) {
+    const uint8_t *qh = b + 16, *qs = b + 48;
+    for (int c = 0; c < 4; ++c)
+        for (int l = 0; l < 32; ++l) {
+            q[c * 64 + l] = (int8_t)((qs[c * 32 + l] & 0xF) | (((qh[l] >> (2 * c)) & 1) << 4));
+            q[c * 64 + 32 + l] = (int8_t)((qs[c * 32 + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4));
+        }
+    k4_scales(b, s, m);
+}
+
+/* Q6_K: ql[128], qh[64], scales int8[16], d. */
+static void dec_q6_k(const uint8_t *b, int8_t *q, float *s, float *m) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = f16(b + 208);
+    for (int half = 0; half < 2; ++half) {
+        const uint8_t *l0 = ql + half * 64, *h0 = qh + half * 32;
+        int8_t *o = q + half * 128;
+        for (int l = 0; l < 32; ++l) {
+            o[l] = (int8_t)(((l0[l] & 0xF) | (((h0[l] >> 0) & 3) << 4)) - 32);
+            o[l + 32] = (int8_t)(((l0[l + 32] & 0xF) | (((h0[l] >> 2) & 3) << 4)) - 32);
+            o[l + 64] = (int8_t)(((l0[l] >> 4) | (((h0[l] >> 4) & 3) << 4)) - 32);
+            o[l + 96] = (int8_t)(((l0[l + 32] >> 4) | (((h0[l] >> 6) & 3) << 4)) - 32);
+        }
+    }
+    for (int i = 0; i < 16; ++i) s[i] = d * (float)sc[i], m[i] = 0.0f;
+}
+
+/* IQ4_XS: d, scales_h (u16), scales_l[4], qs[128]. */
+static void dec_iq4_xs(const uint8_t *b, int8_t *q, float *s, float *m) {
+    const float d = f16(b);
+    uint16_t sh;
+    memcpy(&sh, b + 2, 2);
+    const uint8_t *sl = b + 4, *qs = b + 8;
+    for (int ib = 0; ib < 8; ++ib) {
+        const int ls = ((sl[ib / 2] >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4);
+        set_subs(s, m, 2 * ib, 2, d * (float)(ls - 32), 0.0f);
+        for (int j = 0; j < 16; ++j)
+            q[ib * 32 + j] = IQ4_VALUES[qs[ib * 16 + j] & 0xF], q[ib * 32 + 16 + j] = IQ4_VALUES[qs[ib * 16 + j] >> 4];
+    }
+}
+
+typedef struct {
+    int block;      /* weights per block (0: not supported) */
+    int bytes;      /* bytes per block */
+    decode_fn decode; /* NULL: a float type (F32 / F16 / BF16), widened directly */
+} traits_t;
+
+static const traits_t TRAITS[T_COUNT] = {
+    [T_F32] = {32, 128, NULL},       [T_F16] = {32, 64, NULL},        [T_BF16] = {32, 64, NULL},
+    [T_Q4_0] = {32, 18, dec_q4_0},   [T_Q4_1] = {32, 20, dec_q4_1},   [T_Q5_0] = {32, 22, dec_q5_0},
+    [T_Q5_1] = {32, 24, dec_q5_1},   [T_Q8_0] = {32, 34, dec_q8_0},   [T_Q2_K] = {256, 84, dec_q2_k},
+    [T_Q3_K] = {256, 110, dec_q3_k}, [T_Q4_K] = {256, 144, dec_q4_k}, [T_Q5_K] = {256, 176, dec_q5_k},
+    [T_Q6_K] = {256, 210, dec_q6_k}, [T_IQ4_NL] = {32, 18, dec_iq4_nl}, [T_IQ4_XS] = {256, 136, dec_iq4_xs},
+};
+
+static const traits_t *traits_of(int type, int64_t K) {
+    if (type < 0 || type >= T_COUNT || TRAITS[type].block == 0) return NULL;
+    if (K < 1 || K % TRAITS[type].block) return NULL;
+    return &TRAITS[type];
+}
+
+/* Block length and bytes of `type` (0 if this kernel does not take it). */
+int gguf_block_length(int type) { return type >= 0 && type < T_COUNT ? TRAITS[type].block : 0; }
+int gguf_block_bytes(int type) { return type >= 0 && type < T_COUNT ? TRAITS[type].bytes : 0; }
+
+int gguf_gemm_isa(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+    return 3;
+#elif defined(__AVX512F__)
+    return 4;
+#elif defined(__AVX2__) && defined(__AVXVNNI__)
+    return 2;
+#elif defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* One block of `t` widened to float32: w = s * q + m (float types: their values). */
+static inline void widen_block(const traits_t *t, int type, const uint8_t *b, float *w) {
+    const int n = t->block;
+    if (t->decode == NULL) {
+        if (type == T_F32) memcpy(w, b, (size_t)n * 4);
+        else if (type == T_F16) for (int i = 0; i < n; ++i) w[i] = f16(b + 2 * i);
+        else for (int i = 0; i < n; ++i) w[i] = bf16(b + 2 * i);
+        return;
+    }
+    int8_t q[QMAX];
+    float s[QMAX / SUB], m[QMAX / SUB];
+    t->decode(b, q, s, m);
+    for (int j = 0; j < n / SUB; ++j) {
+        const float sj = s[j], mj = m[j];
+#pragma GCC unroll 16
+        for (int i = 0; i < SUB; ++i) w[j * SUB + i] = sj * (float)q[j * SUB + i] + mj;
+    }
+}
+
+/* Row r of w (row_bytes apart) widened into out[K]. */
+static void widen_row(const traits_t *t, int type, const uint8_t *row, float *out, int64_t K) {
+    for (int64_t b = 0; b < K / t->block; ++b) widen_block(t, type, row + b * t->bytes, out + b * t->block);
+}
+
+/* Rows ids[0 .. n_ids) of w [N, K] widened to float32 out[n_ids, K] (an embedding lookup;
+ * ids NULL: every row). 3 if an id is out of range, 1 for an unsupported type or shape. */
+int gguf_rows(int type, const uint8_t *w, const int64_t *ids, int64_t n_ids, float *out, int64_t N,
+              int64_t K, int num_threads) {
+    const traits_t *t = traits_of(type, K);
+    if (t == NULL) return 1;
+    for (int64_t i = 0; i < n_ids; ++i)
+        if (ids != NULL && (ids[i] < 0 || ids[i] >= N)) return 3;
+    const int64_t row_bytes = K / t->block * t->bytes;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (n_ids * K >= 65536)
+    for (int64_t i = 0; i < n_ids; ++i) widen_row(t, type, w + (ids ? ids[i] : i) * row_bytes, out + i * K, K);
+    return 0;
+}
+
+static inline float hsum(vf v) {
+    float s = 0.0f;
+    for (int i = 0; i < VL; ++i) s += v[i];
+    return s;
+}
+
+/* Up to MSMALL rows: each weight row's blocks are widened once in L1 and every activation row
+ * takes its dot product with them. */
+#define MSMALL (PANEL_ROWS - 1)
+static void exact_small(const traits_t *t, int type, const float *x, const uint8_t *w, float *y,
+                        int64_t M, int64_t N, int64_t K, int64_t ldy, int num_threads) {
+    const int64_t row_bytes = K / t->block * t->bytes, nb = K / t->block;
+    const int n = t->block;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * N * K >= 65536)
+    for (int64_t r = 0; r < N; ++r) {
+        float wb[QMAX] __attribute__((aligned(64)));
+        vf acc[MSMALL];
+        for (int64_t i = 0; i < M; ++i) acc[i] = (vf){0};
+        const uint8_t *row = w + r * row_bytes;
+        for (int64_t b = 0; b < nb; ++b) {
+            widen_block(t, type, row + b * t->bytes, wb);
+            for (int64_t i = 0; i < M; ++i) {
+                const float *xb = x + i * K + b * n;
+                vf a0 = (vf){0}, a1 = (vf){0};
+                int k = 0;
+                for (; k + 2 * VL <= n; k += 2 * VL) {
+                    a0 += loadv(wb + k) * loadv(xb + k);
+                    a1 += loadv(wb + k + VL) * loadv(xb + k + VL);
+                }
+                for (; k < n; k += VL) a0 += loadv(wb + k) * loadv(xb + k);
+                acc[i] += a0 + a1;
+            }
+        }
+        for (int64_t i = 0; i < M; ++i) y[i * ldy + r] = hsum(acc[i]);
+    }
+}
+
+/* From PANEL_ROWS rows: per chunk of rows, per panel of NR weight rows, widen the panel into
+ * packed_gemm.c's layout ([K][NR]) and run its register-tiled kernel over the chunk. */
+static int exact_panels(const traits_t *t, int type, const float *x, const uint8_t *w, float *y,
+                        float *xp_buf, int64_t M, int64_t N, int64_t K, int64_t ldy, int num_threads) {
+    const int64_t row_bytes = K / t->block * t->bytes, panels = (N + NR - 1) / NR;
+    int failed = 0;
+    for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
+        const int64_t mc = M - m0 < M_CHUNK ? M - m0 : M_CHUNK;
+        pack_rows(x, xp_buf, m0, mc, K, num_threads);
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+        {
+            float *panel = malloc((size_t)(K * NR + K) * sizeof(float));
+            if (panel == NULL) {
+                failed = 1;
+            } else {
+                float *row = panel + K * NR;
+#pragma omp for schedule(static)
+                for (int64_t p = 0; p < panels; ++p) {
+                    const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
+                    for (int64_t j = 0; j < NR; ++j) {
+                        if (j < ncols) widen_row(t, type, w + (p * NR + j) * row_bytes, row, K);
+                        for (int64_t k = 0; k < K; ++k) panel[k * NR + j] = j < ncols ? row[k] : 0.0f;
+                    }
+                    /* chunk_times_panel writes with row stride N: run it per row block here */
+                    for (int64_t r0 = 0; r0 < mc; r0 += MR) {
+                        const int64_t mr = mc - r0 < MR ? mc - r0 : MR;
+                        run_block(xp_buf + r0 * K, panel, y + (m0 + r0) * ldy + p * NR, K, ldy, ncols, (int)mr);
+                    }
+                }
+                free(panel);
+            }
+        }
+        if (failed) return 2;
+    }
+    return 0;
+}
+
+/* Exact path. xp_buf: min(M, M_CHUNK) * K floats of scratch when M >= PANEL_ROWS (else unused).
+ * Returns 1 for unsupported arguments, 2 if a buffer could not be allocated. */
+int gguf_gemm_exact(int type, const float *x, const uint8_t *w, float *y, float *xp_buf, int64_t M,
+                    int64_t N, int64_t K, int64_t ldy, int num_threads) {
+    const traits_t *t = traits_of(type, K);
+    if (t == NULL || M < 1 || N < 1 || ldy < N) return 1;
+    if (M < PANEL_ROWS) {
+        exact_small(t, type, x, w, y, M, N, K, ldy, num_threads);
+        return 0;
+    }
+    return exact_panels(t, type, x, w, y, xp_buf, M, N, K, ldy, num_threads);
+}
+
+/* ---- int8 path ---------------------------------------------------------------------------- */
+
+/* Bytes of scratch the int8 path needs for M rows of K (quantized rows, scales, sums). */
+int64_t gguf_int8_scratch(int64_t M, int64_t K) {
+    return M * K + M * (K / XB) * 4 + M * (K / SUB) * 4 + 64;
+}
+
+static void quantize_rows(const float *x, int8_t *xq, float *xs, float *xsum, int64_t M, int64_t K,
+                          int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 65536)
+    for (int64_t i = 0; i < M; ++i)
+        for (int64_t b = 0; b < K / XB; ++b) {
+            const float *src = x + i * K + b * XB;
+            float amax = 0.0f;
+            for (int k = 0; k < XB; ++k) amax = fmaxf(amax, fabsf(src[k]));
+            const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            xs[i * (K / XB) + b] = scale;
+            for (int k = 0; k < XB; ++k) xq[i * K + b * XB + k] = (int8_t)lrintf(src[k] * inv);
+            for (int h = 0; h < XB / SUB; ++h) {
+                float sum = 0.0f;
+                for (int k = 0; k < SUB; ++k) sum += src[h * SUB + k];
+                xsum[i * (K / SUB) + b * (XB / SUB) + h] = sum;
+            }
+        }
+}
+
+/* sum of q[i] * x[i] over one sub-block of 16: int16 products, int32 sums (gcc vectorizes). */
+static inline int32_t dot16(const int8_t *q, const int8_t *x) {
+    int32_t acc = 0;
+#pragma GCC unroll 16
+    for (int i = 0; i < SUB; ++i) acc += (int16_t)q[i] * (int16_t)x[i];
+    return acc;
+}
+
+int gguf_gemm_int8(int type, const float *x, const uint8_t *w, float *y, uint8_t *scratch, int64_t M,
+                   int64_t N, int64_t K, int64_t ldy, int num_threads) {
+    const traits_t *t = traits_of(type, K);
+    if (t == NULL || t->decode == NULL || K % XB || M < 1 || N < 1 || ldy < N) return 1;
+    int8_t *xq = (int8_t *)scratch;
+    float *xs = (float *)(((uintptr_t)(scratch + M * K) + 15) & ~(uintptr_t)15);
+    float *xsum = xs + M * (K / XB);
+    quantize_rows(x, xq, xs, xsum, M, K, num_threads);
+    const int64_t row_bytes = K / t->block * t->bytes, nb = K / t->block;
+    const int n = t->block, subs = n / SUB;
+    enum { MB = 8 }; /* activation rows per pass over a weight row's decoded blocks */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * N * K >= 65536)
+    for (int64_t r = 0; r < N; ++r) {
+        const uint8_t *row = w + r * row_bytes;
+        for (int64_t i0 = 0; i0 < M; i0 += MB) {
+            const int64_t mb = M - i0 < MB ? M - i0 : MB;
+            float acc[MB] = {0};
+            for (int64_t b = 0; b < nb; ++b) {
+                int8_t q[QMAX];
+                float s[QMAX / SUB], m[QMAX / SUB];
+                t->decode(row + b * t->bytes, q, s, m);
+                const int64_t k0 = b * n;
+                for (int64_t i = 0; i < mb; ++i) {
+                    const int8_t *xr = xq + (i0 + i) * K + k0;
+                    const float *xsr = xs + (i0 + i) * (K / XB) + k0 / XB;
+                    const float *xsumr = xsum + (i0 + i) * (K / SUB) + k0 / SUB;
+                    float a = 0.0f;
+                    for (int j = 0; j < subs; ++j)
+                        a += s[j] * xsr[j * SUB / XB] * (float)dot16(q + j * SUB, xr + j * SUB) + m[j] * xsumr[j];
+                    acc[i] += a;
+                }
+            }
+            for (int64_t i = 0; i < mb; ++i) y[(i0 + i) * ldy + r] = acc[i];
+        }
+    }
+    return 0;
+}
