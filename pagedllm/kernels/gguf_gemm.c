@@ -21,6 +21,10 @@
 
 #include "packed_gemm.c" /* vf, VL, NR, MR, M_CHUNK, pack_rows, chunk_times_panel */
 
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #define SUB 16 /* weights per scale / offset in the decoded form */
 #define QMAX 256 /* the longest block */
 #define XB 32 /* activation block of the int8 path */
@@ -34,6 +38,9 @@ enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q
 static inline float f16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h); /* exact, as the branches below */
+#endif
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, mant = h & 0x3FF;
     uint32_t bits;
     if (e == 0) { /* zero or subnormal: mant * 2^-24, exact in float32 */
@@ -160,13 +167,26 @@ static inline void scale_min_k4(int j, const uint8_t *q, int *d, int *m) {
     }
 }
 
-static void k4_scales(const uint8_t *b, float *s, float *m) {
+/* The eight six-bit scales and minimums of a Q4_K / Q5_K block as floats (d * sc, -dmin * mn)
+ * per 32 weights: the 12 packed bytes unpacked with masks on 32-bit words, as llama.cpp does. */
+static inline void k4_scales8(const uint8_t *b, float *s8, float *m8) {
+    uint32_t u[4];
+    memcpy(u, b + 4, 12);
+    const uint32_t k1 = 0x3f3f3f3fu, k2 = 0x0f0f0f0fu, k3 = 0x03030303u;
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    const uint32_t mins_lo = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = mins_lo;
+    u[0] &= k1;
+    const uint8_t *sc = (const uint8_t *)u, *mn = sc + 8;
     const float d = f16(b), dmin = f16(b + 2);
-    for (int j = 0; j < 8; ++j) {
-        int sc, mn;
-        scale_min_k4(j, b + 4, &sc, &mn);
-        set_subs(s, m, 2 * j, 2, d * (float)sc, -(dmin * (float)mn));
-    }
+    for (int j = 0; j < 8; ++j) s8[j] = d * (float)sc[j], m8[j] = -(dmin * (float)mn[j]);
+}
+
+static void k4_scales(const uint8_t *b, float *s, float *m) {
+    float s8[8], m8[8];
+    k4_scales8(b, s8, m8);
+    for (int j = 0; j < 8; ++j) set_subs(s, m, 2 * j, 2, s8[j], m8[j]);
 }
 
 /* Q4_K: d, dmin, scales[12], qs[128]. */
@@ -302,34 +322,173 @@ static inline float hsum(vf v) {
     return s;
 }
 
-/* Up to MSMALL rows: each weight row's blocks are widened once in L1 and every activation row
- * takes its dot product with them. */
+/* ---- exact path, few rows: weights widened in registers, 16 at a time ---------------------- */
+
+typedef int32_t i32v __attribute__((vector_size(VL * 4)));
+
+/* VL bytes widened to VL int32 lanes (zero- or sign-extended): one vpmovzxbd / vpmovsxbd where
+ * the build has them (gcc lowers __builtin_convertvector of bytes lane by lane). */
+static inline i32v u8_to_i32(const uint8_t *p) {
+#if VL == 16
+    return (i32v)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif VL == 8 && defined(__AVX2__)
+    return (i32v)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    i32v r;
+    for (int i = 0; i < VL; ++i) r[i] = p[i];
+    return r;
+#endif
+}
+
+static inline i32v i8_to_i32(const int8_t *p) {
+#if VL == 16
+    return (i32v)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif VL == 8 && defined(__AVX2__)
+    return (i32v)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    i32v r;
+    for (int i = 0; i < VL; ++i) r[i] = p[i];
+    return r;
+#endif
+}
+
+/* VL weights (codes q0 .. q0 + VL - 1 of the decoded form) as float32: s * q + m. */
+static inline __attribute__((always_inline)) vf widen_codes(const int8_t *q, float s, float m) {
+    return __builtin_convertvector(i8_to_i32(q), vf) * s + m;
+}
+
+/* The VL weights at position k (a multiple of VL) of one block, straight from its bytes, for
+ * the types most files are made of (Q4_K, Q6_K and, where rows are not whole super-blocks,
+ * Q5_0 / Q8_0: a Q4_K_M file is nearly all of them; and Q4_0 / Q4_1 / Q5_1);
+ * `s` and `m` are the block's decoded scales per 16. Other types go through their decoder. */
+static inline __attribute__((always_inline)) vf direct_weights(const int type, const uint8_t *b,
+                                                               const int k, const float *s,
+                                                               const float *m) {
+    const int sub = k / SUB;
+    if (type == T_Q4_K) { /* 64 weights per 32 bytes: low nibbles, then high */
+        const int c = k / 64, hi = (k / 32) & 1, l = k % 32;
+        const i32v code = (u8_to_i32(b + 16 + c * 32 + l) >> (4 * hi)) & 0xF;
+        return __builtin_convertvector(code, vf) * s[k / 32] + m[k / 32]; /* scales per 32 */
+    }
+    if (type == T_Q6_K) { /* per 128: ql low, ql+32 low, ql high, ql+32 high; qh 2 bits each */
+        const int half = k / 128, quarter = (k / 32) & 3, l = k % 32;
+        const i32v lo = u8_to_i32(b + half * 64 + (quarter & 1) * 32 + l);
+        const i32v hb = u8_to_i32(b + 128 + half * 32 + l);
+        const i32v code = (((lo >> (4 * (quarter >> 1))) & 0xF) | (((hb >> (2 * quarter)) & 3) << 4)) - 32;
+        return __builtin_convertvector(code, vf) * s[sub];
+    }
+    if (type == T_Q8_0) return __builtin_convertvector(i8_to_i32((const int8_t *)b + 2 + k), vf) * s[0];
+    /* Q4_0 / Q4_1 / Q5_0 / Q5_1: weights 0-15 in the low nibbles of 16 bytes, 16-31 in the high;
+     * Q5's fifth bits are bit j of a 32-bit word for weight j */
+    const int qs = type == T_Q4_0 ? 2 : type == T_Q4_1 ? 4 : type == T_Q5_0 ? 6 : 8;
+    i32v code = (u8_to_i32(b + qs + k % 16) >> (4 * (k / 16))) & 0xF;
+    if (type == T_Q5_0 || type == T_Q5_1) {
+        uint32_t qh;
+        memcpy(&qh, b + (type == T_Q5_0 ? 2 : 4), 4);
+        i32v lane;
+        for (int i = 0; i < VL; ++i) lane[i] = k + i;
+        code |= (((i32v){0} + (int32_t)qh) >> lane & 1) << 4;
+    }
+    if (type == T_Q4_0) return __builtin_convertvector(code - 8, vf) * s[0];
+    if (type == T_Q5_0) return __builtin_convertvector(code - 16, vf) * s[0];
+    return __builtin_convertvector(code, vf) * s[0] + m[0]; /* Q4_1, Q5_1 */
+}
+
+/* Whether a type has a direct form above. */
+#define IS_DIRECT(type) ((type) == T_Q4_K || (type) == T_Q6_K || (type) == T_Q8_0 || (type) == T_Q4_0 || \
+                         (type) == T_Q4_1 || (type) == T_Q5_0 || (type) == T_Q5_1)
+
+/* Rows [r0, r1) of W against M activation rows (M <= MSMALL; a constant where the caller
+ * specializes it; `type` a constant too: -1 for the types without a direct form, whose real
+ * type is `any_type`), 4 accumulators per row so that FMA latency does not bind at one row. */
 #define MSMALL (PANEL_ROWS - 1)
-static void exact_small(const traits_t *t, int type, const float *x, const uint8_t *w, float *y,
-                        int64_t M, int64_t N, int64_t K, int64_t ldy, int num_threads) {
+static inline __attribute__((always_inline)) void exact_rows(
+    const traits_t *t, const int type, const int any_type, const float *x, const uint8_t *w, float *y, const int64_t M,
+    int64_t r0, int64_t r1, int64_t K, int64_t ldy) {
     const int64_t row_bytes = K / t->block * t->bytes, nb = K / t->block;
     const int n = t->block;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * N * K >= 65536)
-    for (int64_t r = 0; r < N; ++r) {
-        float wb[QMAX] __attribute__((aligned(64)));
-        vf acc[MSMALL];
-        for (int64_t i = 0; i < M; ++i) acc[i] = (vf){0};
+    const int direct = IS_DIRECT(type);
+    for (int64_t r = r0; r < r1; ++r) {
+        vf acc[MSMALL][4];
+        for (int64_t i = 0; i < M; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = (vf){0};
         const uint8_t *row = w + r * row_bytes;
         for (int64_t b = 0; b < nb; ++b) {
-            widen_block(t, type, row + b * t->bytes, wb);
-            for (int64_t i = 0; i < M; ++i) {
-                const float *xb = x + i * K + b * n;
-                vf a0 = (vf){0}, a1 = (vf){0};
-                int k = 0;
-                for (; k + 2 * VL <= n; k += 2 * VL) {
-                    a0 += loadv(wb + k) * loadv(xb + k);
-                    a1 += loadv(wb + k + VL) * loadv(xb + k + VL);
-                }
-                for (; k < n; k += VL) a0 += loadv(wb + k) * loadv(xb + k);
-                acc[i] += a0 + a1;
+            const uint8_t *blk = row + b * t->bytes;
+            const float *xb = x + b * n;
+            int8_t q[QMAX] __attribute__((aligned(64)));
+            float s[QMAX / SUB], m[QMAX / SUB];
+            if (t->decode == NULL) { /* float types: widened values */
+                float wb[QMAX] __attribute__((aligned(64)));
+                widen_block(t, any_type, blk, wb);
+                for (int k = 0; k < n; k += VL)
+                    for (int64_t i = 0; i < M; ++i) acc[i][(k / VL) & 3] += loadv(wb + k) * loadv(xb + i * K + k);
+                continue;
             }
+            if (type == T_Q4_K) k4_scales8(blk, s, m);
+            else if (type == T_Q6_K) {
+                const float d = f16(blk + 208);
+                for (int j = 0; j < 16; ++j) s[j] = d * (float)((const int8_t *)(blk + 192))[j];
+            } else if (type == T_Q8_0 || type == T_Q4_0 || type == T_Q5_0) {
+                s[0] = f16(blk);
+            } else if (type == T_Q4_1 || type == T_Q5_1) {
+                s[0] = f16(blk), m[0] = f16(blk + 2);
+            } else {
+                t->decode(blk, q, s, m);
+            }
+#define STEP(kk, u)                                                                                   \
+    {                                                                                                \
+        const vf wv = direct ? direct_weights(type, blk, k + (kk), s, m)                             \
+                             : widen_codes(q + k + (kk), s[(k + (kk)) / SUB], m[(k + (kk)) / SUB]); \
+        for (int64_t i = 0; i < M; ++i) acc[i][u] += wv * loadv(xb + i * K + k + (kk));            \
+    }
+            if (type == T_Q4_K || type == T_Q6_K) { /* 256 weights: four chains of FMAs */
+#pragma GCC unroll 16
+                for (int k = 0; k < 256; k += 4 * VL) { STEP(0, 0) STEP(VL, 1) STEP(2 * VL, 2) STEP(3 * VL, 3) }
+            } else { /* blocks of 32 or 256: two chains per block, the other two on odd blocks */
+                const int u = (int)(b & 1) * 2;
+                for (int k = 0; k < n; k += 2 * VL) {
+                    if (u) { STEP(0, 2) STEP(VL, 3) } else { STEP(0, 0) STEP(VL, 1) }
+                }
+            }
+#undef STEP
         }
-        for (int64_t i = 0; i < M; ++i) y[i * ldy + r] = hsum(acc[i]);
+        for (int64_t i = 0; i < M; ++i) y[i * ldy + r] = hsum((acc[i][0] + acc[i][1]) + (acc[i][2] + acc[i][3]));
+    }
+}
+
+/* One specialization per (type family, row count up to 4): constants let gcc keep the
+ * accumulators in registers and fold the type's branches. */
+static void exact_rows_any(const traits_t *t, int type, const float *x, const uint8_t *w, float *y,
+                           int64_t M, int64_t r0, int64_t r1, int64_t K, int64_t ldy) {
+#define ROWS_FOR(TYPE)                                                              \
+    switch (M) {                                                                    \
+        case 1: exact_rows(t, TYPE, type, x, w, y, 1, r0, r1, K, ldy); break;     \
+        case 2: exact_rows(t, TYPE, type, x, w, y, 2, r0, r1, K, ldy); break;     \
+        case 3: exact_rows(t, TYPE, type, x, w, y, 3, r0, r1, K, ldy); break;     \
+        case 4: exact_rows(t, TYPE, type, x, w, y, 4, r0, r1, K, ldy); break;     \
+        default: exact_rows(t, TYPE, type, x, w, y, M, r0, r1, K, ldy); break;    \
+    }
+    switch (type) {
+        case T_Q4_K: ROWS_FOR(T_Q4_K); break;
+        case T_Q6_K: ROWS_FOR(T_Q6_K); break;
+        case T_Q8_0: ROWS_FOR(T_Q8_0); break;
+        case T_Q4_0: ROWS_FOR(T_Q4_0); break;
+        case T_Q4_1: ROWS_FOR(T_Q4_1); break;
+        case T_Q5_0: ROWS_FOR(T_Q5_0); break;
+        case T_Q5_1: ROWS_FOR(T_Q5_1); break;
+        default: ROWS_FOR(-1); break; /* -1: no direct form; the type's decoder */
+    }
+#undef ROWS_FOR
+}
+
+static void exact_small(const traits_t *t, int type, const float *x, const uint8_t *w, float *y,
+                        int64_t M, int64_t N, int64_t K, int64_t ldy, int num_threads) {
+    enum { ROWS_PER_TASK = 8 };
+    const int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * N * K >= 65536)
+    for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t r0 = task * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK < N ? r0 + ROWS_PER_TASK : N;
+        exact_rows_any(t, type, x, w, y, M, r0, r1, K, ldy);
     }
 }
 
