@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -15,6 +16,8 @@ from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.layers.quantization import get_quantization_config
 from pagedllm.model.gguf_loader import iter_gguf_weights, resolve_gguf_path
 from pagedllm.model.registry import get_model_class
+
+logger = logging.getLogger(__name__)
 
 
 def safetensors_files(model_path: str) -> list[str]:
@@ -101,4 +104,37 @@ def load_model(
         weights = iter_safetensors_weights(model_path, slices_of)
     model.load_weights(weights)
     model.process_weights_after_loading()  # quantized forms, the C kernels' forms: now, not in the first request
+    breakdown = weight_memory(model)
+    file_note = f" (file: {os.path.getsize(gguf_path) / 2**20:.1f} MiB)" if gguf_path is not None else ""
+    logger.info("Weights: %.1f MiB%s = %s", sum(breakdown.values()) / 2**20, file_note,
+                ", ".join(f"{name} {n / 2**20:.1f} MiB" for name, n in breakdown.items() if n))
     return model.eval()
+
+
+def weight_memory(model: nn.Module) -> dict[str, int]:
+    """Bytes of the model's weights by form: GGUF blocks read in place (gguf_gemm.c), integer
+    weights repacked for int_gemm.c, and float tensors (norms, biases, float matrices, and any
+    packed matrix that had to be widened, which the loader warned about by name)."""
+    seen: set[int] = set()
+    out = {"GGUF blocks in place": 0, "int_gemm repacked": 0, "float": 0}
+
+    def add(kind: str, t: torch.Tensor) -> None:
+        if t is not None and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            out[kind] += t.numel() * t.element_size()
+
+    for module in model.modules():
+        for part in getattr(module, "gguf_weights", None) or []:
+            add("GGUF blocks in place", part.data)
+        gguf_weight = getattr(module, "gguf_weight", None)
+        if gguf_weight is not None:
+            add("GGUF blocks in place", gguf_weight.data)
+        int_weight = getattr(module, "int_weight", None)
+        if int_weight is not None and hasattr(int_weight, "data"):
+            add("int_gemm repacked", int_weight.data)
+            if getattr(int_weight, "float_weight", None) is not None:
+                add("float", int_weight.float_weight)
+        for p in module.parameters(recurse=False):
+            if p is not None:
+                add("float", p)
+    return out

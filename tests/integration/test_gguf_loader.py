@@ -227,6 +227,10 @@ def test_every_gguf_type_kept_in_its_blocks_matches_transformers(tmp_path, qtype
     for lin in (layer.self_attn.qkv_proj, layer.mlp.down_proj, model.lm_head):
         assert getattr(lin, "weight", None) is None and (lin.gguf_weights or lin.int_weight is not None)
     assert model.model.embed_tokens.weight is None
+    from pagedllm.model.loader import weight_memory
+
+    memory = weight_memory(model)
+    assert memory["float"] < 8 * 1024, memory  # norms only: every matrix stays packed
     runner = ModelRunner(model, config, 8, 16, torch.float32, "cpu")
     prompt = [(7 * i + 3) % config.vocab_size for i in range(37)]
     out = runner.execute_model(

@@ -103,3 +103,14 @@ def test_types_and_shapes_it_does_not_take():
         gguf_matmul(torch.randn(2, 32), w)
     with pytest.raises(ValueError, match="compute"):
         gguf_matmul(torch.randn(2, 64), w, "fp8")
+
+
+@pytest.mark.parametrize("type_name", QUANTIZED)
+def test_int8_vector_path_equals_the_generic_one(type_name):
+    """Up to 8 rows, Q4_K and Q6_K take the vectorized int8 path where the build has one; from
+    9 rows every type takes the generic one: the same integer products, other float sums."""
+    rows, cols = 24, 512
+    w = as_tensor(type_name, random_tensor(type_name, rows, cols, seed=7), rows, cols)
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(9))
+    few, many = gguf_matmul(x[:8].contiguous(), w, "int8"), gguf_matmul(x, w, "int8")[:8]
+    torch.testing.assert_close(few, many, rtol=1e-4, atol=1e-5 * float(many.abs().max()))
