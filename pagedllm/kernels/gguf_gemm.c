@@ -601,6 +601,20 @@ static inline __m512i dp_u8s8(__m512i acc, __m512i u, __m512i s) {
 #endif
 }
 
+/* Q4_K's 64-byte nibble vectors hold weights 0-31 and 64-95 of each 128 in their low nibbles and
+ * 32-63 and 96-127 in their high ones: the quantized activations (`count` bytes, whole blocks
+ * of 256) are put in that order once, so that one load and one mask give 64 codes. */
+static void q4k_order_activations(int8_t *xq, int64_t count) {
+    for (int64_t o = 0; o < count; o += 128) {
+        int8_t t[128];
+        memcpy(t, xq + o, 128);
+        memcpy(xq + o, t, 32);
+        memcpy(xq + o + 32, t + 64, 32);
+        memcpy(xq + o + 64, t + 32, 32);
+        memcpy(xq + o + 96, t + 96, 32);
+    }
+}
+
 /* One weight row of Q4_K / Q6_K against mb <= FAST_ROWS quantized activation rows. */
 static void int8_row_fast(int type, const uint8_t *row, int64_t nb, const int8_t *xq, const float *xs,
                           const float *xsum, const int32_t *xl, int64_t mb, int64_t K, float *out) {
@@ -615,12 +629,13 @@ static void int8_row_fast(int type, const uint8_t *row, int64_t nb, const int8_t
             float s8[8], m8[8];
             k4_scales8(blk, s8, m8);
             const __m256 sv = _mm256_loadu_ps(s8), mv = _mm256_loadu_ps(m8);
+            /* 64 bytes of nibbles: low ones are weights 0-31 and 64-95 (of 128), high ones 32-63
+             * and 96-127; the activations were reordered to match (q4k_order_activations) */
             __m512i codes[4];
-            for (int c = 0; c < 4; ++c) {
-                const __m256i qb = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
-                const __m256i lo = _mm256_and_si256(qb, low4);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qb, 4), low4);
-                codes[c] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            for (int c = 0; c < 2; ++c) {
+                const __m512i q = _mm512_loadu_si512((const void *)(blk + 16 + 64 * c));
+                codes[2 * c] = _mm512_and_si512(q, _mm512_set1_epi8(0x0F));
+                codes[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), _mm512_set1_epi8(0x0F));
             }
             for (int64_t i = 0; i < mb; ++i) {
                 const int8_t *xr = xq + i * K + k0;
@@ -633,12 +648,12 @@ static void int8_row_fast(int type, const uint8_t *row, int64_t nb, const int8_t
                     _mm512_castps512_ps256(_mm512_permutexvar_ps(
                     _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0), pairs)));
                 accm[i] = _mm256_fmadd_ps(mv, x32, accm[i]);
-                for (int c = 0; c < 4; ++c) {
+                for (int c = 0; c < 4; ++c) { /* lanes 0-7: sub-block a, 8-15: sub-block a + 2 */
+                    const int a = 4 * (c / 2) + (c & 1);
                     const __m512i dot = dp_u8s8(_mm512_setzero_si512(), codes[c],
                                                 _mm512_loadu_si512((const void *)(xr + 64 * c)));
-                    const __m512i idx = _mm512_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c,
-                                                          2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
-                                                          2 * c + 1, 2 * c + 1, 2 * c + 1);
+                    const __m512i idx = _mm512_setr_epi32(a, a, a, a, a, a, a, a, a + 2, a + 2, a + 2, a + 2, a + 2,
+                                                          a + 2, a + 2, a + 2);
                     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, sc), acc[i]);
                 }
             }
@@ -699,15 +714,28 @@ int gguf_gemm_int8(int type, const float *x, const uint8_t *w, float *y, uint8_t
     quantize_rows(x, xq, xs, xsum, M, K, num_threads);
     const int64_t row_bytes = K / t->block * t->bytes, nb = K / t->block;
 #if FAST_INT8
-    if ((type == T_Q4_K || type == T_Q6_K) && M <= FAST_ROWS) {
+    if (type == T_Q4_K || type == T_Q6_K) {
+        if (type == T_Q4_K) q4k_order_activations(xq, M * K);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 65536)
         for (int64_t i = 0; i < M * K / 4; ++i)
             xl[i] = -32 * ((int32_t)xq[4 * i] + xq[4 * i + 1] + xq[4 * i + 2] + xq[4 * i + 3]);
+        /* rows of W in tasks of ROW_TASK, activations in chunks of FAST_ROWS: a task's weights
+         * stay in L1/L2 while every chunk passes over them */
+        enum { ROW_TASK = 16 };
+        const int64_t tasks = (N + ROW_TASK - 1) / ROW_TASK;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M * N * K >= 65536)
-        for (int64_t r = 0; r < N; ++r) {
-            float out[FAST_ROWS];
-            prefetch_row(w + (r + PREFETCH_ROWS) * row_bytes, r + PREFETCH_ROWS < N ? row_bytes : 0);
-            int8_row_fast(type, w + r * row_bytes, nb, xq, xs, xsum, xl, M, K, out);
-            for (int64_t i = 0; i < M; ++i) y[i * ldy + r] = out[i];
+        for (int64_t task = 0; task < tasks; ++task) {
+            const int64_t r0 = task * ROW_TASK, r1 = r0 + ROW_TASK < N ? r0 + ROW_TASK : N;
+            for (int64_t i0 = 0; i0 < M; i0 += FAST_ROWS) {
+                const int64_t mb = M - i0 < FAST_ROWS ? M - i0 : FAST_ROWS;
+                for (int64_t r = r0; r < r1; ++r) {
+                    float out[FAST_ROWS];
+                    if (i0 == 0) prefetch_row(w + (r + PREFETCH_ROWS) * row_bytes, r + PREFETCH_ROWS < N ? row_bytes : 0);
+                    int8_row_fast(type, w + r * row_bytes, nb, xq + i0 * K, xs + i0 * (K / XB), xsum + i0 * (K / SUB),
+                                  xl + i0 * (K / 4), mb, K, out);
+                    for (int64_t i = 0; i < mb; ++i) y[(i0 + i) * ldy + r] = out[i];
+                }
+            }
         }
         return 0;
     }

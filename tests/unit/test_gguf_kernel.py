@@ -106,11 +106,13 @@ def test_types_and_shapes_it_does_not_take():
 
 
 @pytest.mark.parametrize("type_name", QUANTIZED)
-def test_int8_vector_path_equals_the_generic_one(type_name):
-    """Up to 8 rows, Q4_K and Q6_K take the vectorized int8 path where the build has one; from
-    9 rows every type takes the generic one: the same integer products, other float sums."""
-    rows, cols = 24, 512
+def test_int8_rows_do_not_depend_on_their_neighbours(type_name):
+    """Q4_K and Q6_K take the vectorized int8 path in chunks of 8 activation rows where the build
+    has one: a row's result is the same alone, in a chunk, and past the first chunk."""
+    rows, cols = 40, 512
     w = as_tensor(type_name, random_tensor(type_name, rows, cols, seed=7), rows, cols)
-    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(9))
-    few, many = gguf_matmul(x[:8].contiguous(), w, "int8"), gguf_matmul(x, w, "int8")[:8]
-    torch.testing.assert_close(few, many, rtol=1e-4, atol=1e-5 * float(many.abs().max()))
+    x = torch.randn(19, cols, generator=torch.Generator().manual_seed(9))
+    many = gguf_matmul(x, w, "int8")
+    for i in (0, 7, 8, 18):
+        alone = gguf_matmul(x[i:i + 1].contiguous(), w, "int8")[0]
+        torch.testing.assert_close(alone, many[i], rtol=1e-5, atol=1e-6 * float(many.abs().max()))
