@@ -1,6 +1,6 @@
 """Read a llama.cpp GGUF file as transformers-named float tensors.
 
-Tensors are read with `gguf.GGUFReader` (memory-mapped), dequantized (Q4_0/Q4_1/Q8_0 in torch,
+Tensors are read from the memory-mapped file (model/gguf_index.py), dequantized (Q4_0/Q4_1/Q8_0 in torch,
 bit-identical to and several times faster than `gguf.quants.dequantize`, which handles the other
 supported types), reshaped to the transformers shape (GGUF lists
 dimensions innermost first), renamed (`blk.N.attn_q.weight` -> `model.layers.N.self_attn.q_proj.
@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from pagedllm.layers.quantization.gguf_kernel import TYPES, GGUFTensor
+from pagedllm.model.gguf_index import read_gguf_index
 
 logger = logging.getLogger(__name__)
 # Matrices of these types stay in the file's blocks (F32 ones are already the compute form).
@@ -193,14 +194,13 @@ def reverse_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, dim, 2, *shape[1:]).transpose(1, 2).reshape(shape)
 
 
-def gguf_architecture(reader: Any) -> str:
-    field = reader.fields["general.architecture"]
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
+def gguf_architecture(index: Any) -> str:
+    return str(index.fields["general.architecture"])
 
 
-def _gguf_number(reader: Any, key: str) -> float | None:
-    field = reader.fields.get(key)
-    return None if field is None else float(field.parts[field.data[0]][0])
+def _gguf_number(index: Any, key: str) -> float | None:
+    value = index.fields.get(key)
+    return None if value is None else float(value)
 
 
 def _rope_factor(hf_config: Any, architecture: str) -> float:
@@ -303,9 +303,7 @@ def iter_gguf_weights(path: str, hf_config: Any, keep_blocks: bool = False, slic
     `slices_of(name, shape) -> cuts` (a tensor-parallel model's `checkpoint_slices`): yield only
     this rank's part of each tensor, cut from the memory-mapped file before it is converted
     (Q/K rows are cut by whole heads, then un-permuted per head)."""
-    import gguf
-
-    reader = gguf.GGUFReader(path)
+    reader = read_gguf_index(path)
     architecture = gguf_architecture(reader)
     permute = architecture in _PERMUTED_ARCHITECTURES
     gemma = architecture in _GEMMA_ARCHITECTURES
