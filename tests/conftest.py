@@ -82,6 +82,15 @@ def tiny_llama_folder(smollm2_gguf, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2_kquant_gguf(smollm2_gguf, tmp_path_factory) -> str:
+    """The default model re-encoded as llama.cpp's Q4_K_M would lay it out (Q5_0 / Q5_1 / Q8_0 and
+    Q4_K / Q6_K matrices; tests/gguf_files.py), made once per run (about 6 s)."""
+    from tests.gguf_files import rewrite_gguf
+
+    return str(rewrite_gguf(smollm2_gguf, tmp_path_factory.mktemp("kquant") / "smollm2-q4_k_m-like.gguf"))
+
+
+@pytest.fixture(scope="session")
 def smollm2_hf_folder(hf_smollm2, smollm2_gguf, tmp_path_factory) -> str:
     """`hf_smollm2` saved as a plain float32 folder (config, safetensors, tokenizer): what loads
     in a second where the GGUF takes transformers many (the HF side of benchmark smoke tests)."""
