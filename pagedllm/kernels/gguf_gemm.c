@@ -615,20 +615,44 @@ static void q4k_order_activations(int8_t *xq, int64_t count) {
     }
 }
 
+/* k4_scales8's values as two vectors (the masks on 32-bit words, then 16 bytes widened at once). */
+static inline void k4_scales_vec(const uint8_t *b, __m256 *sv, __m256 *mv) {
+    uint32_t u[4];
+    memcpy(u, b + 4, 12);
+    const uint32_t k1 = 0x3f3f3f3fu, k2 = 0x0f0f0f0fu, k3 = 0x03030303u;
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    const uint32_t mins_lo = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = mins_lo;
+    u[0] &= k1;
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)u);
+    *sv = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+    *mv = _mm256_mul_ps(_mm256_set1_ps(-f16(b + 2)),
+                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
+}
+
+/* Q4_K's min term needs each row's activation sums per 32: written over the sums per 16
+ * (rows of K / 16 floats; the first K / 32 of each row hold them). */
+static void q4k_sums_per_32(float *xsum, int64_t M, int64_t K) {
+    for (int64_t i = 0; i < M; ++i) {
+        float *r = xsum + i * (K / SUB);
+        for (int64_t j = 0; j < K / XB; ++j) r[j] = r[2 * j] + r[2 * j + 1];
+    }
+}
+
 /* One weight row of Q4_K / Q6_K against mb <= FAST_ROWS quantized activation rows. */
-static void int8_row_fast(int type, const uint8_t *row, int64_t nb, const int8_t *xq, const float *xs,
-                          const float *xsum, const int32_t *xl, int64_t mb, int64_t K, float *out) {
+static inline __attribute__((always_inline)) void int8_row_fast_t(
+    const int type, const uint8_t *row, int64_t nb, const int8_t *xq, const float *xs, const float *xsum,
+    const int32_t *xl, const int64_t mb, int64_t K, float *out) {
     __m512 acc[FAST_ROWS];
     __m256 accm[FAST_ROWS];
     for (int64_t i = 0; i < mb; ++i) acc[i] = _mm512_setzero_ps(), accm[i] = _mm256_setzero_ps();
-    const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
     for (int64_t b = 0; b < nb; ++b) {
         const int64_t k0 = b * 256;
         if (type == T_Q4_K) {
             const uint8_t *blk = row + b * 144;
-            float s8[8], m8[8];
-            k4_scales8(blk, s8, m8);
-            const __m256 sv = _mm256_loadu_ps(s8), mv = _mm256_loadu_ps(m8);
+            __m256 sv, mv;
+            k4_scales_vec(blk, &sv, &mv);
             /* 64 bytes of nibbles: low ones are weights 0-31 and 64-95 (of 128), high ones 32-63
              * and 96-127; the activations were reordered to match (q4k_order_activations) */
             __m512i codes[4];
@@ -641,13 +665,8 @@ static void int8_row_fast(int type, const uint8_t *row, int64_t nb, const int8_t
                 const int8_t *xr = xq + i * K + k0;
                 const __m256 xsv = _mm256_loadu_ps(xs + i * (K / XB) + k0 / XB);
                 const __m512 sc = _mm512_castps256_ps512(_mm256_mul_ps(sv, xsv)); /* 8 scales of 32 */
-                const float *xs16 = xsum + i * (K / SUB) + k0 / SUB; /* sums per 16 -> per 32 */
-                const __m512 pairs = _mm512_loadu_ps(xs16);
-                const __m256 x32 = _mm256_add_ps(_mm512_castps512_ps256(_mm512_permutexvar_ps(
-                    _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0), pairs)),
-                    _mm512_castps512_ps256(_mm512_permutexvar_ps(
-                    _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0), pairs)));
-                accm[i] = _mm256_fmadd_ps(mv, x32, accm[i]);
+                /* the activations' sums per 32 (xsum holds them for Q4_K: q4k_prepare) */
+                accm[i] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsum + i * (K / SUB) + k0 / XB), accm[i]);
                 for (int c = 0; c < 4; ++c) { /* lanes 0-7: sub-block a, 8-15: sub-block a + 2 */
                     const int a = 4 * (c / 2) + (c & 1);
                     const __m512i dot = dp_u8s8(_mm512_setzero_si512(), codes[c],
@@ -662,20 +681,19 @@ static void int8_row_fast(int type, const uint8_t *row, int64_t nb, const int8_t
             const float d = f16(blk + 208);
             const __m512 sv = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(
                 _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
+            /* per 128 weights: 64 bytes of ql give weights 0-63 in their low nibbles and 64-127
+             * in their high ones; qh's bit pairs 0-1 / 2-3 / 4-5 / 6-7 are the quarters' high bits */
+            const __m512i low4z = _mm512_set1_epi8(0x0F), low2z = _mm512_set1_epi8(0x03);
             __m512i codes[4];
             for (int h = 0; h < 2; ++h) {
-                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+                const __m512i ql = _mm512_loadu_si512((const void *)(blk + 64 * h));
                 const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-                for (int p = 0; p < 2; ++p) {
-                    const __m256i a = _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16(ql0, 4 * p), low4),
-                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4 * p), low2), 4));
-                    const __m256i c2 = _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16(ql1, 4 * p), low4),
-                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4 * p + 2), low2), 4));
-                    codes[2 * h + p] = _mm512_inserti64x4(_mm512_castsi256_si512(a), c2, 1);
-                }
+                const __m512i qhx = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+                codes[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low4z),
+                                               _mm512_slli_epi16(_mm512_and_si512(qhx, low2z), 4));
+                codes[2 * h + 1] = _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srli_epi16(ql, 4), low4z),
+                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qhx, 4), low2z), 4));
             }
             for (int64_t i = 0; i < mb; ++i) {
                 const int8_t *xr = xq + i * K + k0;
@@ -699,6 +717,14 @@ static void int8_row_fast(int type, const uint8_t *row, int64_t nb, const int8_t
     for (int64_t i = 0; i < mb; ++i)
         out[i] = _mm512_reduce_add_ps(acc[i]) + _mm512_reduce_add_ps(_mm512_castps256_ps512(accm[i]));
 }
+/* Specialized for one row (decode: accumulators in registers) and for Q4_K / Q6_K. */
+static void int8_row_fast(int type, const uint8_t *row, int64_t nb, const int8_t *xq, const float *xs,
+                          const float *xsum, const int32_t *xl, int64_t mb, int64_t K, float *out) {
+    if (type == T_Q4_K && mb == 1) int8_row_fast_t(T_Q4_K, row, nb, xq, xs, xsum, xl, 1, K, out);
+    else if (type == T_Q4_K) int8_row_fast_t(T_Q4_K, row, nb, xq, xs, xsum, xl, mb, K, out);
+    else if (mb == 1) int8_row_fast_t(T_Q6_K, row, nb, xq, xs, xsum, xl, 1, K, out);
+    else int8_row_fast_t(T_Q6_K, row, nb, xq, xs, xsum, xl, mb, K, out);
+}
 #else
 #define FAST_INT8 0
 #endif
@@ -715,7 +741,7 @@ int gguf_gemm_int8(int type, const float *x, const uint8_t *w, float *y, uint8_t
     const int64_t row_bytes = K / t->block * t->bytes, nb = K / t->block;
 #if FAST_INT8
     if (type == T_Q4_K || type == T_Q6_K) {
-        if (type == T_Q4_K) q4k_order_activations(xq, M * K);
+        if (type == T_Q4_K) q4k_order_activations(xq, M * K), q4k_sums_per_32(xsum, M, K);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 65536)
         for (int64_t i = 0; i < M * K / 4; ++i)
             xl[i] = -32 * ((int32_t)xq[4 * i] + xq[4 * i + 1] + xq[4 * i + 2] + xq[4 * i + 3]);
