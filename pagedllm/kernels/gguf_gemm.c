@@ -584,21 +584,43 @@ static inline int32_t dot16(const int8_t *q, const int8_t *x) {
     return acc;
 }
 
-/* ---- int8 path, AVX-512 VNNI (or BW), few rows: Q4_K and Q6_K decoded 64 codes a vector --------
- * `vpdpbusd` multiplies 64 unsigned codes by 64 int8 activations into 16 int32 lanes of 4
- * products; a lane lies within one scale's 16 or 32 weights, so each lane is converted to float
- * and multiplied by its own (weight scale x activation scale), and the min term (Q4_K) or the
- * code offset of 32 (Q6_K, folded into the int32 start as -32 x the lane's activation sum) needs
- * no per-weight work. */
+/* ---- int8 path for Q4_K / Q6_K, AVX-512 BW: llama.cpp's K-quant arithmetic -----------------------
+ * Activations are quantized per 256 (Q8_K's grain: one scale per super-block), so that a whole
+ * super-block's dot product is an integer: vpmaddubsw multiplies 64 unsigned codes by 64 int8
+ * activations into int16 pair sums (no saturation: 2 x 63 x 127 < 32767), vpmaddwd multiplies
+ * those by the sub-blocks' integer scales (Q4_K's six-bit ones, Q6_K's int8 ones) and adds pairs
+ * into int32, so 64 weights cost three instructions and one float multiply-add remains per
+ * super-block: y += d * xs * sum. Q4_K's minimums use the float sums of the activations per 32;
+ * Q6_K's code offset of 32 is -32 x sum_j sc_j x (integer activation sum of sub-block j). */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define FAST_INT8 1
 #define FAST_ROWS 8
-static inline __m512i dp_u8s8(__m512i acc, __m512i u, __m512i s) {
-#if defined(__AVX512VNNI__)
-    return _mm512_dpbusd_epi32(acc, u, s);
-#else /* codes are below 64: vpmaddubsw cannot saturate (2 * 63 * 127 < 32767) */
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
-#endif
+#define QK_X 256 /* activation block of this path */
+
+/* Per row: int8 codes, a scale per 256, float sums per 32 (Q4_K), int16 code sums per 16 (Q6_K). */
+static void quantize_rows_k(const float *x, int8_t *xq, float *xs, float *xsum32, int16_t *bs16, int64_t M,
+                            int64_t K, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 65536)
+    for (int64_t i = 0; i < M; ++i)
+        for (int64_t b = 0; b < K / QK_X; ++b) {
+            const float *src = x + i * K + b * QK_X;
+            int8_t *q = xq + i * K + b * QK_X;
+            float amax = 0.0f;
+            for (int k = 0; k < QK_X; ++k) amax = fmaxf(amax, fabsf(src[k]));
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            xs[i * (K / QK_X) + b] = amax / 127.0f;
+            for (int k = 0; k < QK_X; ++k) q[k] = (int8_t)lrintf(src[k] * inv);
+            for (int j = 0; j < QK_X / XB; ++j) {
+                float sum = 0.0f;
+                for (int k = 0; k < XB; ++k) sum += src[j * XB + k];
+                xsum32[i * (K / XB) + b * (QK_X / XB) + j] = sum;
+            }
+            for (int j = 0; j < QK_X / SUB; ++j) {
+                int sum = 0;
+                for (int k = 0; k < SUB; ++k) sum += q[j * SUB + k];
+                bs16[i * (K / SUB) + b * (QK_X / SUB) + j] = (int16_t)sum;
+            }
+        }
 }
 
 /* Q4_K's 64-byte nibble vectors hold weights 0-31 and 64-95 of each 128 in their low nibbles and
@@ -615,8 +637,8 @@ static void q4k_order_activations(int8_t *xq, int64_t count) {
     }
 }
 
-/* k4_scales8's values as two vectors (the masks on 32-bit words, then 16 bytes widened at once). */
-static inline void k4_scales_vec(const uint8_t *b, __m256 *sv, __m256 *mv) {
+/* Q4_K's eight six-bit scales (as int16, in the low 128 bits) and its minimums times -dmin (floats). */
+static inline __m512i k4_int_scales(const uint8_t *b, __m256 *mv) {
     uint32_t u[4];
     memcpy(u, b + 4, 12);
     const uint32_t k1 = 0x3f3f3f3fu, k2 = 0x0f0f0f0fu, k3 = 0x03030303u;
@@ -626,104 +648,94 @@ static inline void k4_scales_vec(const uint8_t *b, __m256 *sv, __m256 *mv) {
     u[2] = mins_lo;
     u[0] &= k1;
     const __m128i bytes = _mm_loadu_si128((const __m128i *)u);
-    *sv = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
     *mv = _mm256_mul_ps(_mm256_set1_ps(-f16(b + 2)),
                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
+    return _mm512_castsi128_si512(_mm_cvtepu8_epi16(bytes));
 }
 
-/* Q4_K's min term needs each row's activation sums per 32: written over the sums per 16
- * (rows of K / 16 floats; the first K / 32 of each row hold them). */
-static void q4k_sums_per_32(float *xsum, int64_t M, int64_t K) {
-    for (int64_t i = 0; i < M; ++i) {
-        float *r = xsum + i * (K / SUB);
-        for (int64_t j = 0; j < K / XB; ++j) r[j] = r[2 * j] + r[2 * j + 1];
-    }
+/* An int16 vector whose 32 lanes are scales[first] x 16 | scales[second] x 16 (Q4_K) or four
+ * scales x 8 each (Q6_K), picked from `scales` (int16 lanes) by vpermw. */
+static inline __m512i spread16(__m512i scales, int a, int b, int c, int d) {
+    const __m512i idx = _mm512_set_epi16(d, d, d, d, d, d, d, d, c, c, c, c, c, c, c, c,
+                                         b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a);
+    return _mm512_permutexvar_epi16(idx, scales);
+}
+
+static inline __m512i dot64(__m512i isum, __m512i codes, const int8_t *x, __m512i scales16) {
+    const __m512i p16 = _mm512_maddubs_epi16(codes, _mm512_loadu_si512((const void *)x));
+    return _mm512_add_epi32(isum, _mm512_madd_epi16(p16, scales16));
 }
 
 /* One weight row of Q4_K / Q6_K against mb <= FAST_ROWS quantized activation rows. */
 static inline __attribute__((always_inline)) void int8_row_fast_t(
-    const int type, const uint8_t *row, int64_t nb, const int8_t *xq, const float *xs, const float *xsum,
-    const int32_t *xl, const int64_t mb, int64_t K, float *out) {
+    const int type, const uint8_t *row, int64_t nb, const int8_t *xq, const float *xs, const float *xsum32,
+    const int16_t *bs16, const int64_t mb, int64_t K, float *out) {
     __m512 acc[FAST_ROWS];
-    __m256 accm[FAST_ROWS];
-    for (int64_t i = 0; i < mb; ++i) acc[i] = _mm512_setzero_ps(), accm[i] = _mm256_setzero_ps();
+    __m256 acc8[FAST_ROWS];
+    for (int64_t i = 0; i < mb; ++i) acc[i] = _mm512_setzero_ps(), acc8[i] = _mm256_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
     for (int64_t b = 0; b < nb; ++b) {
-        const int64_t k0 = b * 256;
+        const int64_t k0 = b * QK_X;
+        __m512i codes[4], sc[4];
+        float d;
+        __m256 mv = _mm256_setzero_ps();
+        __m256i sc6 = _mm256_setzero_si256();
         if (type == T_Q4_K) {
             const uint8_t *blk = row + b * 144;
-            __m256 sv, mv;
-            k4_scales_vec(blk, &sv, &mv);
-            /* 64 bytes of nibbles: low ones are weights 0-31 and 64-95 (of 128), high ones 32-63
-             * and 96-127; the activations were reordered to match (q4k_order_activations) */
-            __m512i codes[4];
+            d = f16(blk);
+            const __m512i s8 = k4_int_scales(blk, &mv);
+            for (int c = 0; c < 4; ++c) { /* lanes 0-15: sub-block a, 16-31: sub-block a + 2 */
+                const int a = 4 * (c / 2) + (c & 1);
+                sc[c] = spread16(s8, a, a, a + 2, a + 2);
+            }
             for (int c = 0; c < 2; ++c) {
                 const __m512i q = _mm512_loadu_si512((const void *)(blk + 16 + 64 * c));
-                codes[2 * c] = _mm512_and_si512(q, _mm512_set1_epi8(0x0F));
-                codes[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), _mm512_set1_epi8(0x0F));
+                codes[2 * c] = _mm512_and_si512(q, low4);
+                codes[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
             }
-            for (int64_t i = 0; i < mb; ++i) {
-                const int8_t *xr = xq + i * K + k0;
-                const __m256 xsv = _mm256_loadu_ps(xs + i * (K / XB) + k0 / XB);
-                const __m512 sc = _mm512_castps256_ps512(_mm256_mul_ps(sv, xsv)); /* 8 scales of 32 */
-                /* the activations' sums per 32 (xsum holds them for Q4_K: q4k_prepare) */
-                accm[i] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsum + i * (K / SUB) + k0 / XB), accm[i]);
-                for (int c = 0; c < 4; ++c) { /* lanes 0-7: sub-block a, 8-15: sub-block a + 2 */
-                    const int a = 4 * (c / 2) + (c & 1);
-                    const __m512i dot = dp_u8s8(_mm512_setzero_si512(), codes[c],
-                                                _mm512_loadu_si512((const void *)(xr + 64 * c)));
-                    const __m512i idx = _mm512_setr_epi32(a, a, a, a, a, a, a, a, a + 2, a + 2, a + 2, a + 2, a + 2,
-                                                          a + 2, a + 2, a + 2);
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, sc), acc[i]);
-                }
-            }
-        } else { /* Q6_K */
+        } else {
             const uint8_t *blk = row + b * 210;
-            const float d = f16(blk + 208);
-            const __m512 sv = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(
-                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
-            /* per 128 weights: 64 bytes of ql give weights 0-63 in their low nibbles and 64-127
-             * in their high ones; qh's bit pairs 0-1 / 2-3 / 4-5 / 6-7 are the quarters' high bits */
-            const __m512i low4z = _mm512_set1_epi8(0x0F), low2z = _mm512_set1_epi8(0x03);
-            __m512i codes[4];
-            for (int h = 0; h < 2; ++h) {
+            d = f16(blk + 208);
+            sc6 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+            const __m512i s16 = _mm512_castsi256_si512(sc6);
+            for (int c = 0; c < 4; ++c) sc[c] = spread16(s16, 4 * c, 4 * c + 1, 4 * c + 2, 4 * c + 3);
+            for (int h = 0; h < 2; ++h) { /* 64 bytes of ql: weights 0-63 low nibbles, 64-127 high */
                 const __m512i ql = _mm512_loadu_si512((const void *)(blk + 64 * h));
                 const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
                 const __m512i qhx = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
-                codes[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low4z),
-                                               _mm512_slli_epi16(_mm512_and_si512(qhx, low2z), 4));
+                codes[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low4),
+                                               _mm512_slli_epi16(_mm512_and_si512(qhx, low2), 4));
                 codes[2 * h + 1] = _mm512_or_si512(
-                    _mm512_and_si512(_mm512_srli_epi16(ql, 4), low4z),
-                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qhx, 4), low2z), 4));
+                    _mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qhx, 4), low2), 4));
             }
-            for (int64_t i = 0; i < mb; ++i) {
-                const int8_t *xr = xq + i * K + k0;
-                const float *xsr = xs + i * (K / XB) + k0 / XB;
-                /* 16 scales of 16 weights x their activation block's scale (one per two) */
-                const __m512 xs2 = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
-                                                         _mm512_castps256_ps512(_mm256_loadu_ps(xsr)));
-                const __m512 sc = _mm512_mul_ps(sv, xs2);
-                const int32_t *xlr = xl + i * (K / 4) + k0 / 4;
-                for (int c = 0; c < 4; ++c) {
-                    const __m512i dot = dp_u8s8(_mm512_loadu_si512((const void *)(xlr + 16 * c)), codes[c],
-                                                _mm512_loadu_si512((const void *)(xr + 64 * c)));
-                    const __m512i idx = _mm512_setr_epi32(4 * c, 4 * c, 4 * c, 4 * c, 4 * c + 1, 4 * c + 1, 4 * c + 1,
-                                                          4 * c + 1, 4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2,
-                                                          4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3);
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, sc), acc[i]);
-                }
+        }
+        for (int64_t i = 0; i < mb; ++i) {
+            const int8_t *xr = xq + i * K + k0;
+            __m512i isum = _mm512_setzero_si512();
+            for (int c = 0; c < 4; ++c) isum = dot64(isum, codes[c], xr + 64 * c, sc[c]);
+            const float dx = d * xs[i * (K / QK_X) + b];
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(dx), acc[i]);
+            if (type == T_Q4_K) { /* minimums: -dmin * m_j * (float sum of the activations of j) */
+                acc8[i] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsum32 + i * (K / XB) + k0 / XB), acc8[i]);
+            } else { /* -32 * sum_j sc_j * (code sum of sub-block j) */
+                const __m256i bs = _mm256_loadu_si256((const __m256i *)(bs16 + i * (K / SUB) + k0 / SUB));
+                acc8[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sc6, bs)),
+                                          _mm256_set1_ps(-32.0f * dx), acc8[i]);
             }
         }
     }
     for (int64_t i = 0; i < mb; ++i)
-        out[i] = _mm512_reduce_add_ps(acc[i]) + _mm512_reduce_add_ps(_mm512_castps256_ps512(accm[i]));
+        out[i] = _mm512_reduce_add_ps(acc[i]) + _mm512_reduce_add_ps(_mm512_castps256_ps512(acc8[i]));
 }
+
 /* Specialized for one row (decode: accumulators in registers) and for Q4_K / Q6_K. */
 static void int8_row_fast(int type, const uint8_t *row, int64_t nb, const int8_t *xq, const float *xs,
-                          const float *xsum, const int32_t *xl, int64_t mb, int64_t K, float *out) {
-    if (type == T_Q4_K && mb == 1) int8_row_fast_t(T_Q4_K, row, nb, xq, xs, xsum, xl, 1, K, out);
-    else if (type == T_Q4_K) int8_row_fast_t(T_Q4_K, row, nb, xq, xs, xsum, xl, mb, K, out);
-    else if (mb == 1) int8_row_fast_t(T_Q6_K, row, nb, xq, xs, xsum, xl, 1, K, out);
-    else int8_row_fast_t(T_Q6_K, row, nb, xq, xs, xsum, xl, mb, K, out);
+                          const float *xsum32, const int16_t *bs16, int64_t mb, int64_t K, float *out) {
+    if (type == T_Q4_K && mb == 1) int8_row_fast_t(T_Q4_K, row, nb, xq, xs, xsum32, bs16, 1, K, out);
+    else if (type == T_Q4_K) int8_row_fast_t(T_Q4_K, row, nb, xq, xs, xsum32, bs16, mb, K, out);
+    else if (mb == 1) int8_row_fast_t(T_Q6_K, row, nb, xq, xs, xsum32, bs16, 1, K, out);
+    else int8_row_fast_t(T_Q6_K, row, nb, xq, xs, xsum32, bs16, mb, K, out);
 }
 #else
 #define FAST_INT8 0
@@ -737,14 +749,12 @@ int gguf_gemm_int8(int type, const float *x, const uint8_t *w, float *y, uint8_t
     float *xs = (float *)(((uintptr_t)(scratch + M * K) + 63) & ~(uintptr_t)63);
     float *xsum = xs + M * (K / XB);
     int32_t *xl = (int32_t *)(xsum + M * (K / SUB)); /* -32 x each 4 activations' sum (Q6_K) */
-    quantize_rows(x, xq, xs, xsum, M, K, num_threads);
     const int64_t row_bytes = K / t->block * t->bytes, nb = K / t->block;
 #if FAST_INT8
     if (type == T_Q4_K || type == T_Q6_K) {
-        if (type == T_Q4_K) q4k_order_activations(xq, M * K), q4k_sums_per_32(xsum, M, K);
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 65536)
-        for (int64_t i = 0; i < M * K / 4; ++i)
-            xl[i] = -32 * ((int32_t)xq[4 * i] + xq[4 * i + 1] + xq[4 * i + 2] + xq[4 * i + 3]);
+        int16_t *bs16 = (int16_t *)xl;
+        quantize_rows_k(x, xq, xs, xsum, bs16, M, K, num_threads);
+        if (type == T_Q4_K) q4k_order_activations(xq, M * K);
         /* rows of W in tasks of ROW_TASK, activations in chunks of FAST_ROWS: a task's weights
          * stay in L1/L2 while every chunk passes over them */
         enum { ROW_TASK = 16 };
@@ -757,8 +767,8 @@ int gguf_gemm_int8(int type, const float *x, const uint8_t *w, float *y, uint8_t
                 for (int64_t r = r0; r < r1; ++r) {
                     float out[FAST_ROWS];
                     if (i0 == 0) prefetch_row(w + (r + PREFETCH_ROWS) * row_bytes, r + PREFETCH_ROWS < N ? row_bytes : 0);
-                    int8_row_fast(type, w + r * row_bytes, nb, xq + i0 * K, xs + i0 * (K / XB), xsum + i0 * (K / SUB),
-                                  xl + i0 * (K / 4), mb, K, out);
+                    int8_row_fast(type, w + r * row_bytes, nb, xq + i0 * K, xs + i0 * (K / QK_X), xsum + i0 * (K / XB),
+                                  bs16 + i0 * (K / SUB), mb, K, out);
                     for (int64_t i = 0; i < mb; ++i) y[(i0 + i) * ldy + r] = out[i];
                 }
             }
@@ -766,6 +776,7 @@ int gguf_gemm_int8(int type, const float *x, const uint8_t *w, float *y, uint8_t
         return 0;
     }
 #endif
+    quantize_rows(x, xq, xs, xsum, M, K, num_threads);
     const int n = t->block, subs = n / SUB;
     enum { MB = 8 }; /* activation rows per pass over a weight row's decoded blocks */
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M * N * K >= 65536)
