@@ -382,6 +382,7 @@ class GGUFGemm(NamedTuple):
     int8: Callable[..., int]  # (type, x, w, y, scratch, M, N, K, ldy, threads)
     int8_scratch: Callable[..., int]  # (M, K) -> bytes of scratch for `int8`
     isa: Callable[..., int]  # () -> as int_gemm_isa
+    int8_vectorized: Callable[..., int]  # (type) -> 1 if the int8 path has a vector kernel for it
 
 
 @functools.cache
@@ -399,6 +400,7 @@ def gguf_gemm_kernel(variant: str | None = None) -> GGUFGemm | None:
         _kernel_function(src, "gguf_gemm_int8", (_I32,) + (_PTR,) * 4 + (_I64,) * 4 + (_I32,), variant=variant),
         _kernel_function(src, "gguf_int8_scratch", (_I64, _I64), _I64, variant=variant),
         _kernel_function(src, "gguf_gemm_isa", (), variant=variant),
+        _kernel_function(src, "gguf_int8_vectorized", (_I32,), variant=variant),
     )
 
 

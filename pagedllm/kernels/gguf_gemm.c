@@ -741,6 +741,10 @@ static void int8_row_fast(int type, const uint8_t *row, int64_t nb, const int8_t
 #define FAST_INT8 0
 #endif
 
+/* Whether this build's int8 path has a vector kernel for `type` (else the generic one, slower
+ * than the exact path: the layers route such parts to the exact path, layers/quantization/gguf_kernel.py). */
+int gguf_int8_vectorized(int type) { return FAST_INT8 && (type == T_Q4_K || type == T_Q6_K); }
+
 int gguf_gemm_int8(int type, const float *x, const uint8_t *w, float *y, uint8_t *scratch, int64_t M,
                    int64_t N, int64_t K, int64_t ldy, int num_threads) {
     const traits_t *t = traits_of(type, K);

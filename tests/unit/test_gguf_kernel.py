@@ -116,3 +116,12 @@ def test_int8_rows_do_not_depend_on_their_neighbours(type_name):
     for i in (0, 7, 8, 18):
         alone = gguf_matmul(x[i:i + 1].contiguous(), w, "int8")[0]
         torch.testing.assert_close(alone, many[i], rtol=1e-5, atol=1e-6 * float(many.abs().max()))
+
+
+def test_layers_take_int8_only_where_it_is_vectorized():
+    from pagedllm.layers.quantization.gguf_kernel import part_compute
+
+    vectorized = kernel_build.gguf_gemm_kernel().int8_vectorized(TYPES["Q4_K"])
+    assert part_compute("Q4_K", "int8") == ("int8" if vectorized else "exact")
+    assert part_compute("Q5_0", "int8") == "exact" and part_compute("F16", "int8") == "exact"
+    assert part_compute("Q4_K", "exact") == "exact"

@@ -22,6 +22,7 @@ from pagedllm.layers.eager_in_graphs import eager_in_graphs
 
 logger = logging.getLogger(__name__)
 
+
 # ggml's type numbers (gguf-py's GGMLQuantizationType): the types kernels/gguf_gemm.c reads.
 TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11,
          "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "BF16": 30}
@@ -134,6 +135,24 @@ def _gguf_matmul(x: torch.Tensor, w: GGUFTensor, compute: str = "exact", out: to
 gguf_matmul = eager_in_graphs(_gguf_matmul)  # a ctypes call: eager inside compiled graphs
 
 
+def part_compute(type_name: str, compute: str) -> str:
+    """The path a layer part of `type_name` takes for the asked `compute`: "int8" only where the
+    kernel has a vector int8 kernel for the type (Q4_K / Q6_K on AVX-512); elsewhere its generic
+    int8 loop is slower than the exact path, so such parts run exact (logged once per type)."""
+    if compute != "int8" or type_name in FLOAT_TYPES:
+        return "exact"
+    if gguf_gemm_kernel().int8_vectorized(TYPES[type_name]):
+        return "int8"
+    if type_name not in _EXACT_NOTED:
+        _EXACT_NOTED.add(type_name)
+        logger.info("quant_compute=int8: GGUF %s parts run the exact path (no vector int8 kernel for %s in this "
+                    "build; Q4_K / Q6_K and the Q4_0 / Q4_1 / Q8_0 layers of int_gemm.c have one)", type_name, type_name)
+    return "exact"
+
+
+_EXACT_NOTED: set[str] = set()
+
+
 def gguf_linear(x: torch.Tensor, shards: list[GGUFTensor], compute: str) -> torch.Tensor:
     """`x @ W^T` where W is the row-concatenation of `shards` (a fused q/k/v or gate/up layer
     whose parts may be of different types): each part writes its own columns of one output."""
@@ -142,6 +161,6 @@ def gguf_linear(x: torch.Tensor, shards: list[GGUFTensor], compute: str) -> torc
     matmul = gguf_matmul if torch.compiler.is_compiling() else _gguf_matmul
     col = 0
     for shard in shards:
-        matmul(x, shard, compute, out, col)
+        matmul(x, shard, part_compute(shard.type_name, compute), out, col)
         col += shard.shape[0]
     return out
