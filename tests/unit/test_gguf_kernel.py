@@ -125,3 +125,25 @@ def test_layers_take_int8_only_where_it_is_vectorized():
     assert part_compute("Q4_K", "int8") == ("int8" if vectorized else "exact")
     assert part_compute("Q5_0", "int8") == "exact" and part_compute("F16", "int8") == "exact"
     assert part_compute("Q4_K", "exact") == "exact"
+
+
+def test_without_the_kernel_every_type_still_widens_to_gguf_py_values():
+    """PAGEDLLM_DISABLE_C_KERNELS=1 (or no compiler): layers widen with a warning, through torch
+    for Q4_0 / Q4_1 / Q8_0 and gguf-py for the rest; the values are the same."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np, torch\n"
+        "from pagedllm.layers.quantization.gguf_kernel import GGUFTensor, kernel_takes\n"
+        "from tests.gguf_random import ALL_TYPES, dequantized, random_tensor\n"
+        "assert not kernel_takes('Q4_K', 256)\n"
+        "for t in ALL_TYPES:\n"
+        "    d = random_tensor(t, 4, 256)\n"
+        "    g = GGUFTensor(torch.from_numpy(np.ascontiguousarray(d).view(np.uint8).reshape(4, -1)), t, (4, 256))\n"
+        "    assert torch.equal(g.dequantize(), torch.from_numpy(dequantized(t, d, 4, 256))), t\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PAGEDLLM_DISABLE_C_KERNELS="1", PYTHONPATH=root)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=root)

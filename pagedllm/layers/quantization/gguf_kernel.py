@@ -58,10 +58,13 @@ class GGUFTensor(NamedTuple):
         if kernel_takes(self.type_name, self.shape[1]):
             return gguf_rows(self, None)
         from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
 
-        values = dequantize(self.data.numpy(), GGMLQuantizationType[self.type_name])
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape)
+        from pagedllm.model.gguf_loader import dequantize_tensor  # torch for Q4_0 / Q4_1 / Q8_0, else gguf-py
+
+        data = self.data.numpy()
+        if self.type_name in ("F32", "F16"):
+            data = data.view(np.float32 if self.type_name == "F32" else np.float16)
+        return dequantize_tensor(data, GGMLQuantizationType[self.type_name]).float().reshape(self.shape)
 
 
 def kernel_takes(type_name: str, cols: int) -> bool:
