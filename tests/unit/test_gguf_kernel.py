@@ -53,7 +53,7 @@ def test_rows_widen_bit_for_bit_to_gguf_py(type_name):
 
 
 @pytest.mark.parametrize("type_name", ALL_TYPES)
-@pytest.mark.parametrize("m", [1, 3, 16, 17, 150])  # below and above the panel path, two row chunks
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 40, 150])  # one and several chunks of 16, the panel path over two row chunks
 def test_exact_path_equals_dequantize_then_matmul(type_name, m):
     rows, cols = 45, 512  # a partial panel of columns
     data = random_tensor(type_name, rows, cols, seed=m)
