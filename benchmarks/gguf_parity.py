@@ -30,6 +30,7 @@ def main() -> None:
 
     from pagedllm import LLM, SamplingParams
     from pagedllm.model.gguf_index import read_gguf_index
+    from tests.integration.test_engine_parity import hf_greedy
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     print("| file | tensor types | exact == transformers | int8: first differing token per prompt |")
@@ -41,12 +42,7 @@ def main() -> None:
         exact = LLM(path, kv_cache_space=0.25)
         tok = exact.get_tokenizer()
         ids = [tok.encode(text) for text in PROMPTS]
-        ref = []
-        with torch.inference_mode():
-            for q in ids:
-                out = hf.generate(torch.tensor([q]), attention_mask=torch.ones(1, len(q), dtype=torch.long),
-                                  max_new_tokens=args.max_tokens, do_sample=False, pad_token_id=hf.config.eos_token_id)
-                ref.append(out[0, len(q):].tolist())
+        ref = [hf_greedy(hf, q, args.max_tokens) for q in ids]
         prompts = [{"prompt_token_ids": q} for q in ids]
         ours = [o.outputs[0].token_ids for o in exact.generate(prompts, params, use_tqdm=False)]
         int8 = [o.outputs[0].token_ids for o in LLM(path, kv_cache_space=0.25, quant_compute="int8")

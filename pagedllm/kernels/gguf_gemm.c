@@ -759,7 +759,7 @@ int gguf_gemm_int8(int type, const float *x, const uint8_t *w, float *y, uint8_t
     int8_t *xq = (int8_t *)scratch;
     float *xs = (float *)(((uintptr_t)(scratch + M * K) + 63) & ~(uintptr_t)63);
     float *xsum = xs + M * (K / XB);
-    int32_t *xl = (int32_t *)(xsum + M * (K / SUB)); /* -32 x each 4 activations' sum (Q6_K) */
+    int32_t *xl = (int32_t *)(xsum + M * (K / SUB)); /* the vector path's int16 code sums per 16 */
     const int64_t row_bytes = K / t->block * t->bytes, nb = K / t->block;
 #if FAST_INT8
     if (type == T_Q4_K || type == T_Q6_K) {

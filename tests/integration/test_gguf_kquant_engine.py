@@ -16,6 +16,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.layers.quantization.gguf_kernel import kernel_takes
 from pagedllm.model.loader import weight_memory
 from tests.integration.prompts import PROMPTS
+from tests.integration.test_engine_parity import hf_greedy
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not kernel_takes("Q4_K", 256), reason="gguf_gemm.c cannot be built here")]
@@ -31,12 +32,7 @@ def reference(smollm2_kquant_gguf):
     llm = LLM(smollm2_kquant_gguf, kv_cache_space=0.25)
     tok = llm.get_tokenizer()
     ids = [tok.encode(p) for p in PROMPTS[:6]]
-    expected = []
-    with torch.inference_mode():
-        for p in ids:
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=GREEDY.max_tokens, do_sample=False, pad_token_id=hf.config.eos_token_id)
-            expected.append(out[0, len(p):].tolist())
+    expected = [hf_greedy(hf, p, GREEDY.max_tokens) for p in ids]
     return llm, [{"prompt_token_ids": p} for p in ids], expected
 
 

@@ -11,6 +11,7 @@ quantized ones, an int8 path (activations in int8 per 32, integer dot products).
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable, NamedTuple
 
@@ -138,6 +139,7 @@ def _gguf_matmul(x: torch.Tensor, w: GGUFTensor, compute: str = "exact", out: to
 gguf_matmul = eager_in_graphs(_gguf_matmul)  # a ctypes call: eager inside compiled graphs
 
 
+@functools.cache  # once per (type, compute): the answer never changes, and this runs every step
 def part_compute(type_name: str, compute: str) -> str:
     """The path a layer part of `type_name` takes for the asked `compute`: "int8" only where the
     kernel has a vector int8 kernel for the type (Q4_K / Q6_K on AVX-512); elsewhere its generic
@@ -146,14 +148,9 @@ def part_compute(type_name: str, compute: str) -> str:
         return "exact"
     if gguf_gemm_kernel().int8_vectorized(TYPES[type_name]):
         return "int8"
-    if type_name not in _EXACT_NOTED:
-        _EXACT_NOTED.add(type_name)
-        logger.info("quant_compute=int8: GGUF %s parts run the exact path (no vector int8 kernel for %s in this "
-                    "build; Q4_K / Q6_K and the Q4_0 / Q4_1 / Q8_0 layers of int_gemm.c have one)", type_name, type_name)
+    logger.info("quant_compute=int8: GGUF %s parts run the exact path (no vector int8 kernel for %s in this "
+                "build; Q4_K / Q6_K and the Q4_0 / Q4_1 / Q8_0 layers of int_gemm.c have one)", type_name, type_name)
     return "exact"
-
-
-_EXACT_NOTED: set[str] = set()
 
 
 def gguf_linear(x: torch.Tensor, shards: list[GGUFTensor], compute: str) -> torch.Tensor:
