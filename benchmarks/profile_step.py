@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--compile", action="store_true",
                    help="profile the opt-in torch.compile'd decode graph of this batch size")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--quant-compute", default="auto", help="quant_compute of the engine (auto, int8)")
     p.add_argument("--kv-cache-space", type=float, default=None,
                    help="GiB of KV cache (default: what batch x context needs, at least 2)")
     p.add_argument("--no-forward", action="store_true",
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     # float32 K/V of SmolLM2-sized models: 30 layers x 3 heads x 64 x 2 x 4 bytes a token.
     kv_space = args.kv_cache_space or max(2.0, args.batch_size * (total + 16) * 46080 * 1.05 / 2**30)
     engine = LLMEngine.from_kwargs(
-        model=args.model, kv_cache_space=kv_space,
+        model=args.model, kv_cache_space=kv_space, quant_compute=args.quant_compute,
         max_num_seqs=args.batch_size, enable_prefix_caching=False,
         max_num_batched_tokens=max(2048, args.batch_size * args.input_len),
         compile_batch_sizes=[args.batch_size] if args.compile else None,
