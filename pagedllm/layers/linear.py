@@ -57,7 +57,7 @@ class PreparedWeight(NamedTuple):
     key: tuple[int, int, bool]  # (data pointer, version, block form allowed) it was made for
     blocks: PackedIntWeight | None  # the exact block form for int_gemm.c, when the weight has one
     packed: torch.Tensor | None  # float32 panels for packed_gemm.c, when it has none
-    paths: tuple[str, ...] = ("kernel",) * len(kernel_choice.BUCKETS)  # per batch bucket: kernel / torch
+    paths: "kernel_choice.Choice | tuple[str, ...]" = ("kernel",) * len(kernel_choice.BUCKETS)  # per bucket: kernel / torch
 
 
 def _key(weight: torch.Tensor) -> tuple[int, int, bool]:
@@ -129,9 +129,13 @@ def linear_prepared(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             if bias is not None and bias.shape != (n,):
                 raise ValueError(f"linear: bias shape {tuple(bias.shape)} does not match the weight's {n} "
                                  "out-features")
-            if prepared.paths[kernel_choice.bucket_index(m)] == "kernel":
+            bucket = kernel_choice.bucket_index(m)
+            if prepared.paths[bucket] == "kernel":
                 out = _kernel_product(x, prepared, n)
                 return out if bias is None else out.add_(bias)
+            if isinstance(prepared.paths, kernel_choice.Choice) and prepared.paths.due(bucket):
+                prepared.paths.recheck(bucket, lambda: F.linear(x, weight, bias),
+                                       lambda: _kernel_product(x, prepared, n))
     return F.linear(x, weight, bias)
 
 

@@ -22,6 +22,10 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.setattr(kc, "_spent_s", 0.0)
     monkeypatch.setattr(kc, "_new_entries", False)
     monkeypatch.setattr(kc, "_used", {})
+    monkeypatch.setattr(kc, "_choices", {})
+    monkeypatch.setattr(kc, "_noisy", False)
+    monkeypatch.setattr(kc, "_watch", kc.CpuWatch())
+    monkeypatch.setattr(kc.CpuWatch, "others_share", lambda self: 0.0)  # a quiet machine, whatever runs beside
     return tmp_path
 
 
@@ -108,6 +112,89 @@ def test_a_float_layer_runs_torch_where_torch_won(fresh, monkeypatch):
     assert calls == [1, 128]  # 8 and 40 rows went to F.linear
 
 
+def test_an_int_layer_keeps_no_float_copy_unless_torch_is_asked_for(fresh, monkeypatch):
+    from pagedllm.layers.quantization import int_kernel
+
+    if int_kernel.int_gemm_kernel() is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (40, 64), generator=g, dtype=torch.int32).to(torch.uint8)
+    w = int_kernel.pack_int_weight(codes, torch.rand(40, 2, generator=g), torch.rand(40, 2, generator=g), 4, 32)
+    monkeypatch.setattr(int_kernel, "_float_copy_bytes", 0)
+    chosen = int_kernel.with_choice(w, "exact")  # measure mode: nothing measured, no copy
+    assert chosen.float_weight is None and chosen.paths == ("exact",) * 5
+    monkeypatch.setenv(kc.MODE_ENV, "torch")
+    chosen = int_kernel.with_choice(w, "exact")
+    assert chosen.paths == ("torch",) * 5 and torch.equal(chosen.float_weight, int_kernel.unpack_int_weight(w))
+
+
+def test_a_candidate_within_the_margin_does_not_displace_the_default(fresh):
+    # torch 10% faster at every bucket: not a clear win
+    candidates = {"kernel": _slow_when(lambda m: True, 0.0033), "torch": _slow_when(lambda m: True, 0.003)}
+    assert kc.choose("t margin", candidates, 8, default="kernel", out_features=8) == ("kernel",) * 5
+
+
+def test_a_noisy_machine_keeps_the_default_and_caches_nothing(fresh, monkeypatch):
+    monkeypatch.setattr(kc.CpuWatch, "others_share", lambda self: 0.6)
+    candidates = {"kernel": _slow_when(lambda m: True), "torch": _slow_when(lambda m: False)}
+    assert kc.choose("t noisy", candidates, 8, default="kernel", out_features=8) == ("kernel",) * 5
+    monkeypatch.setattr(kc.CpuWatch, "others_share", lambda self: 0.0)
+    # the rest of this process's measurements are not trusted either
+    assert kc.choose("t later", candidates, 8, default="kernel", out_features=8) == ("kernel",) * 5
+    kc.save()
+    assert not list(fresh.rglob("choices-*.json"))
+
+
+def test_the_cpu_watch_sees_other_processes_busy(monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc/stat")
+    watch = kc.CpuWatch()
+    watch.start()
+    busy = [subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 0.8\nwhile time.time() < t: pass"])
+            for _ in range(os.cpu_count() or 1)]
+    for proc in busy:
+        proc.wait()
+    assert watch.others_share() > kc.NOISY_SHARE
+
+
+def test_a_losing_verdict_expires_on_real_calls_and_leaves_the_cache(fresh, monkeypatch):
+    candidates = {"kernel": _slow_when(lambda m: m <= 2), "torch": _slow_when(lambda m: m > 2)}
+    choice = kc.choose("t expire", candidates, 8, default="kernel", out_features=8)
+    assert choice[0] == "torch"
+    kc.save()
+    monkeypatch.setattr(kc, "RECHECK_EVERY", 2)
+    slow, fast = (lambda: time.sleep(0.003)), (lambda: None)
+    for _ in range(2 * kc.LOSSES_TO_EXPIRE):  # every second call re-checks: the default wins each time
+        if choice.due(0):
+            choice.recheck(0, slow, fast)
+    assert choice[0] == "kernel"
+    (path,) = (fresh / "kernels").glob("choices-*.json")
+    assert json.loads(path.read_text())["t expire"][0] == "kernel"
+
+
+def test_a_float_layer_rechecks_a_torch_bucket_on_real_calls(fresh, monkeypatch):
+    from pagedllm.layers import linear as linear_mod
+
+    if linear_mod.packed_gemm_kernel() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(kc, "_choose", lambda *a, **k: ("torch",) * 5)
+    monkeypatch.setattr(kc, "RECHECK_EVERY", 3)
+    checked = []
+    monkeypatch.setattr(kc.Choice, "recheck", lambda self, b, kept, default: checked.append((b, kept(), default())))
+    w = torch.randn(48, 32)
+    prepared = linear_mod.prepare_weight(w)
+    x = torch.randn(1, 32)
+    for _ in range(6):
+        linear_mod.linear(x, w, prepared=prepared)
+    assert [b for b, _, _ in checked] == [0, 0]
+    for _, kept, default in checked:  # both paths ran on the real input
+        torch.testing.assert_close(kept, default, rtol=1e-5, atol=1e-5)
+
+
 def test_an_int_layer_keeps_the_float_weight_only_where_torch_won(fresh, monkeypatch):
     from pagedllm.layers.quantization import int_kernel
 
@@ -118,6 +205,7 @@ def test_an_int_layer_keeps_the_float_weight_only_where_torch_won(fresh, monkeyp
     w = int_kernel.pack_int_weight(codes, torch.rand(40, 2, generator=g), torch.rand(40, 2, generator=g), 4, 32)
     monkeypatch.setattr(kc, "_choose", lambda *a, **k: ("exact",) * 5)
     assert int_kernel.with_choice(w, "exact").float_weight is None  # no copy when the kernel wins
+    monkeypatch.setenv(kc.MODE_ENV, "torch")  # the only mode that makes float copies of quantized weights
     monkeypatch.setattr(kc, "_choose", lambda *a, **k: ("exact", "exact", "torch", "torch", "torch"))
     chosen = int_kernel.with_choice(w, "exact")
     assert torch.equal(chosen.float_weight, int_kernel.unpack_int_weight(w))

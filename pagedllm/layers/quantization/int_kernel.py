@@ -9,10 +9,10 @@ becomes `W[n, k] = d[n, g] * q[n, k] + m[n, g]` with unsigned codes `q` of 4 or 
 - "int8": activations quantized to int8 per block of 32 k, integer dot products (VNNI).
 `int_gemm_isa()` names the instruction set the kernel was built for.
 
-`with_choice` measures, once per shape and machine (layers/kernel_choice.py), the asked path
-against `F.linear` on the float32 weight, per batch bucket; `int_linear` then runs the faster.
-Where torch wins a bucket the layer also keeps the float32 weight (at most
-`FLOAT_COPY_BUDGET` bytes of such copies per process; past it, the kernel path stays).
+`with_choice` gives the weight its per-bucket paths (layers/kernel_choice.py): the asked path,
+except under `PAGEDLLM_KERNEL_CHOICE=torch` (an A/B switch), where the layer keeps a float32 copy
+for `F.linear` (at most `FLOAT_COPY_BUDGET` bytes of such copies per process). The default never
+keeps a float32 copy of a quantized weight: it would cost 4-8x the packed bytes.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class PackedIntWeight(NamedTuple):
     out_features: int  # N
     in_features: int  # K
     group_size: int  # a multiple of 32 dividing K (per channel: K)
-    paths: tuple[str, ...] | None = None  # per batch bucket: "exact" / "int8" / "torch" (with_choice)
+    paths: "kernel_choice.Choice | None" = None  # per batch bucket: "exact" / "int8" / "torch" (with_choice)
     float_weight: torch.Tensor | None = None  # the float32 weight, kept only where "torch" is a path
 
 
@@ -160,7 +160,7 @@ def with_choice(w: PackedIntWeight, compute: str) -> PackedIntWeight:
     copy_bytes = 4 * n * k
     candidates = {compute: lambda x: int_matmul(x, w, compute)}
     dense = None
-    if _float_copy_bytes + copy_bytes <= FLOAT_COPY_BUDGET:
+    if kernel_choice.mode() == "torch" and _float_copy_bytes + copy_bytes <= FLOAT_COPY_BUDGET:
         dense = unpack_int_weight(w)
         candidates["torch"] = lambda x: F.linear(x, dense)
     key = f"int{w.bits} g{w.group_size} kind{w.kind} {compute} {n}x{k}"
@@ -174,7 +174,10 @@ def with_choice(w: PackedIntWeight, compute: str) -> PackedIntWeight:
 def int_linear(x: torch.Tensor, w: PackedIntWeight, compute: str) -> torch.Tensor:
     """`x @ W^T` for float32 CPU `x [M, K]` by the path `w` keeps for M rows (`compute` when no
     choice was made)."""
-    path = compute if w.paths is None else w.paths[kernel_choice.bucket_index(x.shape[0])]
+    bucket = kernel_choice.bucket_index(x.shape[0])
+    path = compute if w.paths is None else w.paths[bucket]
     if path == "torch":
+        if isinstance(w.paths, kernel_choice.Choice) and w.paths.due(bucket):
+            w.paths.recheck(bucket, lambda: F.linear(x, w.float_weight), lambda: _int_matmul(x, w, compute))
         return F.linear(x, w.float_weight)
     return int_matmul(x, w, path) if torch.compiler.is_compiling() else _int_matmul(x, w, path)
