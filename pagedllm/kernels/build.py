@@ -410,6 +410,7 @@ class FusedOps(NamedTuple):
     add_rms_norm: Callable[..., None]  # (x, residual, weight, out, M, H, eps, add, threads)
     silu_mul: Callable[..., None]  # (gate_up, out, M, I, threads)
     rotary: Callable[..., None]  # (qkv, cos, sin, T, row_stride, heads, D, threads)
+    argmax_rows: Callable[..., None]  # (x, M, V, ld, out int64, threads)
 
 
 @functools.cache
@@ -420,7 +421,9 @@ def fused_ops_kernel(variant: str | None = None) -> FusedOps | None:
         return None
     silu = _kernel_function("fused_ops.c", "silu_mul_f32", (_PTR, _PTR, _I64, _I64, _I32), None, variant=variant)
     rotary = _kernel_function("fused_ops.c", "rotary_f32", (_PTR,) * 3 + (_I64,) * 4 + (_I32,), None, variant=variant)
-    return FusedOps(norm, silu, rotary)
+    argmax = _kernel_function("fused_ops.c", "argmax_rows_f32", (_PTR, _I64, _I64, _I64, _PTR, _I32), None,
+                              variant=variant)
+    return FusedOps(norm, silu, rotary, argmax)
 
 
 class LoraKernel(NamedTuple):

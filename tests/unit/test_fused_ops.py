@@ -72,3 +72,27 @@ def test_kernel_declines_other_dtypes_and_layouts():
     assert fused.fused_kernel_for(x.t()) is None  # not contiguous
     norm = RMSNorm(64).to(torch.bfloat16)
     torch.testing.assert_close(norm(x.bfloat16()), _hf_rms_norm(x.bfloat16(), norm.weight, 1e-6))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (1, 49152), (3, 17), (300, 1000)])
+def test_argmax_rows_equals_torch_first_maximum(rows, vocab):
+    from pagedllm.layers.sampler import argmax_rows
+
+    g = torch.Generator().manual_seed(rows * vocab)
+    x = torch.randint(-5, 5, (rows, vocab), generator=g).float()  # many equal maxima: the first wins
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    wide = torch.randn(rows, vocab + 7, generator=g)
+    view = wide[:, 3:3 + vocab]  # rows apart (a slice of a wider tensor)
+    assert torch.equal(argmax_rows(view), view.argmax(dim=-1))
+
+
+@needs_kernel
+def test_argmax_rows_nan_and_infinities_as_torch_max():
+    from pagedllm.layers.sampler import argmax_rows
+
+    x = torch.tensor([[1.0, float("nan"), 5.0, float("nan")],
+                      [float("-inf")] * 4,
+                      [float("-inf"), 2.0, float("inf"), float("inf")],
+                      [-1e30, -3e38, -1e30, -2.0]])
+    assert argmax_rows(x).tolist() == x.max(dim=-1).indices.tolist() == [1, 0, 2, 3]
