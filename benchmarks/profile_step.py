@@ -7,7 +7,10 @@
 Admits `--batch-size` random-token prompts, decodes until the contexts reach `--context` tokens,
 then profiles `--steps` decode steps. Prints the step time split into the model forward (with the
 LM head) and everything else (scheduling, input preparation, sampling, detokenization: the engine
-overhead), and the top operators by self CPU time.
+overhead), and the top operators by self CPU time; with the profiler, the step split into the
+weights' products (int_gemm / gguf_gemm / float kernels, the LM head's among them), attention,
+sampling and the rest (Python and bookkeeping), next to the weight-streaming floor (the weights'
+bytes at the read bandwidth measured in the same run).
 
 `--no-forward` replaces the model's forward by fixed random logits (the KV cache is never
 written): the engine's own per-step work at batch sizes and contexts that would take minutes to
@@ -112,9 +115,14 @@ def main(argv: list[str] | None = None) -> dict:
                 return fn(*a, **kw)
         return wrapper
 
+    import pagedllm.layers.quantization.gguf_kernel as gguf_mod
+    import pagedllm.layers.quantization.int_kernel as int_mod
+
     patches = [(linear_mod, "linear", "projections (linear)"), (llama_mod, "linear", "projections (linear)"),
+               (int_mod, "_int_matmul", "projections (int_gemm)"), (gguf_mod, "_gguf_matmul", "projections (gguf_gemm)"),
                (backend_mod, "paged_decode_attention_eager", "decode attention"),
-               (backend_mod, "prefill_attention_c", "prefill attention")]
+               (backend_mod, "prefill_attention_c", "prefill attention"),
+               (runner.model, "compute_logits", "LM head"), (runner, "_sample", "sampling")]
     patches = [(mod, attr, name) for mod, attr, name in patches if hasattr(mod, attr)]
     saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in patches]
     for mod, attr, name in patches:
@@ -131,10 +139,15 @@ def main(argv: list[str] | None = None) -> dict:
     runner.run_model = orig
     for mod, attr, fn in saved:
         setattr(mod, attr, fn)
+    names = {name for _, _, name in patches}
     labels = {} if prof is None else {
-        e.key: e.cpu_time_total / 1e3 / args.steps for e in prof.key_averages()
-        if e.key in ("projections (linear)", "decode attention", "prefill attention")}
+        e.key: e.cpu_time_total / 1e3 / args.steps for e in prof.key_averages() if e.key in names}
     step, fwd = statistics.median(step_s), statistics.median(forward_s)
+    from benchmarks.gguf_types import bandwidth_gbs
+    from pagedllm.model.loader import weight_memory
+
+    weight_bytes = sum(weight_memory(runner.model).values())
+    bandwidth = bandwidth_gbs()
     if prof is not None:
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=args.top))
     result = {
@@ -145,7 +158,18 @@ def main(argv: list[str] | None = None) -> dict:
         "overhead_share": round((step - fwd) / step, 4),
         "threads": torch.get_num_threads(), "compile_s": compile_s,
         "per_step_ms": {k: round(v, 2) for k, v in labels.items()},
+        # every weight read once a step (the embedding table too, where the LM head is tied to it)
+        "weights_mb": round(weight_bytes / 1e6, 1), "read_gbs": round(bandwidth, 1),
+        "weight_streaming_floor_ms": round(weight_bytes / bandwidth / 1e6, 2),
     }
+    if labels:
+        products = sum(v for k, v in labels.items() if k.startswith("projections"))
+        attention = labels.get("decode attention", 0.0) + labels.get("prefill attention", 0.0)
+        sampling = labels.get("sampling", 0.0)
+        result["split_ms"] = {  # the LM head's product is inside "weights" and "LM head" both
+            "weights (all products)": round(products, 2), "of which LM head": round(labels.get("LM head", 0.0), 2),
+            "attention": round(attention, 2), "sampling": round(sampling, 2),
+            "python / bookkeeping (the rest)": round(step * 1e3 - products - attention - sampling, 2)}
     print(json.dumps(result))
     return result
 

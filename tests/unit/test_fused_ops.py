@@ -96,3 +96,18 @@ def test_argmax_rows_nan_and_infinities_as_torch_max():
                       [float("-inf"), 2.0, float("inf"), float("inf")],
                       [-1e30, -3e38, -1e30, -2.0]])
     assert argmax_rows(x).tolist() == x.max(dim=-1).indices.tolist() == [1, 0, 2, 3]
+
+
+@needs_kernel
+@pytest.mark.parametrize("vocab", [16, 40, 1000])
+@pytest.mark.parametrize("where", ["first", "middle", "tail"])
+def test_argmax_rows_nan_anywhere_in_a_long_row(vocab, where):
+    from pagedllm.layers.sampler import argmax_rows
+
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(2, vocab, generator=g)
+    x[0, 5] = float("inf")
+    at = {"first": 0, "middle": vocab // 2, "tail": vocab - 1}[where]
+    x[1, at] = float("nan")
+    x[1, -1 if at != vocab - 1 else 0] = float("nan")  # a second NaN: the first one wins
+    assert argmax_rows(x).tolist() == x.max(dim=-1).indices.tolist()
