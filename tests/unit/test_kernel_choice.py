@@ -29,6 +29,18 @@ def fresh(monkeypatch, tmp_path):
     return tmp_path
 
 
+@pytest.fixture
+def int4_weight():
+    """A packed 4-bit [40, 64] weight in groups of 32, and the generator that made it."""
+    from pagedllm.layers.quantization import int_kernel
+
+    if int_kernel.int_gemm_kernel() is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (40, 64), generator=g, dtype=torch.int32).to(torch.uint8)
+    return int_kernel.pack_int_weight(codes, torch.rand(40, 2, generator=g), torch.rand(40, 2, generator=g), 4, 32), g
+
+
 def _slow_when(predicate, seconds=0.003):
     def fn(x):
         if predicate(x.shape[0]):
@@ -112,14 +124,10 @@ def test_a_float_layer_runs_torch_where_torch_won(fresh, monkeypatch):
     assert calls == [1, 128]  # 8 and 40 rows went to F.linear
 
 
-def test_an_int_layer_keeps_no_float_copy_unless_torch_is_asked_for(fresh, monkeypatch):
+def test_an_int_layer_keeps_no_float_copy_unless_torch_is_asked_for(fresh, monkeypatch, int4_weight):
     from pagedllm.layers.quantization import int_kernel
 
-    if int_kernel.int_gemm_kernel() is None:
-        pytest.skip("no C compiler")
-    g = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 16, (40, 64), generator=g, dtype=torch.int32).to(torch.uint8)
-    w = int_kernel.pack_int_weight(codes, torch.rand(40, 2, generator=g), torch.rand(40, 2, generator=g), 4, 32)
+    w, _ = int4_weight
     monkeypatch.setattr(int_kernel, "_float_copy_bytes", 0)
     chosen = int_kernel.with_choice(w, "exact")  # measure mode: nothing measured, no copy
     assert chosen.float_weight is None and chosen.paths == ("exact",) * 5
@@ -195,14 +203,10 @@ def test_a_float_layer_rechecks_a_torch_bucket_on_real_calls(fresh, monkeypatch)
         torch.testing.assert_close(kept, default, rtol=1e-5, atol=1e-5)
 
 
-def test_an_int_layer_keeps_the_float_weight_only_where_torch_won(fresh, monkeypatch):
+def test_an_int_layer_keeps_the_float_weight_only_where_torch_won(fresh, monkeypatch, int4_weight):
     from pagedllm.layers.quantization import int_kernel
 
-    if int_kernel.int_gemm_kernel() is None:
-        pytest.skip("no C compiler")
-    g = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 16, (40, 64), generator=g, dtype=torch.int32).to(torch.uint8)
-    w = int_kernel.pack_int_weight(codes, torch.rand(40, 2, generator=g), torch.rand(40, 2, generator=g), 4, 32)
+    w, g = int4_weight
     monkeypatch.setattr(kc, "_choose", lambda *a, **k: ("exact",) * 5)
     assert int_kernel.with_choice(w, "exact").float_weight is None  # no copy when the kernel wins
     monkeypatch.setenv(kc.MODE_ENV, "torch")  # the only mode that makes float copies of quantized weights
