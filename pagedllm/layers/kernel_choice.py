@@ -212,10 +212,11 @@ class Choice:
     """The path per batch bucket of one shape, shared by every layer of that shape, so that a
     re-check that returns a bucket to the default does so for all of them."""
 
-    __slots__ = ("key", "paths", "default", "_calls", "_checks")
+    __slots__ = ("key", "paths", "default", "_rechecks", "_calls", "_checks")
 
     def __init__(self, key: str, paths: tuple[str, ...], default: str) -> None:
         self.key, self.paths, self.default = key, list(paths), default
+        self._rechecks = mode() == "measure"  # `torch` mode's paths are asked for, not measured
         self._calls = [0] * len(BUCKETS)
         self._checks: list[list[bool]] = [[] for _ in BUCKETS]
 
@@ -236,10 +237,15 @@ class Choice:
 
     def due(self, bucket: int) -> bool:
         """Whether this call of a non-default bucket should re-check it (every RECHECK_EVERY calls)."""
-        if self.paths[bucket] == self.default or mode() != "measure":
+        if self.paths[bucket] == self.default or not self._rechecks:
             return False
         self._calls[bucket] += 1
         return self._calls[bucket] % RECHECK_EVERY == 0
+
+    def recheck_if_due(self, bucket: int, kept: Callable[[], object], default: Callable[[], object]) -> None:
+        """What a layer calls on each call of a non-default bucket: `recheck` when `due`."""
+        if self.due(bucket):
+            self.recheck(bucket, kept, default)
 
     def recheck(self, bucket: int, kept: Callable[[], object], default: Callable[[], object]) -> None:
         """Time both paths once each on the real input; expire the bucket when the default keeps winning."""

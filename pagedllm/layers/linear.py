@@ -133,9 +133,9 @@ def linear_prepared(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             if prepared.paths[bucket] == "kernel":
                 out = _kernel_product(x, prepared, n)
                 return out if bias is None else out.add_(bias)
-            if isinstance(prepared.paths, kernel_choice.Choice) and prepared.paths.due(bucket):
-                prepared.paths.recheck(bucket, lambda: F.linear(x, weight, bias),
-                                       lambda: _kernel_product(x, prepared, n))
+            if isinstance(prepared.paths, kernel_choice.Choice):
+                prepared.paths.recheck_if_due(bucket, lambda: F.linear(x, weight, bias),
+                                              lambda: _kernel_product(x, prepared, n))
     return F.linear(x, weight, bias)
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.kernels import fused_ops_kernel
 from pagedllm.outputs import Logprob, make_logprob_dict
 from pagedllm.sampling_params import _SAMPLING_EPS, SamplingParams
 
@@ -57,8 +58,6 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     `argmax_rows_f32` (256 x 49,152: 10.4 ms a step with torch's `max(dim)` on a 2-core Xeon);
     elsewhere `max(dim).indices`, because torch's CPU `argmax` over a row of a vocabulary is 4x
     slower than its `max` with indices (15.7 vs 3.8 ms on the 2-core Zen5; benchmarks/profile_step)."""
-    from pagedllm.kernels import fused_ops_kernel
-
     if (x.dim() == 2 and x.shape[0] > 0 and x.shape[1] > 0 and x.stride(1) == 1 and x.stride(0) >= x.shape[1]
             and x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()):
         kernel = fused_ops_kernel()

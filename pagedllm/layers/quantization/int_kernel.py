@@ -177,7 +177,7 @@ def int_linear(x: torch.Tensor, w: PackedIntWeight, compute: str) -> torch.Tenso
     bucket = kernel_choice.bucket_index(x.shape[0])
     path = compute if w.paths is None else w.paths[bucket]
     if path == "torch":
-        if isinstance(w.paths, kernel_choice.Choice) and w.paths.due(bucket):
-            w.paths.recheck(bucket, lambda: F.linear(x, w.float_weight), lambda: _int_matmul(x, w, compute))
+        if isinstance(w.paths, kernel_choice.Choice):
+            w.paths.recheck_if_due(bucket, lambda: F.linear(x, w.float_weight), lambda: _int_matmul(x, w, compute))
         return F.linear(x, w.float_weight)
     return int_matmul(x, w, path) if torch.compiler.is_compiling() else _int_matmul(x, w, path)
