@@ -34,7 +34,7 @@ def worker_config(config: Any, model_path: str, gguf_file: str | None, hf_config
         # CUDA graphs read one block table: a hybrid cache's decode steps run eager for now; so
         # do LoRA's (the graphs would not see the step's adapter indices)
         cuda_graph_sizes=None if hybrid or getattr(config, "enable_lora", False) else cuda_graph_sizes(config, device),
-        lora=lora_worker_config(config),
+        lora=lora_worker_config(config), enforce_eager=bool(config.enforce_eager),
     )
 
 

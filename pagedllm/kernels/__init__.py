@@ -13,6 +13,8 @@
   legacy and IQ4 type; layers/quantization/gguf_kernel.py);
 - `fused_ops.c`: residual add + RMSNorm, SiLU-and-mul, rotary embedding in place, one call each
   (layers/norm.py, activation.py, rotary.py);
+- `decode_step.c`: one decode step of a Llama-family decoder in one call, running the kernels
+  above in the eager path's order (worker/cpu_decode_step.py);
 - `lora.c`: the batched multi-LoRA shrink / expand, one call for a batch mixing adapters
   (lora/ops.py).
 
@@ -22,6 +24,7 @@ compiler) or kernels are disabled with `PAGEDLLM_DISABLE_C_KERNELS=1`.
 
 from pagedllm.kernels.build import (
     decode_attention_kernel,
+    decode_step_kernel,
     fused_ops_kernel,
     gguf_gemm_kernel,
     int_gemm_kernel,
@@ -30,4 +33,4 @@ from pagedllm.kernels.build import (
     prefill_attention_kernel,
 )
 
-__all__ = ["decode_attention_kernel", "fused_ops_kernel", "gguf_gemm_kernel", "int_gemm_kernel", "lora_kernel", "packed_gemm_kernel", "prefill_attention_kernel"]
+__all__ = ["decode_attention_kernel", "decode_step_kernel", "fused_ops_kernel", "gguf_gemm_kernel", "int_gemm_kernel", "lora_kernel", "packed_gemm_kernel", "prefill_attention_kernel"]

@@ -441,3 +441,20 @@ def lora_kernel(variant: str | None = None) -> LoraKernel | None:
     if sgmv is None:
         return None
     return LoraKernel(sgmv, _kernel_function("lora.c", "lora_vector_width", (), variant=variant))
+
+
+class DecodeStepKernel(NamedTuple):
+    """The functions of `decode_step.c` (one decode step of a Llama-family decoder per call)."""
+
+    run: Callable[..., int]  # (ops, model, layers, embedded, cos, sin, slots, tables, ctx, out, work, scratch, M, threads)
+    work_floats: Callable[..., int]  # (model, M) -> floats of the work buffer
+
+
+@functools.cache
+def decode_step_kernel(variant: str | None = None) -> DecodeStepKernel | None:
+    """The C decode step of `decode_step.c` (built and loaded once), or None."""
+    run = _kernel_function("decode_step.c", "decode_step_run", (_PTR,) * 12 + (_I64, _I32), variant=variant)
+    if run is None:
+        return None
+    return DecodeStepKernel(run, _kernel_function("decode_step.c", "decode_step_work_floats", (_PTR, _I64), _I64,
+                                                  variant=variant))

@@ -208,6 +208,15 @@ def winner(candidates: dict[str, Callable[[], object]], default: str) -> str:
     return best if second[default] >= MARGIN * second[best] else default
 
 
+_generation = 0  # bumped whenever a kept path changes: plans made from the paths are then stale
+
+
+def generation() -> int:
+    """A counter that changes whenever any shape's path for a bucket changes (a re-check
+    expired it): what a plan built from the paths (worker/cpu_decode_step.py) is valid for."""
+    return _generation
+
+
 class Choice:
     """The path per batch bucket of one shape, shared by every layer of that shape, so that a
     re-check that returns a bucket to the default does so for all of them."""
@@ -261,7 +270,8 @@ class Choice:
             self._expire(bucket)
 
     def _expire(self, bucket: int) -> None:
-        global _new_entries
+        global _new_entries, _generation
+        _generation += 1
         logger.info("Kernel choice: %s at %d rows returns to %s (it won %d of the last %d checks on real input)",
                     self.key, BUCKETS[bucket], self.default, sum(self._checks[bucket]), len(self._checks[bucket]))
         self.paths[bucket] = self.default

@@ -44,6 +44,7 @@ from pagedllm.distributed.sharding import LinearShard
 from pagedllm.kernels import int_gemm_kernel, packed_gemm_kernel
 from pagedllm.layers import kernel_choice
 from pagedllm.layers.block_formats import FORMAT_Q8S, find_block_encoding
+from pagedllm.layers.decode_step_parts import OP_PACKED_F32, StepPart, int_weight_parts
 from pagedllm.layers.quantization.base import LinearMethod, Slices, logical_weight_slices
 from pagedllm.layers.quantization.int_kernel import PackedIntWeight, _int_matmul, pack_int_weight
 
@@ -154,6 +155,17 @@ def _kernel_product(x: torch.Tensor, prepared: PreparedWeight, n: int) -> torch.
     return out
 
 
+def float_step_parts(weight: torch.Tensor, prepared: PreparedWeight | None, bucket: int) -> list[StepPart] | None:
+    """The C decode step's view of `linear_prepared` at `bucket` (layers/decode_step_parts.py):
+    the kernel of `prepared` where it is current and kept for the bucket, else None."""
+    if prepared is None or prepared.key != _key(weight) or prepared.paths[bucket] != "kernel":
+        return None
+    n, k = weight.shape
+    if prepared.blocks is not None:
+        return int_weight_parts(prepared.blocks, "exact", bucket)
+    return [StepPart(OP_PACKED_F32, prepared.packed, n, k)]
+
+
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"Shape mismatch loading {what}: checkpoint has {tuple(src.shape)}, model expects {tuple(dst.shape)}")
@@ -186,6 +198,9 @@ class FloatLinearMethod(LinearMethod):
 
     def tp_slices(self, layer, name, shard_id, shape=None) -> Slices:
         return logical_weight_slices(layer, shard_id)
+
+    def decode_step_parts(self, layer, bucket: int) -> list[StepPart] | None:
+        return float_step_parts(layer.weight, layer.prepared, bucket)
 
     def apply(self, layer, x, bias) -> torch.Tensor:
         if _kernel_input(x):

@@ -49,6 +49,7 @@ from pagedllm.layers.sampler import Sampler, SamplerOutput
 from pagedllm.layers.rotary import head_dim_of
 from pagedllm.worker.block_table import BlockTable
 from pagedllm.worker.cache_engine import CacheEngine
+from pagedllm.worker.cpu_decode_step import CpuDecodeStep
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.decode_graphs import DecodeGraphs
 from pagedllm.worker.input_batch import InputBatch, sample_batch
@@ -102,11 +103,14 @@ class ModelRunner:
         kv_cache_dtype: torch.dtype | None = None,
         cuda_graph_sizes: list[int] | None = None,
         kv_cache_groups: KVCacheGroups | None = None,
+        cpu_decode_step: bool = True,
     ) -> None:
         """`kv_cache_dtype`: the cache's storage dtype (layers/kv_cache_format.py); None: `dtype`.
         `cuda_graph_sizes`: the decode buckets to capture (GPU, a capture-safe attention backend).
         `kv_cache_groups`: a hybrid KV cache's groups (docs/hybrid_kv_cache.md): a block table
-        per group, one cache tensor per slot shared by the groups' layers."""
+        per group, one cache tensor per slot shared by the groups' layers. `cpu_decode_step`:
+        decode-only steps on CPU run as one C call where the model allows it
+        (worker/cpu_decode_step.py; False: eager, as `enforce_eager` asks)."""
         hybrid = kv_cache_groups is not None and kv_cache_groups.is_hybrid
         if hybrid and (compile_batch_sizes or cuda_graph_sizes):
             raise ValueError("compile_batch_sizes and cuda_graph_sizes are not supported with a hybrid KV "
@@ -155,6 +159,9 @@ class ModelRunner:
         self.drafter: Any = None
         # Multi-LoRA's adapter slots (lora/worker_manager.py), attached by the worker.
         self.lora: Any = None
+        self.cpu_decode_step: CpuDecodeStep | None = None
+        if cpu_decode_step and self.device.type == "cpu" and self.kv_cache_groups is None and not compile_batch_sizes:
+            self.cpu_decode_step = CpuDecodeStep.create(model, self.kv_caches, block_size)
         self.cuda_graphs: CudaGraphRunner | None = None
         if cuda_graph_sizes:
             self.cuda_graphs = CudaGraphRunner(model, self.kv_caches, block_size, max_len, scratch_block=num_blocks,
@@ -480,10 +487,17 @@ class ModelRunner:
             )
             if logits is not None:
                 return logits  # decode-only: row i is sequence i, in scheduled order
-        if self.lora is not None:
-            self.lora.context.set(inp.lora_indices, self.lora.config.max_loras)
-        with torch.inference_mode():
-            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)
+        hidden = None
+        if inp.decode_only and self.cpu_decode_step is not None and self.lora is None:
+            md = inp.attn_metadata
+            with torch.inference_mode():
+                hidden = self.cpu_decode_step.run(inp.input_ids, inp.positions, md.slot_mapping,
+                                                  md.decode_block_tables, md.decode_context_lens)
+        if hidden is None:
+            if self.lora is not None:
+                self.lora.context.set(inp.lora_indices, self.lora.config.max_loras)
+            with torch.inference_mode():
+                hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)
         if not inp.logits_rows:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         if inp.logits_rows == list(range(hidden.shape[0])):

@@ -59,6 +59,8 @@ class WorkerConfig:
     draft: DraftModelConfig | None = None
     # Multi-LoRA (lora/worker_manager.LoRAWorkerConfig); None: LoRA off.
     lora: Any = None
+    # True: never the C decode step (worker/cpu_decode_step.py) nor graphs: every step eager.
+    enforce_eager: bool = False
 
 
 class Worker:
@@ -124,7 +126,7 @@ class Worker:
         self.model_runner = ModelRunner(self.model, c.hf_config, num_blocks, c.block_size, c.dtype, self.device,
                                         max_model_len=max_model_len, compile_batch_sizes=compile_batch_sizes,
                                         kv_cache_dtype=c.kv_cache_dtype, cuda_graph_sizes=self.graph_sizes,
-                                        kv_cache_groups=c.kv_cache_groups)
+                                        kv_cache_groups=c.kv_cache_groups, cpu_decode_step=not c.enforce_eager)
         self.model_runner.cache_engine.allocate_host_pool(num_host_blocks)
         if c.lora is not None:  # adapter slots on every target layer of this rank's shard
             from pagedllm.lora.worker_manager import WorkerLoRAManager

@@ -41,6 +41,7 @@ from pagedllm.layers.quantization.int_kernel import (
     unpack_int_weight,
     with_choice,
 )
+from pagedllm.layers.decode_step_parts import int_weight_parts
 from pagedllm.layers.quantization.packing import dequantize
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -82,6 +83,12 @@ class LinearMethod(ABC):
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+    def decode_step_parts(self, layer: nn.Module, bucket: int) -> list | None:
+        """The C calls `apply` makes for a float32 CPU input in row bucket `bucket`, as
+        layers/decode_step_parts.StepPart's for the C decode step; None (the default): this
+        method's product is not one of those kernels there, and decode steps run eager."""
+        return None
 
 
 class QuantizationConfig(ABC):
@@ -361,6 +368,12 @@ class PackedIntLinearMethod(LinearMethod):
         if getattr(layer, "int_weight", None) is not None:
             return layer.int_weight.data.numel()
         return sum(t.numel() * t.element_size() for t in (layer.qweight, layer.scales, layer.zeros))
+
+    def decode_step_parts(self, layer, bucket: int) -> list | None:
+        packed: PackedIntWeight | None = getattr(layer, "int_weight", None)
+        if packed is None or layer.perm is not None:  # a permuted input: one more op than the step runs
+            return None
+        return int_weight_parts(packed, self.compute, bucket)
 
     def apply(self, layer, x, bias) -> torch.Tensor:
         if x.is_cuda:  # the Triton dequantize-fused matmul (triton_int_gemm.py), where Triton is installed

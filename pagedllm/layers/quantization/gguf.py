@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.layers.decode_step_parts import gguf_parts, int_weight_parts
 from pagedllm.layers.quantization.base import LinearMethod, QuantizationConfig, Slices, logical_weight_slices
 from pagedllm.layers.quantization.gguf_kernel import GGUFTensor, gguf_linear, kernel_takes
 from pagedllm.layers.quantization.int_kernel import (
@@ -172,6 +173,15 @@ class GGUFLinearMethod(LinearMethod):
         if layer.gguf_weights is not None:
             return torch.cat([p.dequantize() for p in layer.gguf_weights])
         return layer.weight.float()
+
+    def decode_step_parts(self, layer, bucket: int) -> list | None:
+        from pagedllm.layers.linear import float_step_parts
+
+        if layer.int_weight is not None:
+            return int_weight_parts(layer.int_weight, self.compute, bucket)
+        if layer.gguf_weights is not None:
+            return gguf_parts(layer.gguf_weights, self.compute)
+        return float_step_parts(layer.weight, layer.prepared, bucket)
 
     def apply(self, layer, x, bias) -> torch.Tensor:
         from pagedllm.layers.linear import linear

@@ -1,0 +1,154 @@
+/* One decode step of a Llama-family decoder (Llama, Mistral, Qwen2) in one call: every layer's
+ * norms, projections, rotary, KV write, attention, gated MLP and residuals, then the final norm.
+ *
+ * Why: the eager step makes about 12 Python-level calls a layer (each a ctypes call with its
+ * argument checks, views and fresh tensors): on SmolLM2-135M's 30 layers that was 6-8 ms of a
+ * 17-22 ms one-row step, more than streaming the weights takes. This is the CPU analogue of a
+ * captured CUDA graph: Python describes the model once (worker/cpu_decode_step.py), and each
+ * decode step is one call that runs the same kernels the eager path runs, in the same order, on
+ * the same buffers. The numbers are the eager path's to the bit: the same functions, called with
+ * the same arguments.
+ *
+ * The products and the attention are called through pointers to the functions of their own
+ * libraries (int_gemm.c, gguf_gemm.c, packed_gemm.c, paged_decode_attention.c), built for the same
+ * instruction-set variant; the small fused operations are this file's copies of fused_ops.c.
+ * Each call forks and joins its own OpenMP team on torch's pool, as in the eager path.
+ *
+ * A layer's projection is a list of parts writing column ranges of one output (a GGUF file's
+ * fused q/k/v may mix types); the other kinds are whole layers. Returns 0, or
+ * 1000 * (layer + 1) + the stage (1 qkv, 2 attention, 3 o, 4 gate/up, 5 down) * 100 + the
+ * kernel's own code: the caller re-runs the step eagerly, which names the problem (every write
+ * this call made is one the eager step makes too, with the same values). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fused_ops.c"
+
+enum { OP_INT_EXACT = 1, OP_INT_INT8 = 2, OP_GGUF_EXACT = 3, OP_GGUF_INT8 = 4, OP_PACKED_F32 = 5 };
+#define MAX_PARTS 4
+
+typedef struct {
+    int32_t op, bits, kind, type; /* int_gemm's bits and offset kind; gguf_gemm's type id */
+    int64_t rows, group_size;     /* this part's output columns; int_gemm's group size */
+    const void *weight;
+} part_t;
+
+typedef struct {
+    int32_t n_parts, pad;
+    int64_t out_features, in_features;
+    const float *bias; /* NULL: none */
+    part_t parts[MAX_PARTS];
+} linear_t;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    linear_t qkv, o, gate_up, down;
+    void *key_cache, *value_cache;
+    float scale, softcap;
+    int32_t window, pad;
+} layer_t;
+
+typedef struct {
+    int (*int_exact)(int, int, const float *, const uint8_t *, float *, float *, int64_t, int64_t, int64_t,
+                     int64_t, int);
+    int (*int_int8)(int, int, const float *, const uint8_t *, float *, uint8_t *, int64_t, int64_t, int64_t,
+                    int64_t, int);
+    int (*gguf_exact)(int, const float *, const uint8_t *, float *, float *, int64_t, int64_t, int64_t, int64_t,
+                      int);
+    int (*gguf_int8)(int, const float *, const uint8_t *, float *, uint8_t *, int64_t, int64_t, int64_t, int64_t,
+                     int);
+    int (*packed_f32)(const float *, const float *, float *, float *, int64_t, int64_t, int64_t, int);
+    int (*attention)(int, const float *, int64_t, const float *, const float *, int64_t, const int64_t *, void *,
+                     void *, const int64_t *, const int64_t *, float *, int, int, int, int, int, int, int64_t,
+                     float, int, int, float);
+} ops_t;
+
+typedef struct {
+    int32_t num_layers, num_heads, num_kv_heads, head_dim;
+    int32_t kv_kind, block_size, table_width, pad;
+    int64_t hidden, intermediate, num_blocks;
+    float eps, pad2;
+    const float *final_norm;
+} model_t;
+
+/* Floats of the work buffer for M rows: residual, normed, x (M x hidden each), qkv, attention
+ * output, gate/up, activation. */
+int64_t decode_step_work_floats(const model_t *m, int64_t M) {
+    const int64_t q = (int64_t)m->num_heads * m->head_dim, kv = (int64_t)m->num_kv_heads * m->head_dim;
+    return M * (3 * m->hidden + (q + 2 * kv) + q + 3 * m->intermediate);
+}
+
+static int run_linear(const ops_t *ops, const linear_t *L, const float *x, float *y, void *scratch, int64_t M,
+                      int threads) {
+    const int64_t K = L->in_features, N = L->out_features;
+    int64_t col = 0;
+    for (int p = 0; p < L->n_parts; ++p) {
+        const part_t *P = &L->parts[p];
+        int rc;
+        switch (P->op) {
+        case OP_INT_EXACT:
+            rc = ops->int_exact(P->bits, P->kind, x, P->weight, y, scratch, M, N, K, P->group_size, threads);
+            break;
+        case OP_INT_INT8:
+            rc = ops->int_int8(P->bits, P->kind, x, P->weight, y, scratch, M, N, K, P->group_size, threads);
+            break;
+        case OP_GGUF_EXACT:
+            rc = ops->gguf_exact(P->type, x, P->weight, y + col, scratch, M, P->rows, K, N, threads);
+            break;
+        case OP_GGUF_INT8:
+            rc = ops->gguf_int8(P->type, x, P->weight, y + col, scratch, M, P->rows, K, N, threads);
+            break;
+        case OP_PACKED_F32:
+            rc = ops->packed_f32(x, P->weight, y, scratch, M, N, K, threads);
+            break;
+        default:
+            rc = 99;
+        }
+        if (rc) return rc;
+        col += P->rows;
+    }
+    if (L->bias != NULL)
+        for (int64_t r = 0; r < M; ++r) {
+            float *row = y + r * N;
+            for (int64_t j = 0; j < N; ++j) row[j] += L->bias[j];
+        }
+    return 0;
+}
+
+#define FAIL(layer, stage, rc) return 1000 * ((layer) + 1) + 100 * (stage) + ((rc) > 99 ? 99 : (rc))
+
+/* `embedded [M, hidden]` (the tokens' embeddings; read only), `cos`/`sin [M, head_dim]`, the
+ * decode attention's slots [M], block tables [M, table_width] and context lengths [M] (int64)
+ * -> `out [M, hidden]`, the final norm's output. `work`: decode_step_work_floats floats;
+ * `scratch`: the largest scratch any projection needs at M rows. */
+int decode_step_run(const ops_t *ops, const model_t *m, const layer_t *layers, const float *embedded,
+                    const float *cos_t, const float *sin_t, const int64_t *slots, const int64_t *tables,
+                    const int64_t *context_lens, float *out, float *work, void *scratch, int64_t M,
+                    int threads) {
+    const int64_t H = m->hidden, I = m->intermediate, D = m->head_dim;
+    const int64_t q = m->num_heads * D, kv = m->num_kv_heads * D, qkv_w = q + 2 * kv;
+    float *residual = work, *normed = residual + M * H, *x = normed + M * H, *qkv = x + M * H;
+    float *attn = qkv + M * qkv_w, *gate_up = attn + M * q, *act = gate_up + M * 2 * I;
+    memcpy(residual, embedded, (size_t)(M * H) * sizeof(float));
+    for (int l = 0; l < m->num_layers; ++l) {
+        const layer_t *L = &layers[l];
+        int rc;
+        /* the first layer norms the embedding; later ones add the previous layer's output first */
+        add_rms_norm_f32(l > 0 ? x : residual, residual, L->input_norm, normed, M, H, m->eps, l > 0, threads);
+        if ((rc = run_linear(ops, &L->qkv, normed, qkv, scratch, M, threads))) FAIL(l, 1, rc);
+        rotary_f32(qkv, cos_t, sin_t, M, qkv_w, m->num_heads + m->num_kv_heads, D, threads);
+        rc = ops->attention(m->kv_kind, qkv, qkv_w, qkv + q, qkv + q + kv, qkv_w, slots, L->key_cache,
+                            L->value_cache, tables, context_lens, attn, (int)M, m->num_heads, m->num_kv_heads,
+                            (int)D, m->block_size, m->table_width, m->num_blocks, L->scale, L->window, threads,
+                            L->softcap);
+        if (rc) FAIL(l, 2, rc);
+        if ((rc = run_linear(ops, &L->o, attn, x, scratch, M, threads))) FAIL(l, 3, rc);
+        add_rms_norm_f32(x, residual, L->post_norm, normed, M, H, m->eps, 1, threads);
+        if ((rc = run_linear(ops, &L->gate_up, normed, gate_up, scratch, M, threads))) FAIL(l, 4, rc);
+        silu_mul_f32(gate_up, act, M, I, threads);
+        if ((rc = run_linear(ops, &L->down, act, x, scratch, M, threads))) FAIL(l, 5, rc);
+    }
+    add_rms_norm_f32(x, residual, m->final_norm, out, M, H, m->eps, 1, threads);
+    return 0;
+}

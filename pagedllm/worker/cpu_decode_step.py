@@ -1,0 +1,263 @@
+"""The C decode step: a decode-only step of a Llama-family model (Llama, Mistral, Qwen2) on CPU as
+one call into kernels/decode_step.c — the CPU analogue of a captured CUDA graph.
+
+Why: the eager step calls about 12 Python-level operations a layer (views, argument checks and a
+ctypes call each); on the default model's 30 layers that was a third of a one-row step. Here the
+model is described once (weights' kernel forms, norms, KV cache pointers) and each decode step
+is: the embedding lookup and the rotary table in torch, then one C call for every layer and the
+final norm. The C code calls the same kernels as the eager path, in the same order, with the same
+arguments, so the hidden states are the eager path's to the bit (tests/integration/
+test_cpu_decode_step.py compares them).
+
+It applies to a step only when every part can run in C: a decode-only step (one token a
+sequence), no LoRA, one KV cache group, float32 on CPU, each projection's path at this batch
+bucket one of the C kernels (layers/decode_step_parts.py: not where kernel_choice kept torch's
+op), KV caches of a kind the attention kernel reads (float32, bfloat16, int8). Anything else —
+prefills, mixed batches, other architectures, `enforce_eager=True`, `PAGEDLLM_DECODE_STEP=0` —
+runs the eager model, which stays the reference and the debugging path. When the kernel refuses
+its input (a bad slot, a block table too short) the step returns None and the eager step
+re-runs, which names the problem.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+from torch import nn
+
+from pagedllm.kernels import (
+    decode_attention_kernel,
+    decode_step_kernel,
+    gguf_gemm_kernel,
+    int_gemm_kernel,
+    packed_gemm_kernel,
+)
+from pagedllm.layers import kernel_choice
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.backends.paged_ops import softcap_kernel
+from pagedllm.layers.decode_step_parts import StepPart
+from pagedllm.layers.kv_cache_format import KERNEL_KIND, split_kv_cache
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+ENV = "PAGEDLLM_DECODE_STEP"  # 0: decode steps run the eager model (A/B measurements, debugging)
+MAX_PARTS = 4  # decode_step.c's MAX_PARTS
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [("op", ctypes.c_int32), ("bits", ctypes.c_int32), ("kind", ctypes.c_int32),
+                ("type", ctypes.c_int32), ("rows", ctypes.c_int64), ("group_size", ctypes.c_int64),
+                ("weight", ctypes.c_void_p)]
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("n_parts", ctypes.c_int32), ("pad", ctypes.c_int32), ("out_features", ctypes.c_int64),
+                ("in_features", ctypes.c_int64), ("bias", ctypes.c_void_p), ("parts", _Part * MAX_PARTS)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Linear),
+                ("o", _Linear), ("gate_up", _Linear), ("down", _Linear), ("key_cache", ctypes.c_void_p),
+                ("value_cache", ctypes.c_void_p), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
+                ("window", ctypes.c_int32), ("pad", ctypes.c_int32)]
+
+
+class _Ops(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("int_exact", "int_int8", "gguf_exact", "gguf_int8", "packed_f32", "attention")]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_layers", ctypes.c_int32), ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32),
+                ("head_dim", ctypes.c_int32), ("kv_kind", ctypes.c_int32), ("block_size", ctypes.c_int32),
+                ("table_width", ctypes.c_int32), ("pad", ctypes.c_int32), ("hidden", ctypes.c_int64),
+                ("intermediate", ctypes.c_int64), ("num_blocks", ctypes.c_int64), ("eps", ctypes.c_float),
+                ("pad2", ctypes.c_float), ("final_norm", ctypes.c_void_p)]
+
+
+def _address(fn) -> int:
+    return 0 if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def unsupported_reason(model: nn.Module, kv_caches: list[torch.Tensor]) -> str | None:
+    """Why `model` cannot take C decode steps (None: it can, where each step's paths allow)."""
+    from pagedllm.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+
+    if os.environ.get(ENV, "1") in ("0", ""):
+        return f"{ENV}=0"
+    if decode_step_kernel() is None or _decode_attention() is None:
+        return "the C kernels are not available"
+    if type(model).forward is not LlamaForCausalLM.forward or type(model.model) is not LlamaModel:
+        return f"{type(model).__name__} is not a Llama-family decoder the step describes"
+    if model.tp.world_size != 1 or model.dtype != torch.float32:
+        return "tensor parallelism or a dtype other than float32"
+    inner = model.model
+    if type(inner.norm) is not RMSNorm or type(inner.rotary_emb) is not RotaryEmbedding:
+        return "a norm or rotary embedding other than RMSNorm / plain RoPE"
+    for i, (layer, cache) in enumerate(zip(inner.layers, kv_caches, strict=True)):
+        attn = layer.self_attn
+        if (type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(layer.mlp) is not LlamaMLP
+                or type(layer.mlp.act_fn) is not SiluAndMul
+                or type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm):
+            return f"layer {i} is not a plain Llama layer"
+        if attn.attn.backend.name != "torch_paged" or attn.attn.kv_cache_group != 0:
+            return f"layer {i}: attention backend {attn.attn.backend.name}, KV group {attn.attn.kv_cache_group}"
+        if cache.device.type != "cpu" or cache.dtype not in KERNEL_KIND or not cache.is_contiguous():
+            return f"a {cache.dtype} KV cache on {cache.device} (the step reads float32, bfloat16 and int8 caches)"
+        if any(m.lora is not None for m in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)):
+            return "LoRA adapters on the layers"
+    if 2 * inner.rotary_emb.inv_freq.numel() != model.head_dim:
+        return "partial rotary embedding"
+    return None
+
+
+def _decode_attention():
+    return softcap_kernel(decode_attention_kernel, "paged_decode_attention.c", "paged_decode_attention_softcap")()
+
+
+class CpuDecodeStep:
+    """Runs decode-only steps of one model through decode_step.c (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.kernel = decode_step_kernel()
+        int_k, gguf_k, packed_k = int_gemm_kernel(), gguf_gemm_kernel(), packed_gemm_kernel()
+        self._ops = _Ops(_address(int_k and int_k.exact), _address(int_k and int_k.int8),
+                         _address(gguf_k and gguf_k.exact), _address(gguf_k and gguf_k.int8),
+                         _address(packed_k and packed_k.gemm), _address(_decode_attention()))
+        self._plans: dict[int, tuple[tuple[int, int], object]] = {}  # bucket -> ((choice generation, KV pointer), plan)
+        self._scratch_bytes: dict[int, int] = {}
+        self._work = torch.empty(0, dtype=torch.float32)
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self.steps = 0  # steps run here (tests and the profile read it)
+
+    @classmethod
+    def create(cls, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int) -> "CpuDecodeStep | None":
+        """The step for `model`, or None (logged once, with why) where it cannot run."""
+        reason = unsupported_reason(model, kv_caches)
+        if reason is not None:
+            logger.info("Decode steps run the eager model: %s", reason)
+            return None
+        return cls(model, kv_caches, block_size)
+
+    # ---- the plan: the model described once per row bucket -----------------------------------
+    def _plan(self, bucket: int):
+        """The plan for `bucket`, made again when a kernel choice changed, the KV caches were
+        reallocated or a float weight changed in place (its kernel form is then re-made by the
+        eager step first: None this once)."""
+        stamp = (kernel_choice.generation(), self.kv_caches[0].data_ptr())
+        cached = self._plans.get(bucket)
+        if cached is not None and cached[0] == stamp:
+            plan = cached[1]
+            if plan is None or all(w._version == v for w, v in plan[3]):
+                return plan
+            self._plans.clear()
+            return None
+        plan = self._make_plan(bucket)
+        self._plans[bucket] = (stamp, plan)
+        return plan
+
+    def _make_plan(self, bucket: int):
+        inner = self.model.model
+        layers = (_Layer * len(inner.layers))()
+        parts: list[StepPart] = []
+        for desc, layer, cache in zip(layers, inner.layers, self.kv_caches, strict=True):
+            attn = layer.self_attn
+            for field, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", layer.mlp.gate_up_proj),
+                                  ("down", layer.mlp.down_proj)):
+                linear_parts = module.method.decode_step_parts(module, bucket)
+                if not linear_parts or len(linear_parts) > MAX_PARTS or any(
+                        getattr(self._ops, _OP_FUNCTION[p.op]) is None for p in linear_parts):
+                    return None
+                parts += linear_parts
+                _fill_linear(getattr(desc, field), module, linear_parts)
+            key_cache, value_cache = split_kv_cache(cache, attn.num_kv_heads, attn.head_dim)
+            desc.input_norm = layer.input_layernorm.weight.data_ptr()
+            desc.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            desc.key_cache, desc.value_cache = key_cache.data_ptr(), value_cache.data_ptr()
+            desc.scale = attn.attn.scale
+            desc.softcap = attn.attn.logits_soft_cap or 0.0
+            desc.window = attn.attn.sliding_window or 0
+        first = inner.layers[0].self_attn
+        config = self.model.config
+        model_desc = _Model(
+            num_layers=len(inner.layers), num_heads=first.num_heads, num_kv_heads=first.num_kv_heads,
+            head_dim=first.head_dim, kv_kind=KERNEL_KIND[self.kv_caches[0].dtype], block_size=self.block_size,
+            hidden=config.hidden_size, intermediate=inner.layers[0].mlp.down_proj.input_size,
+            num_blocks=split_kv_cache(self.kv_caches[0], first.num_kv_heads, first.head_dim)[0].shape[0],
+            eps=inner.norm.variance_epsilon, final_norm=inner.norm.weight.data_ptr(),
+        )
+        eps = {layer.input_layernorm.variance_epsilon for layer in inner.layers}
+        eps |= {layer.post_attention_layernorm.variance_epsilon for layer in inner.layers}
+        if eps != {model_desc.eps}:
+            return None  # the C step takes one epsilon for every norm
+        watched = [(m.weight, m.weight._version) for m in self.model.modules()
+                   if getattr(m, "prepared", None) is not None and isinstance(getattr(m, "weight", None), torch.Tensor)]
+        return layers, model_desc, parts, watched
+
+    # ---- one step ---------------------------------------------------------------------------
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+            block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor | None:
+        """The final hidden states `[M, hidden]` of a decode-only step of M sequences (row i is
+        sequence i), or None where this step must run eager."""
+        m = input_ids.shape[0]
+        if m == 0 or block_tables.shape[0] != m or context_lens.shape[0] != m or slot_mapping.shape[0] != m:
+            return None
+        plan = self._plan(kernel_choice.bucket_index(m))
+        if plan is None:
+            return None
+        layers, model_desc, parts, _ = plan
+        inner = self.model.model
+        hidden = inner.embed_tokens(input_ids)
+        cos, sin = inner.rotary_emb(positions)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        slots = slot_mapping.to(torch.int64).contiguous()
+        tables = block_tables.to(torch.int64).contiguous()
+        lens = context_lens.to(torch.int64).contiguous()
+        model_desc.table_width = tables.shape[1]
+        work = self._buffer("_work", self.kernel.work_floats(ctypes.byref(model_desc), m), torch.float32)
+        scratch = self._buffer("_scratch", self._scratch_for(m, parts), torch.uint8)
+        out = torch.empty(m, model_desc.hidden, dtype=torch.float32)
+        failed = self.kernel.run(
+            ctypes.addressof(self._ops), ctypes.addressof(model_desc), ctypes.addressof(layers), hidden.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+            work.data_ptr(), scratch.data_ptr(), m, torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            logger.debug("C decode step refused its input (code %d): the step runs eager", failed)
+            return None
+        self.steps += 1
+        return out
+
+    def _scratch_for(self, m: int, parts: list[StepPart]) -> int:
+        size = self._scratch_bytes.get(m)
+        if size is None:
+            size = self._scratch_bytes[m] = max([p.scratch_bytes(m) for p in parts] + [64])
+        return size
+
+    def _buffer(self, name: str, size: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = getattr(self, name)
+        if buf.numel() < size:
+            buf = torch.empty(size, dtype=dtype)
+            setattr(self, name, buf)
+        return buf
+
+
+_OP_FUNCTION = {1: "int_exact", 2: "int_int8", 3: "gguf_exact", 4: "gguf_int8", 5: "packed_f32"}
+
+
+def _fill_linear(desc: _Linear, module: nn.Module, parts: list[StepPart]) -> None:
+    desc.n_parts = len(parts)
+    desc.out_features = sum(p.rows for p in parts)
+    desc.in_features = parts[0].in_features
+    desc.bias = module.bias.data_ptr() if module.bias is not None else None
+    for slot, p in zip(desc.parts, parts):
+        slot.op, slot.bits, slot.kind, slot.type = p.op, p.bits, p.kind, p.gguf_type
+        slot.rows, slot.group_size, slot.weight = p.rows, p.group_size, p.weight.data_ptr()
