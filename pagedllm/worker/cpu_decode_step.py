@@ -196,7 +196,7 @@ class CpuDecodeStep:
         )
         eps = {layer.input_layernorm.variance_epsilon for layer in inner.layers}
         eps |= {layer.post_attention_layernorm.variance_epsilon for layer in inner.layers}
-        if eps != {model_desc.eps}:
+        if eps != {inner.norm.variance_epsilon}:
             return None  # the C step takes one epsilon for every norm
         watched = [(m.weight, m.weight._version) for m in self.model.modules()
                    if getattr(m, "prepared", None) is not None and isinstance(getattr(m, "weight", None), torch.Tensor)]
