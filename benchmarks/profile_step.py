@@ -5,8 +5,9 @@
     python -m benchmarks.profile_step --batch-size 1 --steps 200 --no-forward --no-profiler
 
 Admits `--batch-size` random-token prompts, decodes until the contexts reach `--context` tokens,
-then profiles `--steps` decode steps. Prints the step time split into the model forward (with the
-LM head) and everything else (scheduling, input preparation, sampling, detokenization: the engine
+then profiles `--steps` decode steps (the C decode step where it applies, worker/cpu_decode_step.py,
+timing its own parts; `PAGEDLLM_DECODE_STEP=0` profiles the eager step). Prints the step time
+split into the model forward (with the LM head) and everything else (scheduling, input preparation, sampling, detokenization: the engine
 overhead), and the top operators by self CPU time; with the profiler, the step split into the
 weights' products (int_gemm / gguf_gemm / float kernels, the LM head's among them), attention,
 sampling and the rest (Python and bookkeeping), next to the weight-streaming floor (the weights'
@@ -103,6 +104,10 @@ def main(argv: list[str] | None = None) -> dict:
         return out
 
     runner.run_model = timed_run_model
+    c_step = runner.cpu_decode_step  # the C decode step (worker/cpu_decode_step.py): it times its own parts
+    c_steps_before = c_step.steps if c_step is not None else 0
+    if c_step is not None and not args.no_profiler:
+        c_step.seconds = torch.zeros(3, dtype=torch.float64)
     # Label the projections and the decode attention: their C kernels, called through ctypes,
     # are invisible to the profiler otherwise.
     import pagedllm.layers.backends.torch_paged as backend_mod
@@ -122,8 +127,9 @@ def main(argv: list[str] | None = None) -> dict:
                (int_mod, "_int_matmul", "projections (int_gemm)"), (gguf_mod, "_gguf_matmul", "projections (gguf_gemm)"),
                (backend_mod, "paged_decode_attention_eager", "decode attention"),
                (backend_mod, "prefill_attention_c", "prefill attention"),
-               (runner.model, "compute_logits", "LM head"), (runner, "_sample", "sampling")]
-    patches = [(mod, attr, name) for mod, attr, name in patches if hasattr(mod, attr)]
+               (runner.model, "compute_logits", "LM head"), (runner, "_sample", "sampling"),
+               (c_step, "run", "C decode step")]
+    patches = [(mod, attr, name) for mod, attr, name in patches if mod is not None and hasattr(mod, attr)]
     saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in patches]
     for mod, attr, name in patches:
         setattr(mod, attr, labelled(name, getattr(mod, attr)))
@@ -142,6 +148,14 @@ def main(argv: list[str] | None = None) -> dict:
     names = {name for _, _, name in patches}
     labels = {} if prof is None else {
         e.key: e.cpu_time_total / 1e3 / args.steps for e in prof.key_averages() if e.key in names}
+    c_steps = (c_step.steps - c_steps_before) if c_step is not None else 0
+    if c_step is not None and c_step.seconds is not None and c_steps:
+        # inside the C step (its own clock): the layers' products, attention, norms/rotary/activation
+        inside = (c_step.seconds * 1e3 / args.steps).tolist()
+        labels["projections (in the C step)"] = inside[0]
+        labels["decode attention"] = labels.get("decode attention", 0.0) + inside[1]
+        labels["fused small ops (in the C step)"] = inside[2]
+        c_step.seconds = None
     step, fwd = statistics.median(step_s), statistics.median(forward_s)
     from benchmarks.gguf_types import bandwidth_gbs
     from pagedllm.model.loader import weight_memory
@@ -152,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=args.top))
     result = {
         "batch_size": args.batch_size, "context": args.context, "compiled": args.compile,
-        "no_forward": args.no_forward,
+        "no_forward": args.no_forward, "c_decode_steps": c_steps,
         "step_ms": round(step * 1e3, 2), "model_forward_ms": round(fwd * 1e3, 2),
         "overhead_ms": round((step - fwd) * 1e3, 2),
         "overhead_share": round((step - fwd) / step, 4),
@@ -166,10 +180,12 @@ def main(argv: list[str] | None = None) -> dict:
         products = sum(v for k, v in labels.items() if k.startswith("projections"))
         attention = labels.get("decode attention", 0.0) + labels.get("prefill attention", 0.0)
         sampling = labels.get("sampling", 0.0)
+        small = labels.get("fused small ops (in the C step)", 0.0)
         result["split_ms"] = {  # the LM head's product is inside "weights" and "LM head" both
             "weights (all products)": round(products, 2), "of which LM head": round(labels.get("LM head", 0.0), 2),
             "attention": round(attention, 2), "sampling": round(sampling, 2),
-            "python / bookkeeping (the rest)": round(step * 1e3 - products - attention - sampling, 2)}
+            "norms, rotary, activation (in C)": round(small, 2),
+            "python / bookkeeping (the rest)": round(step * 1e3 - products - attention - sampling - small, 2)}
     print(json.dumps(result))
     return result
 

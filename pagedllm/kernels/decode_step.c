@@ -19,9 +19,11 @@
  * 1000 * (layer + 1) + the stage (1 qkv, 2 attention, 3 o, 4 gate/up, 5 down) * 100 + the
  * kernel's own code: the caller re-runs the step eagerly, which names the problem (every write
  * this call made is one the eager step makes too, with the same values). */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime under -std=c11 */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "fused_ops.c"
 
@@ -70,6 +72,7 @@ typedef struct {
     int64_t hidden, intermediate, num_blocks;
     float eps, pad2;
     const float *final_norm;
+    double *seconds; /* NULL, or [3] += seconds in products, attention, the small fused ops */
 } model_t;
 
 /* Floats of the work buffer for M rows: residual, normed, x (M x hidden each), qkv, attention
@@ -116,6 +119,20 @@ static int run_linear(const ops_t *ops, const linear_t *L, const float *x, float
     return 0;
 }
 
+static inline double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* With `m->seconds` set, the time since `*t0` is added to category `c` and `*t0` moves on. */
+static inline void lap(const model_t *m, double *t0, int c) {
+    if (m->seconds == NULL) return;
+    const double t = now_s();
+    m->seconds[c] += t - *t0;
+    *t0 = t;
+}
+
 #define FAIL(layer, stage, rc) return 1000 * ((layer) + 1) + 100 * (stage) + ((rc) > 99 ? 99 : (rc))
 
 /* `embedded [M, hidden]` (the tokens' embeddings; read only), `cos`/`sin [M, head_dim]`, the
@@ -130,25 +147,36 @@ int decode_step_run(const ops_t *ops, const model_t *m, const layer_t *layers, c
     const int64_t q = m->num_heads * D, kv = m->num_kv_heads * D, qkv_w = q + 2 * kv;
     float *residual = work, *normed = residual + M * H, *x = normed + M * H, *qkv = x + M * H;
     float *attn = qkv + M * qkv_w, *gate_up = attn + M * q, *act = gate_up + M * 2 * I;
+    double t0 = m->seconds != NULL ? now_s() : 0.0;
     memcpy(residual, embedded, (size_t)(M * H) * sizeof(float));
     for (int l = 0; l < m->num_layers; ++l) {
         const layer_t *L = &layers[l];
         int rc;
         /* the first layer norms the embedding; later ones add the previous layer's output first */
         add_rms_norm_f32(l > 0 ? x : residual, residual, L->input_norm, normed, M, H, m->eps, l > 0, threads);
+        lap(m, &t0, 2);
         if ((rc = run_linear(ops, &L->qkv, normed, qkv, scratch, M, threads))) FAIL(l, 1, rc);
+        lap(m, &t0, 0);
         rotary_f32(qkv, cos_t, sin_t, M, qkv_w, m->num_heads + m->num_kv_heads, D, threads);
+        lap(m, &t0, 2);
         rc = ops->attention(m->kv_kind, qkv, qkv_w, qkv + q, qkv + q + kv, qkv_w, slots, L->key_cache,
                             L->value_cache, tables, context_lens, attn, (int)M, m->num_heads, m->num_kv_heads,
                             (int)D, m->block_size, m->table_width, m->num_blocks, L->scale, L->window, threads,
                             L->softcap);
         if (rc) FAIL(l, 2, rc);
+        lap(m, &t0, 1);
         if ((rc = run_linear(ops, &L->o, attn, x, scratch, M, threads))) FAIL(l, 3, rc);
+        lap(m, &t0, 0);
         add_rms_norm_f32(x, residual, L->post_norm, normed, M, H, m->eps, 1, threads);
+        lap(m, &t0, 2);
         if ((rc = run_linear(ops, &L->gate_up, normed, gate_up, scratch, M, threads))) FAIL(l, 4, rc);
+        lap(m, &t0, 0);
         silu_mul_f32(gate_up, act, M, I, threads);
+        lap(m, &t0, 2);
         if ((rc = run_linear(ops, &L->down, act, x, scratch, M, threads))) FAIL(l, 5, rc);
+        lap(m, &t0, 0);
     }
     add_rms_norm_f32(x, residual, m->final_norm, out, M, H, m->eps, 1, threads);
+    lap(m, &t0, 2);
     return 0;
 }

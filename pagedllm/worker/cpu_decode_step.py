@@ -77,7 +77,7 @@ class _Model(ctypes.Structure):
                 ("head_dim", ctypes.c_int32), ("kv_kind", ctypes.c_int32), ("block_size", ctypes.c_int32),
                 ("table_width", ctypes.c_int32), ("pad", ctypes.c_int32), ("hidden", ctypes.c_int64),
                 ("intermediate", ctypes.c_int64), ("num_blocks", ctypes.c_int64), ("eps", ctypes.c_float),
-                ("pad2", ctypes.c_float), ("final_norm", ctypes.c_void_p)]
+                ("pad2", ctypes.c_float), ("final_norm", ctypes.c_void_p), ("seconds", ctypes.c_void_p)]
 
 
 def _address(fn) -> int:
@@ -137,6 +137,9 @@ class CpuDecodeStep:
         self._work = torch.empty(0, dtype=torch.float32)
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self.steps = 0  # steps run here (tests and the profile read it)
+        # float64 [3]: seconds spent in the products, the attention and the small fused ops,
+        # accumulated by the kernel while set (benchmarks/profile_step.py); None: not timed
+        self.seconds: torch.Tensor | None = None
 
     @classmethod
     def create(cls, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int) -> "CpuDecodeStep | None":
@@ -222,6 +225,7 @@ class CpuDecodeStep:
         tables = block_tables.to(torch.int64).contiguous()
         lens = context_lens.to(torch.int64).contiguous()
         model_desc.table_width = tables.shape[1]
+        model_desc.seconds = None if self.seconds is None else self.seconds.data_ptr()
         work = self._buffer("_work", self.kernel.work_floats(ctypes.byref(model_desc), m), torch.float32)
         scratch = self._buffer("_scratch", self._scratch_for(m, parts), torch.uint8)
         out = torch.empty(m, model_desc.hidden, dtype=torch.float32)
