@@ -1,12 +1,12 @@
-"""Prometheus metrics of a serving engine: vLLM's names (`vllm:*`) and pagedllm's own (`pagedllm:*`).
+"""Prometheus metrics of a serving engine: vLLM's names (`vllm:*`), and `pagedllm:*` only for what vLLM lacks.
 
 Served at `GET /metrics` in the Prometheus text format. The `vllm:*` series carry vLLM v1's
 names, types, label names (`model_name`, `engine`: the engine core's index, "0".."M-1" with
 --data-parallel-size M) and histogram buckets, so that dashboards and scripts written for vLLM
 (vLLM's own dashboard included: examples/prometheus_grafana/README.md) read pagedllm unchanged. The
-`pagedllm:*` series are the ones pagedllm exported before (its tests and users read them) plus
-what vLLM has no name for (swapped requests, used blocks, the kernel path). docs/metrics.md
-lists every series and where its figures come from.
+`pagedllm:*` series are what vLLM has no name for (swapped requests, used blocks, KV cache
+groups, the kernel path); no figure is exported twice. docs/metrics.md lists every series and
+where its figures come from.
 
 The front end feeds them on its event loop: `record_step` with each core step's per-request stats from the
 `OutputProcessor` (tokens, latencies, finished requests, whatever the outputs hold), `record_abort` when a request is aborted, `update_from_stats`
@@ -189,41 +189,11 @@ class EngineMetrics:
         for e, labels in zip(engines, info):
             cache_gauge.labels(model_name, e, *(labels.get(k, "") for k in keys)).set(1)
 
-        # ---- pagedllm's own --------------------------------------------------------------
-        self.num_requests_running = gauge("pagedllm:num_requests_running",
-                                          "Number of requests in the running batch.")
-        self.num_requests_waiting = gauge("pagedllm:num_requests_waiting",
-                                          "Number of requests waiting to be scheduled.")
+        # ---- pagedllm's own: only what vLLM has no name for ------------------------------
         self.num_requests_swapped = gauge("pagedllm:num_requests_swapped",
                                           "Number of preempted requests swapped to host memory.")
-        self.kv_cache_usage = gauge("pagedllm:kv_cache_usage_perc",
-                                    "Fraction of KV cache blocks in use (1 = full).")
         self.kv_cache_used_blocks = gauge("pagedllm:kv_cache_used_blocks",
                                           "Number of KV cache blocks held by requests.")
-        self.prompt_tokens = counter("pagedllm:prompt_tokens",
-                                     "Number of prefilled prompt tokens.")
-        self.generation_tokens = counter("pagedllm:generation_tokens",
-                                         "Number of generated tokens.")
-        self.prefix_cache_queries = counter("pagedllm:prefix_cache_queries",
-                                            "Prompt tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = counter("pagedllm:prefix_cache_hits",
-                                         "Prompt tokens found in the prefix cache.")
-        self.num_preemptions = counter("pagedllm:num_preemptions",
-                                       "Number of preemptions of running requests.")
-        self.request_success = by_reason("pagedllm:request_success",
-                                         "Number of finished requests by reason.")
-        self.time_to_first_token = histogram("pagedllm:time_to_first_token_seconds",
-                                             "Time from arrival to the first token.",
-                                             TTFT_BUCKETS)
-        self.inter_token_latency = histogram("pagedllm:inter_token_latency_seconds",
-                                             "Time between two steps that gave a request tokens.",
-                                             ITL_BUCKETS)
-        self.e2e_latency = histogram("pagedllm:e2e_request_latency_seconds",
-                                     "Time from arrival to the last token.",
-                                     REQUEST_LATENCY_BUCKETS)
-        self.queue_time = histogram("pagedllm:request_queue_time_seconds",
-                                    "Time from arrival to the first step that ran the request.",
-                                    REQUEST_LATENCY_BUCKETS)
         # A hybrid / sliding KV cache (docs/hybrid_kv_cache.md): vLLM has no per-group series.
         attention = kv_cache_group_attention or []
         group_used = Gauge("pagedllm:kv_cache_group_used_blocks",
@@ -270,23 +240,17 @@ class EngineMetrics:
             num_tokens = m.num_generation_tokens
             new_tokens = num_tokens - seen.num_tokens
             if new_tokens > 0:
-                self.generation_tokens[e].inc(new_tokens)
                 self.v_generation_tokens[e].inc(new_tokens)
                 if not seen.first_token_recorded:
                     seen.first_token_recorded = True
-                    self.prompt_tokens[e].inc(st.prompt_len)
                     self.v_prompt_tokens[e].inc(st.prompt_len)
                     if st.num_cached_tokens:
                         self.v_prompt_cached[e].inc(st.num_cached_tokens)
                     first = m.first_token_time or now
                     ttft = max(first - m.arrival_time, 0.0)
-                    self.time_to_first_token[e].observe(ttft)
                     self.v_ttft[e].observe(ttft)
-                    if m.time_in_queue is not None:
-                        self.queue_time[e].observe(max(m.time_in_queue, 0.0))
                 elif seen.last_token_time is not None:
                     itl = max(now - seen.last_token_time, 0.0)
-                    self.inter_token_latency[e].observe(itl)
                     self.v_itl[e].observe(itl)
                     self.v_tpot[e].observe(itl)
                 seen.num_tokens = num_tokens
@@ -294,14 +258,12 @@ class EngineMetrics:
             if st.finished:
                 del self._seen[st.request_id]
                 reason = st.finish_reason if st.finish_reason in FINISH_REASONS else "stop"
-                self.request_success[e][reason].inc()
                 self.v_success[e][reason].inc()
                 self._record_finished(st, m, now, e)
 
     def _record_finished(self, st: "RequestStepStats", m, now: float, e: int) -> None:
         """vLLM's per-request histograms, observed once when the request finishes."""
         end = m.finished_time or now
-        self.e2e_latency[e].observe(max(end - m.arrival_time, 0.0))
         self.v_e2e[e].observe(max(end - m.arrival_time, 0.0))
         self.v_req_prompt[e].observe(st.prompt_len)
         self.v_req_generation[e].observe(m.num_generation_tokens)
@@ -320,34 +282,28 @@ class EngineMetrics:
 
     def record_abort(self, request_id: str, engine: int = 0) -> None:
         self._seen.pop(request_id, None)
-        self.request_success[engine]["abort"].inc()
         self.v_success[engine]["abort"].inc()
 
     def record_error(self, request_id: str, engine: int = 0) -> None:
         """A request that failed (refused by the core, a step or its core died): finished
         with vLLM's "error" reason, and forgotten."""
         self._seen.pop(request_id, None)
-        self.request_success[engine]["error"].inc()
         self.v_success[engine]["error"].inc()
 
     def update_from_stats(self, stats: "CoreStats", engine: int = 0) -> None:
         """The gauges, the core's cumulative counters (as increments), the steps' tokens."""
         e = engine
         usage = stats.kv_used_blocks / stats.kv_num_blocks if stats.kv_num_blocks else 0.0
-        for ours, theirs, value in (
-            (self.num_requests_running, self.v_running, stats.num_running),
-            (self.num_requests_waiting, self.v_waiting, stats.num_waiting),
-            (self.kv_cache_usage, self.v_kv_usage, usage),
-        ):
-            ours[e].set(value)
-            theirs[e].set(value)
+        self.v_running[e].set(stats.num_running)
+        self.v_waiting[e].set(stats.num_waiting)
+        self.v_kv_usage[e].set(usage)
         self.num_requests_swapped[e].set(stats.num_swapped)
         self.kv_cache_used_blocks[e].set(stats.kv_used_blocks)
         last = self._last[e]
         for counters, name in (
-            ((self.prefix_cache_queries, self.v_prefix_queries), "prefix_cache_queries"),
-            ((self.prefix_cache_hits, self.v_prefix_hits), "prefix_cache_hits"),
-            ((self.num_preemptions, self.v_preemptions), "num_preemptions"),
+            ((self.v_prefix_queries,), "prefix_cache_queries"),
+            ((self.v_prefix_hits,), "prefix_cache_hits"),
+            ((self.v_preemptions,), "num_preemptions"),
             ((self.sliding_blocks_freed,), "sliding_blocks_freed"),
             ((self.v_spec_drafts,), "spec_num_drafts"),
             ((self.v_spec_draft_tokens,), "spec_num_draft_tokens"),

@@ -39,8 +39,8 @@ def wait_idle(http_client, timeout: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         m = read_metrics(http_client)
-        idle = (metric(m, "pagedllm:num_requests_running") == 0
-                and metric(m, "pagedllm:num_requests_waiting") == 0
+        idle = (metric(m, "vllm:num_requests_running") == 0
+                and metric(m, "vllm:num_requests_waiting") == 0
                 and metric(m, "pagedllm:num_requests_swapped") == 0
                 and metric(m, "pagedllm:kv_cache_used_blocks") == 0)
         if idle or time.monotonic() > deadline:

@@ -316,7 +316,7 @@ def idle_problems(server: FuzzServer, timeout: float = ALIVE_TIMEOUT_S) -> list[
     """Once every request of the case is done, nothing is left running, waiting or holding
     KV blocks (a refused or aborted request must leave nothing behind)."""
     deadline = time.monotonic() + timeout
-    names = ("pagedllm:num_requests_running", "pagedllm:num_requests_waiting",
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting",
              "pagedllm:num_requests_swapped", "pagedllm:kv_cache_used_blocks")
     while True:
         try:

@@ -1,6 +1,6 @@
 """`cache_salt` (vLLM's request field) keeps tenants' prefix caches apart: requests with the
 same salt share prefix hits, requests with another salt (or none) do not. Observed through
-/metrics `pagedllm:prefix_cache_hits_total` (tokens), as differences around each request."""
+/metrics `vllm:prefix_cache_hits_total` (tokens), as differences around each request."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ def _long_prompt() -> str:
 
 def _hits(http, send) -> float:
     """Prefix-cache hit tokens that `send()` caused."""
-    before = metric(wait_idle(http), "pagedllm:prefix_cache_hits_total")
+    before = metric(wait_idle(http), "vllm:prefix_cache_hits_total")
     send()
-    return metric(wait_idle(http), "pagedllm:prefix_cache_hits_total") - before
+    return metric(wait_idle(http), "vllm:prefix_cache_hits_total") - before
 
 
 def test_completion_cache_salt_isolates_prefixes(http, client):

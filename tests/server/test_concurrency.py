@@ -45,10 +45,10 @@ def test_32_concurrent_streams_finish_with_the_right_lengths(server, http):
         assert text
     after = wait_idle(http)
     expected_tokens = sum(r[0] for r in results)
-    assert metric(after, "pagedllm:generation_tokens_total") - \
-        metric(before, "pagedllm:generation_tokens_total") == expected_tokens
-    assert metric(after, "pagedllm:request_success_total", finished_reason="length") - \
-        metric(before, "pagedllm:request_success_total", finished_reason="length") == 32
+    assert metric(after, "vllm:generation_tokens_total") - \
+        metric(before, "vllm:generation_tokens_total") == expected_tokens
+    assert metric(after, "vllm:request_success_total", finished_reason="length") - \
+        metric(before, "vllm:request_success_total", finished_reason="length") == 32
 
 
 LONG = {"model": MODEL, "prompt": "Write a very long story about a dragon.", "max_tokens": 1900,
@@ -56,14 +56,14 @@ LONG = {"model": MODEL, "prompt": "Write a very long story about a dragon.", "ma
 
 
 def _aborts(m: dict) -> float:
-    return metric(m, "pagedllm:request_success_total", finished_reason="abort")
+    return metric(m, "vllm:request_success_total", finished_reason="abort")
 
 
 async def _cancel_once_running(http, task: asyncio.Task, poll_s: float) -> None:
     """Cancel `task` (its connection drops) as soon as the server reports a request running:
     no timing is assumed, so a faster machine cannot finish the request first."""
     deadline = time.monotonic() + 60
-    while metric(read_metrics(http), "pagedllm:num_requests_running") < 1:
+    while metric(read_metrics(http), "vllm:num_requests_running") < 1:
         assert not task.done(), task.result()
         assert time.monotonic() < deadline, "the request never started running"
         await asyncio.sleep(poll_s)
@@ -88,15 +88,15 @@ def test_stream_disconnect_aborts_the_request(server, http, client):
                     break
         # leaving both blocks closes the connection mid-stream
     m = read_metrics(http)
-    assert metric(m, "pagedllm:num_requests_running") + \
-        metric(m, "pagedllm:num_requests_waiting") <= 1
+    assert metric(m, "vllm:num_requests_running") + \
+        metric(m, "vllm:num_requests_waiting") <= 1
     after = wait_idle(http, timeout=30.0)
     elapsed = time.monotonic() - t0
     assert metric(after, "pagedllm:kv_cache_used_blocks") == 0
-    assert metric(after, "pagedllm:num_requests_running") == 0
+    assert metric(after, "vllm:num_requests_running") == 0
     assert _aborts(after) - _aborts(before) == 1
-    generated = metric(after, "pagedllm:generation_tokens_total") - \
-        metric(before, "pagedllm:generation_tokens_total")
+    generated = metric(after, "vllm:generation_tokens_total") - \
+        metric(before, "vllm:generation_tokens_total")
     # Aborted (counted above), so it stopped before max_tokens whatever the machine's speed.
     assert 3 <= generated < LONG["max_tokens"], (generated, elapsed)
     out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
@@ -121,8 +121,8 @@ def test_non_stream_disconnect_aborts_the_request(server, http, client):
     after = wait_idle(http, timeout=30.0)
     assert metric(after, "pagedllm:kv_cache_used_blocks") == 0
     assert _aborts(after) - _aborts(before) == 1
-    generated = metric(after, "pagedllm:generation_tokens_total") - \
-        metric(before, "pagedllm:generation_tokens_total")
+    generated = metric(after, "vllm:generation_tokens_total") - \
+        metric(before, "vllm:generation_tokens_total")
     assert generated < LONG["max_tokens"]
     out = client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0,
                                          messages=[{"role": "user", "content": "hi"}])

@@ -59,8 +59,8 @@ def test_both_replicas_serve(client, http):
         assert list(pool.map(one, prompts)) == [24] * 6
     after = wait_idle_all(http)
     for engine in ("0", "1"):
-        gained = (value(after, "pagedllm:generation_tokens_total", engine)
-                  - value(before, "pagedllm:generation_tokens_total", engine))
+        gained = (value(after, "vllm:generation_tokens_total", engine)
+                  - value(before, "vllm:generation_tokens_total", engine))
         assert gained >= 24, (engine, gained)
 
 
@@ -73,21 +73,21 @@ def test_shared_system_prompt_stays_on_one_replica_and_hits_its_prefix_cache(cli
             messages=[{"role": "system", "content": system},
                       {"role": "user", "content": f"Question number {i}?"}])
     after = wait_idle_all(http)
-    served = {e: value(after, "pagedllm:request_success_total", e, finished_reason="length")
-              + value(after, "pagedllm:request_success_total", e, finished_reason="stop")
-              - value(before, "pagedllm:request_success_total", e, finished_reason="length")
-              - value(before, "pagedllm:request_success_total", e, finished_reason="stop")
+    served = {e: value(after, "vllm:request_success_total", e, finished_reason="length")
+              + value(after, "vllm:request_success_total", e, finished_reason="stop")
+              - value(before, "vllm:request_success_total", e, finished_reason="length")
+              - value(before, "vllm:request_success_total", e, finished_reason="stop")
               for e in ("0", "1")}
     assert sorted(served.values()) == [0, 4], served
     home = max(served, key=served.get)
-    hits = (value(after, "pagedllm:prefix_cache_hits_total", home)
-            - value(before, "pagedllm:prefix_cache_hits_total", home))
+    hits = (value(after, "vllm:prefix_cache_hits_total", home)
+            - value(before, "vllm:prefix_cache_hits_total", home))
     assert hits >= 3 * 64, hits  # the system prompt's blocks, reused by requests 2..4
     # the dashboard's endpoint: one snapshot per replica, each equal to its /metrics series
     engines = http.get("/v1/internal/engine_state").json()["engines"]
     assert [e["engine_index"] for e in engines] == [0, 1]
     for e in engines:
-        assert e["counters"]["prefix_cache_hits"] == value(after, "pagedllm:prefix_cache_hits_total",
+        assert e["counters"]["prefix_cache_hits"] == value(after, "vllm:prefix_cache_hits_total",
                                                            str(e["engine_index"]))
         assert e["counters"]["kv_used_blocks"] == 0 and e["requests"] == []
 
@@ -98,7 +98,7 @@ def wait_idle_all(http) -> dict:
     deadline = time.monotonic() + 20
     while True:
         m = read_metrics(http)
-        idle = all(value(m, "pagedllm:num_requests_running", e) == 0
+        idle = all(value(m, "vllm:num_requests_running", e) == 0
                    and value(m, "pagedllm:kv_cache_used_blocks", e) == 0 for e in ("0", "1"))
         if idle or time.monotonic() > deadline:
             return m

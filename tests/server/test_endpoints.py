@@ -76,19 +76,18 @@ def test_metrics_parse_and_move_after_a_request(http, client):
     def delta(name: str, **labels: str) -> float:
         return metric(after, name, **labels) - metric(before, name, **labels)
 
-    assert delta("pagedllm:prompt_tokens_total") == out.usage.prompt_tokens
-    assert delta("pagedllm:generation_tokens_total") == 6
-    assert delta("pagedllm:request_success_total", finished_reason="length") == 1
-    assert delta("pagedllm:prefix_cache_queries_total") >= out.usage.prompt_tokens
+    assert delta("vllm:prompt_tokens_total") == out.usage.prompt_tokens
+    assert delta("vllm:generation_tokens_total") == 6
+    assert delta("vllm:request_success_total", finished_reason="length") == 1
+    assert delta("vllm:prefix_cache_queries_total") >= out.usage.prompt_tokens
     for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
                  "request_queue_time_seconds"):
-        assert delta(f"pagedllm:{hist}_count") == 1
-    assert delta("pagedllm:inter_token_latency_seconds_count") == 5  # 6 tokens, 5 gaps
-    assert delta("pagedllm:e2e_request_latency_seconds_sum") > 0
-    for gauge in ("num_requests_running", "num_requests_waiting", "num_requests_swapped",
-                  "kv_cache_usage_perc",
-                  "kv_cache_used_blocks", "num_preemptions_total"):
-        assert (f"pagedllm:{gauge}", (("engine", "0"), ("model_name", MODEL))) in after
+        assert delta(f"vllm:{hist}_count") == 1
+    assert delta("vllm:inter_token_latency_seconds_count") == 5  # 6 tokens, 5 gaps
+    assert delta("vllm:e2e_request_latency_seconds_sum") > 0
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "pagedllm:num_requests_swapped",
+                  "vllm:kv_cache_usage_perc", "pagedllm:kv_cache_used_blocks", "vllm:num_preemptions_total"):
+        assert (gauge, (("engine", "0"), ("model_name", MODEL))) in after
 
 
 def test_metrics_show_the_running_request(http, client):
@@ -107,9 +106,9 @@ def test_metrics_show_the_running_request(http, client):
     seen = False
     while not done.is_set() and not seen:
         m = read_metrics(http)
-        seen = (metric(m, "pagedllm:num_requests_running") == 1
+        seen = (metric(m, "vllm:num_requests_running") == 1
                 and metric(m, "pagedllm:kv_cache_used_blocks") >= 1
-                and 0 < metric(m, "pagedllm:kv_cache_usage_perc") < 1)
+                and 0 < metric(m, "vllm:kv_cache_usage_perc") < 1)
     t.join()
     assert seen
     assert metric(wait_idle(http), "pagedllm:kv_cache_used_blocks") == 0

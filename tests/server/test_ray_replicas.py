@@ -37,7 +37,7 @@ def test_ray_placed_replicas_serve_and_equal_one_process(server, tmp_path):
         with httpx.Client(base_url=srv.url, headers=srv.headers) as http:
             m = read_metrics(http)
         for engine in ("0", "1"):
-            key = ("pagedllm:generation_tokens_total",
+            key = ("vllm:generation_tokens_total",
                    (("engine", engine), ("model_name", MODEL)))
             assert m[key] >= 16, (engine, m.get(key))
         assert "Ray actor" not in srv.log_tail() or "died" not in srv.log_tail()

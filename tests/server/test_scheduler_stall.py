@@ -44,7 +44,7 @@ def test_stalled_request_fails_with_500_and_health_turns_503(stall_server):
         assert "no progress" in err["message"]
         m = wait_idle(http)
         assert metric(m, "pagedllm:kv_cache_used_blocks") == 0  # its blocks were returned
-        assert metric(m, "pagedllm:num_requests_running") == 0
+        assert metric(m, "vllm:num_requests_running") == 0
 
         health = http.get("/health")
         assert health.status_code == 503
