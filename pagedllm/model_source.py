@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pagedllm import envs
 from pagedllm.hub import parse_model_id, resolve_hub_model
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ CACHE_DIR_ENV = "PAGEDLLM_CACHE_DIR"
 
 def cache_dir() -> Path:
     """The folder for the default model and converted tokenizers (`$PAGEDLLM_CACHE_DIR`)."""
-    return Path(os.environ.get(CACHE_DIR_ENV, Path.home() / ".cache" / "pagedllm")).expanduser()
+    return envs.PAGEDLLM_CACHE_DIR
 
 
 @dataclass(frozen=True)

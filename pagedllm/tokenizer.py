@@ -32,6 +32,8 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from pagedllm import envs
+
 logger = logging.getLogger(__name__)
 
 # Prompt tokens decoded together with the first output tokens, so that the first output
@@ -40,7 +42,7 @@ INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("PAGEDLLM_CACHE_DIR", "~/.cache/pagedllm")).expanduser()
+    return envs.PAGEDLLM_CACHE_DIR
 
 
 # --------------------------------------------------------------------------------- loading

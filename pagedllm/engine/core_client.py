@@ -33,6 +33,7 @@ from typing import Any
 
 import zmq
 
+from pagedllm import envs
 from pagedllm.engine.core_channel import ChannelGuard
 from pagedllm.engine.core_loop import CoreBusyLoop
 from pagedllm.engine.core_messages import (
@@ -429,14 +430,10 @@ class RayReplicas:
         from ray.util.placement_group import placement_group
 
         if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True)
+            ray.init(address=envs.RAY_ADDRESS or None, ignore_reinit_error=True)
         self.ray = ray
-        cpus = float(os.environ.get("PAGEDLLM_RAY_CPUS_PER_REPLICA", "1"))
-        strategy = os.environ.get("PAGEDLLM_RAY_REPLICA_STRATEGY", "PACK")
-        if cpus <= 0 or strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
-            raise ValueError(f"PAGEDLLM_RAY_CPUS_PER_REPLICA must be positive (got {cpus}) and "
-                             f"PAGEDLLM_RAY_REPLICA_STRATEGY one of PACK, SPREAD, STRICT_PACK, "
-                             f"STRICT_SPREAD (got {strategy!r})")
+        cpus = envs.PAGEDLLM_RAY_CPUS_PER_REPLICA
+        strategy = envs.PAGEDLLM_RAY_REPLICA_STRATEGY
         self.bundle: dict[str, float] = {"CPU": cpus}
         if device_type == "cuda":
             self.bundle["GPU"] = 1

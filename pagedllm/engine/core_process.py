@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from pagedllm import envs
 from pagedllm.engine.core_channel import CoreKeys, secure_client
 from pagedllm.engine.core_messages import (
     CoreReady,
@@ -136,8 +137,7 @@ def _bind_replica(config, engine_index: int) -> None:
         import torch
 
         if config.num_threads is None:
-            torch.set_num_threads(max(1, int(float(
-                os.environ.get("PAGEDLLM_RAY_CPUS_PER_REPLICA", "1")))))
+            torch.set_num_threads(max(1, int(envs.PAGEDLLM_RAY_CPUS_PER_REPLICA)))
         return
     from pagedllm.distributed import cpu_binding
 

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import os
 from typing import Any
+
+from pagedllm import envs
 
 # Set to 1: the server's engine core runs in its own process's thread (tests, debugging).
 IN_PROCESS_ENV = "PAGEDLLM_ENGINE_IN_PROCESS"
 
 
 def in_process_requested() -> bool:
-    return os.environ.get(IN_PROCESS_ENV, "0") not in ("", "0")
+    return envs.PAGEDLLM_ENGINE_IN_PROCESS
 
 
 class CoreStart:

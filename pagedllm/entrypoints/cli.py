@@ -62,10 +62,25 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
+class _HelpEnvAction(argparse.Action):
+    """`pagedllm --help-env`: every environment variable pagedllm reads (pagedllm/envs.py)."""
+
+    def __init__(self, option_strings, dest, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from pagedllm import envs
+
+        print(envs.table_markdown(), end="")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="PagedAttention LLM engine")
     parser.add_argument("--version", action=_VersionAction,
                         help="print the version and which compute kernels run here (C or torch), then exit")
+    parser.add_argument("--help-env", action=_HelpEnvAction,
+                        help="print every environment variable pagedllm reads, with its type and default, then exit")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server",
                            description="Start the OpenAI-compatible HTTP server (default model: "

@@ -5,11 +5,11 @@ worker processes (`MultiprocExecutor`, `distributed_executor_backend="mp"`) or R
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from pagedllm import envs
 from pagedllm.core.kv_cache_groups import hybrid_kv_cache_groups
 from pagedllm.executor.base import Executor
 from pagedllm.worker.worker import WorkerConfig
@@ -29,7 +29,7 @@ def worker_config(config: Any, model_path: str, gguf_file: str | None, hf_config
         seed=config.seed, quantization=config.quantization, quant_compute=config.quant_compute,
         tensor_parallel_size=config.tensor_parallel_size, num_threads=config.num_threads,
         # how long a rank waits in a collective for the others (a hung peer; a dead one is seen at once)
-        collective_timeout_s=float(os.environ.get("PAGEDLLM_TP_TIMEOUT_S", "120")),
+        collective_timeout_s=envs.PAGEDLLM_TP_TIMEOUT_S,
         attention_backend=config.attention_backend, kv_cache_groups=groups,
         # CUDA graphs read one block table: a hybrid cache's decode steps run eager for now; so
         # do LoRA's (the graphs would not see the step's adapter indices)

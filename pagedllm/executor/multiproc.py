@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from pagedllm import envs
 from pagedllm.distributed import cpu_binding, parallel_state
 from pagedllm.executor.base import Executor
 from pagedllm.executor.channel import Listener, free_port
@@ -42,7 +43,7 @@ from pagedllm.worker.worker import Worker, WorkerConfig
 
 logger = logging.getLogger(__name__)
 
-START_TIMEOUT_S = float(os.environ.get("PAGEDLLM_TP_START_TIMEOUT_S", "600"))
+START_TIMEOUT_S = envs.PAGEDLLM_TP_START_TIMEOUT_S
 
 
 class WorkerFailure(RuntimeError):

@@ -25,6 +25,7 @@ import subprocess
 import weakref
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.executor.multiproc import MultiprocExecutor, _Proc
 from pagedllm.worker.worker import WorkerConfig
 
@@ -34,12 +35,7 @@ PLACEMENT_WAIT_S = 120.0  # how long the cluster may take to reserve the bundles
 
 def _placement() -> tuple[float, str]:
     """(CPUs per rank, placement strategy), read when an executor starts."""
-    cpus = float(os.environ.get("PAGEDLLM_RAY_CPUS_PER_RANK", "1"))
-    strategy = os.environ.get("PAGEDLLM_RAY_PLACEMENT_STRATEGY", "STRICT_PACK")
-    if strategy not in STRATEGIES or cpus <= 0:
-        raise ValueError(f"PAGEDLLM_RAY_PLACEMENT_STRATEGY must be one of {list(STRATEGIES)} (got {strategy!r}) "
-                         f"and PAGEDLLM_RAY_CPUS_PER_RANK positive (got {cpus})")
-    return cpus, strategy
+    return envs.PAGEDLLM_RAY_CPUS_PER_RANK, envs.PAGEDLLM_RAY_PLACEMENT_STRATEGY
 
 
 def _import_ray():
@@ -125,7 +121,7 @@ class RayExecutor(MultiprocExecutor):
     def __init__(self, config: WorkerConfig) -> None:
         ray = _import_ray()
         if not ray.is_initialized():
-            address = os.environ.get("RAY_ADDRESS")
+            address = envs.RAY_ADDRESS or None
             ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
         self._ray = ray
         self._pg = None

@@ -48,6 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+from pagedllm import envs
 from pagedllm.kernels.isa import KernelVariant, by_name, select_variant
 from pagedllm.model_source import CACHE_DIR_ENV, cache_dir
 
@@ -160,7 +161,7 @@ def _unsafe(path: Path) -> str | None:
 
 def _compiler() -> tuple[list[str] | None, str]:
     """The compiler command (`$CC`, else gcc, else cc), or None and why there is none."""
-    cc = os.environ.get("CC")
+    cc = envs.CC
     if cc:
         cmd = shlex.split(cc)
         if cmd and shutil.which(cmd[0]):
@@ -174,8 +175,9 @@ def _compiler() -> tuple[list[str] | None, str]:
 
 def _build_timeout() -> float:
     try:
-        return float(os.environ.get(TIMEOUT_ENV, DEFAULT_BUILD_TIMEOUT_S))
-    except ValueError:
+        return envs.PAGEDLLM_KERNEL_BUILD_TIMEOUT
+    except ValueError as exc:  # a kernel build is never fatal: say so, use the default
+        logger.warning("%s; using %g s", exc, DEFAULT_BUILD_TIMEOUT_S)
         return DEFAULT_BUILD_TIMEOUT_S
 
 
@@ -213,7 +215,7 @@ def _first_error(output: str) -> str:
 
 def _build_or_load(source_name: str, variant: KernelVariant) -> tuple[ctypes.CDLL | None, str]:
     global _broken_compiler
-    if os.environ.get(DISABLE_ENV, "0") not in ("", "0"):
+    if envs.PAGEDLLM_DISABLE_C_KERNELS:
         return None, f"disabled by {DISABLE_ENV}=1"
     if _broken_compiler is not None:
         logger.debug("C kernel %s not built: %s", source_name, _broken_compiler)

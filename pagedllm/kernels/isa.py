@@ -31,9 +31,10 @@ torch (layers/kernel_choice.py) keeps that wherever it is faster.
 from __future__ import annotations
 
 import functools
-import os
 import platform
 from typing import NamedTuple
+
+from pagedllm import envs
 
 MARCH_ENV = "PAGEDLLM_KERNEL_MARCH"
 
@@ -101,7 +102,7 @@ class Choice(NamedTuple):
 def select_variant(flags: frozenset[str] | None = None) -> Choice:
     """The variant to build and load in this process."""
     flags = cpu_flags() if flags is None else flags
-    forced = os.environ.get(MARCH_ENV, "").strip()
+    forced = envs.PAGEDLLM_KERNEL_MARCH
     if forced:
         variant = by_name(forced)
         how = f"forced by {MARCH_ENV}={forced}"

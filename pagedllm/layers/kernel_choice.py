@@ -38,7 +38,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import statistics
 import threading
@@ -47,6 +46,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from pagedllm import envs
 
 logger = logging.getLogger(__name__)
 
@@ -61,21 +62,11 @@ _new_entries = False
 
 
 def mode() -> str:
-    value = os.environ.get(MODE_ENV, "measure").strip() or "measure"
-    if value not in MODES:
-        raise ValueError(f"{MODE_ENV} must be one of {list(MODES)}, got {value!r}")
-    return value
+    return envs.PAGEDLLM_KERNEL_CHOICE
 
 
 def _budget_s() -> float:
-    raw = os.environ.get(BUDGET_ENV, "1.0")
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{BUDGET_ENV} must be a number of seconds >= 0, got {raw!r}")
-    return value
+    return envs.PAGEDLLM_KERNEL_CHOICE_BUDGET
 
 
 def bucket_index(m: int) -> int:

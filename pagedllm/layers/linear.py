@@ -31,7 +31,6 @@ layouts), so no rank reads a whole matrix. `RowParallelLinear` sums the ranks' p
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -39,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.distributed import parallel_state
 from pagedllm.distributed.sharding import LinearShard
 from pagedllm.kernels import int_gemm_kernel, packed_gemm_kernel
@@ -48,7 +48,7 @@ from pagedllm.layers.decode_step_parts import OP_PACKED_F32, StepPart, int_weigh
 from pagedllm.layers.quantization.base import LinearMethod, Slices, logical_weight_slices
 from pagedllm.layers.quantization.int_kernel import PackedIntWeight, _int_matmul, pack_int_weight
 
-USE_BLOCK_WEIGHTS = os.environ.get("PAGEDLLM_BLOCK_WEIGHTS", "1") not in ("0", "")  # read once
+USE_BLOCK_WEIGHTS = envs.PAGEDLLM_BLOCK_WEIGHTS  # read once
 _kernel = packed_gemm_kernel
 _block_kernel = int_gemm_kernel  # the kernel of the exact block form
 _X_CHUNK_ROWS = 144  # packed_gemm.c's M_CHUNK: the scratch holds one chunk of packed activations

@@ -23,11 +23,11 @@ layers/quantization/triton_int_gemm.py.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 
+from pagedllm import envs
 from pagedllm.lora.ops import segments
 
 try:  # optional: the CPU install has no Triton
@@ -41,7 +41,7 @@ HAS_TRITON = triton is not None
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return envs.TRITON_INTERPRET
 
 
 if HAS_TRITON:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.layers.quantization import get_quantization_config
 from pagedllm.model.gguf_loader import iter_gguf_weights, resolve_gguf_path
@@ -98,7 +99,7 @@ def load_model(
     if gguf_path is not None:
         # Q4_0 / Q4_1 / Q8_0 matrices stay packed (layers/quantization/gguf.py); with
         # PAGEDLLM_GGUF_BLOCKS=0 they are dequantized to float32 as before (for A/B checks).
-        keep = os.environ.get("PAGEDLLM_GGUF_BLOCKS", "1") not in ("0", "")
+        keep = envs.PAGEDLLM_GGUF_BLOCKS
         weights = iter_gguf_weights(gguf_path, hf_config, keep_blocks=keep, slices_of=slices_of)
     else:
         weights = iter_safetensors_weights(model_path, slices_of)

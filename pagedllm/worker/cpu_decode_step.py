@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 
 import torch
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.kernels import (
     decode_attention_kernel,
     decode_step_kernel,
@@ -88,7 +88,7 @@ def unsupported_reason(model: nn.Module, kv_caches: list[torch.Tensor]) -> str |
     """Why `model` cannot take C decode steps (None: it can, where each step's paths allow)."""
     from pagedllm.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
-    if os.environ.get(ENV, "1") in ("0", ""):
+    if not envs.PAGEDLLM_DECODE_STEP:
         return f"{ENV}=0"
     if decode_step_kernel() is None or _decode_attention() is None:
         return "the C kernels are not available"

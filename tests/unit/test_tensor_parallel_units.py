@@ -265,6 +265,6 @@ def test_ray_placement_knobs_are_checked(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_RAY_CPUS_PER_RANK", "2")
     assert _placement() == (2.0, "SPREAD")
     monkeypatch.setenv("PAGEDLLM_RAY_PLACEMENT_STRATEGY", "ANYWHERE")
-    with pytest.raises(ValueError, match=r"must be one of \['STRICT_PACK', 'PACK', 'SPREAD', 'STRICT_SPREAD'\] "
-                                         r"\(got 'ANYWHERE'\)"):
+    with pytest.raises(ValueError, match=r"PAGEDLLM_RAY_PLACEMENT_STRATEGY must be one of \['STRICT_PACK', 'PACK', "
+                                         r"'SPREAD', 'STRICT_SPREAD'\], got 'ANYWHERE'"):
         _placement()

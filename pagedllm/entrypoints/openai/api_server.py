@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import secrets
 import signal
 import socket
@@ -42,6 +41,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 
+from pagedllm import envs
 import pagedllm
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.input_processing import check_prompt_chars
@@ -460,7 +460,7 @@ def _run_server(args: argparse.Namespace, started: ServeStart | None) -> int:
         max_log_len=getattr(args, "max_log_len", None),
         enable_prompt_tokens_details=bool(getattr(args, "enable_prompt_tokens_details", False)),
     )
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = args.api_key or envs.PAGEDLLM_API_KEY or None
     app = build_app(ctx, api_key, lifecycle, _http_options(args, limits, templates))
 
     def on_fatal(message: str) -> None:

@@ -19,6 +19,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from pagedllm import envs
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.lora.request import LoRARequest
 
@@ -29,7 +30,7 @@ RUNTIME_UPDATING_ENVS = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "PAGEDLLM_ALLOW_RUN
 
 def runtime_updating_allowed(flag: bool) -> bool:
     """The flag, or either environment variable set to 1 / true (as vLLM reads its own)."""
-    return flag or any(os.environ.get(v, "").strip().lower() in ("1", "true") for v in RUNTIME_UPDATING_ENVS)
+    return flag or any(envs.read(v) for v in RUNTIME_UPDATING_ENVS)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import socket
 import sys
 from contextlib import asynccontextmanager
@@ -14,6 +13,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.responses import Response
 
+from pagedllm import envs
 import pagedllm
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.openai.errors import error_response
@@ -62,7 +62,7 @@ def build_pooling_app(engine: AsyncPoolingEngine, model_names: list[str], api_ke
 
 def serve_pooling(args: argparse.Namespace, config: EngineConfig, sock: socket.socket, limits: HTTPLimits,
                   http_options) -> int:
-    from pagedllm.entrypoints.openai.api_server import API_KEY_ENV, Lifecycle, serve_app
+    from pagedllm.entrypoints.openai.api_server import Lifecycle, serve_app
 
     if getattr(args, "enable_lora", False) or getattr(args, "lora_modules", None):
         sock.close()
@@ -88,7 +88,7 @@ def serve_pooling(args: argparse.Namespace, config: EngineConfig, sock: socket.s
         lifecycle.exit_code = 1
 
     engine.on_fatal = on_fatal
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = args.api_key or envs.PAGEDLLM_API_KEY or None
     app = build_pooling_app(engine, names, api_key, lifecycle, http_options)
     try:
         serve_app(app, sock, args, limits, lifecycle, names[0], api_key)

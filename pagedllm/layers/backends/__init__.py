@@ -9,11 +9,11 @@ is loaded (`select_attn_backend`, `set_attn_backend`), so the choice is one per 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.layers.backends.torch_paged import TorchPagedAttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def select_attn_backend(name: str, device: torch.device, kv_cache_dtype: torch.d
         return TritonPagedAttentionBackend
     if not _triton_installed():
         raise ValueError("attention_backend='triton' needs the triton package (pip install triton).")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type != "cuda" and not envs.TRITON_INTERPRET:
         raise ValueError(f"attention_backend='triton' needs a CUDA device, not {device.type!r} "
                          "(or TRITON_INTERPRET=1, which runs the kernels slowly in Triton's interpreter: tests).")
     if kv_cache_dtype not in SUPPORTED_CACHE_DTYPES:

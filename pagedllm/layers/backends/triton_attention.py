@@ -62,11 +62,12 @@ multiplies raw bits, so there the dots of bfloat16 queries run on float32-upcast
 from __future__ import annotations
 
 import math
-import os
 import types
 from typing import NamedTuple
 
 import torch
+
+from pagedllm import envs
 
 try:  # optional: the CPU install has no Triton
     import triton
@@ -87,7 +88,7 @@ _MAX_SPLITS = 64
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return envs.TRITON_INTERPRET
 
 
 if HAS_TRITON:

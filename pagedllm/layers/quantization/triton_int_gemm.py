@@ -22,9 +22,10 @@ per call, so a compiled and an interpreted kernel can live in one process.
 
 from __future__ import annotations
 
-import os
 
 import torch
+
+from pagedllm import envs
 
 try:  # optional: the CPU install has no Triton
     import triton
@@ -40,7 +41,7 @@ _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return envs.TRITON_INTERPRET
 
 
 if HAS_TRITON:
