@@ -23,20 +23,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 AUTHKEY_ENV = "PAGEDLLM_TP_AUTHKEY"
-# Test hook (tests/integration/test_tensor_parallel.py): "RANK:load" raises while rank RANK loads
-# its shard, "RANK:step" in its first step; shows that a worker's own traceback reaches the engine.
-FAULT_ENV = "PAGEDLLM_TEST_WORKER_FAULT"
-
-
-class InjectedFault(RuntimeError):
-    pass
-
-
-def _maybe_fault(rank: int, stage: str) -> None:
-    if os.environ.get(FAULT_ENV) == f"{rank}:{stage}":
-        raise InjectedFault(f"fault injected by {FAULT_ENV}={rank}:{stage}")
-
-
 def run_worker(conn: Connection, rank: int, config: Any, init_method: str, binding: Any) -> None:
     """Start-up stages (each reported to rank 0), then the step loop until "shutdown"."""
     from pagedllm.executor.messages import decode_step
@@ -47,17 +33,12 @@ def run_worker(conn: Connection, rank: int, config: Any, init_method: str, bindi
         worker.bind_cpu(binding)
     conn.send(("started", rank, os.getpid()))
     worker.init_distributed(init_method)
-    _maybe_fault(rank, "load")
     worker.load_model()
     conn.send(("loaded", rank))
-    first_step = True
     while True:
         msg = pickle.loads(conn.recv_bytes())
         kind = msg[0]
         if kind == "step":
-            if first_step:
-                _maybe_fault(rank, "step")
-                first_step = False
             worker.execute_model(decode_step(msg))
         elif kind == "init_cache":
             worker.initialize_cache(*msg[1:])

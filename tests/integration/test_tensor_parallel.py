@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.executor.worker_proc import FAULT_ENV
+from tests.server.fault_hooks.sitecustomize import WORKER_FAULT_ENV as FAULT_ENV
+from tests.server.fault_hooks.sitecustomize import inject_worker_fault
 from tests.smollm2 import hf_tokenizer
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
@@ -269,7 +270,7 @@ def test_a_worker_that_fails_to_start_shows_its_traceback(tiny, monkeypatch):
     from pagedllm.executor.multiproc import WorkerFailure
 
     before = _children()
-    monkeypatch.setenv(FAULT_ENV, "1:load")
+    inject_worker_fault(monkeypatch, "1:load")
     with pytest.raises(WorkerFailure) as info:
         LLM(tiny("llama"), tensor_parallel_size=2, kv_cache_space=0.05)
     text = str(info.value)

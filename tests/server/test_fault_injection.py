@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from tests.server.conftest import serving
-from tests.server.fault_hooks.sitecustomize import FAULT_MARK
+from tests.server.fault_hooks.sitecustomize import FAULT_MARK, inject_worker_fault
 from tests.server.helpers import MODEL
 
 pytestmark = pytest.mark.slow
@@ -129,9 +129,9 @@ def test_sigkill_of_a_tensor_parallel_worker_mid_step_is_fatal(fault):
 
 
 def test_an_exception_in_a_tensor_parallel_workers_forward_is_fatal(monkeypatch):
-    """Rank 1 raises in its first step (worker_proc's own test hook): the request gets a 503
+    """Rank 1 raises in its first step (tests/server/fault_hooks): the request gets a 503
     naming the worker's error, and the server exits non-zero within 5 s."""
-    monkeypatch.setenv("PAGEDLLM_TEST_WORKER_FAULT", "1:step")
+    inject_worker_fault(monkeypatch, "1:step")
     with serving([*SERVE, "-tp", "3"]) as srv:
         t0 = time.monotonic()
         r = _post(srv, PLAIN, timeout=30)

@@ -1,12 +1,20 @@
-"""Fault injection for tests/server/test_fault_injection.py, loaded by every Python process the
-test starts with this folder on PYTHONPATH (the server and its engine core): with
-PAGEDLLM_TEST_FAULT set, it patches the engine core's code so that requests whose prompt ends
-with token FAULT_MARK fail at one chosen point. Only the core process ever calls the patched
-functions. Test code, never part of the product."""
+"""Fault injection for the tests, loaded by every Python process a test starts with this folder
+on PYTHONPATH (the server, its engine core, tensor-parallel workers). Test code, never part of
+the product (pagedllm has no fault hooks of its own).
+
+- PAGEDLLM_TEST_FAULT=KIND (tests/server/test_fault_injection.py): patches the engine core's
+  code so that requests whose prompt ends with token FAULT_MARK fail at one chosen point. Only
+  the core process ever calls the patched functions.
+- PAGEDLLM_TEST_WORKER_FAULT=RANK:STAGE (`inject_worker_fault`): in the tensor-parallel worker
+  process of that rank (`python -m pagedllm.executor.worker_proc HOST PORT RANK`),
+  `Worker.load_model` ("load") or `Worker.execute_model` ("step") raises `InjectedFault`:
+  a worker's own traceback must reach the engine and the client."""
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 FAULT = os.environ.get("PAGEDLLM_TEST_FAULT")
 FAULT_MARK = 4242
@@ -67,5 +75,39 @@ def _patch_forward() -> None:
     ModelRunner.execute_model = failing_execute
 
 
+WORKER_FAULT_ENV = "PAGEDLLM_TEST_WORKER_FAULT"
+HOOKS = str(Path(__file__).parent)
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def inject_worker_fault(monkeypatch, spec: str) -> None:
+    """Make tensor-parallel worker RANK fail at STAGE ("load" or "step") in the processes the
+    test starts from now on (`spec` = "RANK:STAGE")."""
+    monkeypatch.setenv(WORKER_FAULT_ENV, spec)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (HOOKS, str(Path(__file__).parents[3]), os.environ.get("PYTHONPATH")) if p))
+
+
+def _install_worker_fault(rank: str, stage: str) -> None:
+    from pagedllm.worker.worker import Worker
+
+    method = {"load": "load_model", "step": "execute_model"}[stage]
+    original = getattr(Worker, method)
+
+    def faulty(self, *args, **kwargs):
+        if str(self.rank) == rank:
+            raise InjectedFault(f"fault injected by {WORKER_FAULT_ENV}={rank}:{stage}")
+        return original(self, *args, **kwargs)
+
+    setattr(Worker, method, faulty)
+
+
 if FAULT:
     _install()
+_WORKER_FAULT = os.environ.get(WORKER_FAULT_ENV, "")
+_ARGV = getattr(sys, "orig_argv", [])
+if _WORKER_FAULT and "pagedllm.executor.worker_proc" in _ARGV and _ARGV[-1] == _WORKER_FAULT.split(":")[0]:
+    _install_worker_fault(*_WORKER_FAULT.split(":"))
