@@ -38,8 +38,10 @@ run() { # NAME ARGS...: one benchmark run, its lines tagged with NAME
 touch "$OUT"
 for wl in $WORKLOADS; do
   run "pagedllm native" "$PY" -m benchmarks.throughput --workload "$wl" --compare pagedllm --repeats "$REPEATS"
-  PAGEDLLM_KERNEL_MARCH=avx2 run "pagedllm avx2 forced" "$PY" -m benchmarks.throughput --workload "$wl" \
-    --compare pagedllm --repeats "$REPEATS"
+  if [ "${SKIP_AVX2:-0}" = 0 ]; then  # SKIP_AVX2=1 on an AVX2-only CPU: native is the avx2 variant
+    PAGEDLLM_KERNEL_MARCH=avx2 run "pagedllm avx2 forced" "$PY" -m benchmarks.throughput --workload "$wl" \
+      --compare pagedllm --repeats "$REPEATS"
+  fi
   if [ -n "${BEFORE:-}" ] && [ "$wl" != burst200 ]; then
     (cd "$BEFORE" && before=$(wc -l < "$ROOT/$OUT") && echo "### before (native): $wl" &&
      "$PY" -m benchmarks.throughput --workload "$wl" --compare pagedllm --repeats "$REPEATS" --json-out "$ROOT/$OUT" &&

@@ -38,7 +38,14 @@ from pagedllm.kernels import (
 from pagedllm.layers import kernel_choice
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.backends.paged_ops import softcap_kernel
-from pagedllm.layers.decode_step_parts import StepPart
+from pagedllm.layers.decode_step_parts import (
+    OP_GGUF_EXACT,
+    OP_GGUF_INT8,
+    OP_INT_EXACT,
+    OP_INT_INT8,
+    OP_PACKED_F32,
+    StepPart,
+)
 from pagedllm.layers.kv_cache_format import KERNEL_KIND, split_kv_cache
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
@@ -128,10 +135,9 @@ class CpuDecodeStep:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.kernel = decode_step_kernel()
-        int_k, gguf_k, packed_k = int_gemm_kernel(), gguf_gemm_kernel(), packed_gemm_kernel()
-        self._ops = _Ops(_address(int_k and int_k.exact), _address(int_k and int_k.int8),
-                         _address(gguf_k and gguf_k.exact), _address(gguf_k and gguf_k.int8),
-                         _address(packed_k and packed_k.gemm), _address(_decode_attention()))
+        # the products' functions are looked up when a plan needs them (a Q4_1 model never
+        # builds gguf_gemm.c)
+        self._ops = _Ops(attention=_address(_decode_attention()))
         self._plans: dict[int, tuple[tuple[int, int], object]] = {}  # bucket -> ((choice generation, KV pointer), plan)
         self._scratch_bytes: dict[int, int] = {}
         self._work = torch.empty(0, dtype=torch.float32)
@@ -176,8 +182,7 @@ class CpuDecodeStep:
             for field, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", layer.mlp.gate_up_proj),
                                   ("down", layer.mlp.down_proj)):
                 linear_parts = module.method.decode_step_parts(module, bucket)
-                if not linear_parts or len(linear_parts) > MAX_PARTS or any(
-                        getattr(self._ops, _OP_FUNCTION[p.op]) is None for p in linear_parts):
+                if not linear_parts or len(linear_parts) > MAX_PARTS or not all(map(self._bind, linear_parts)):
                     return None
                 parts += linear_parts
                 _fill_linear(getattr(desc, field), module, linear_parts)
@@ -240,6 +245,14 @@ class CpuDecodeStep:
         self.steps += 1
         return out
 
+    def _bind(self, part: StepPart) -> bool:
+        """Point the ops table at the function `part` needs (loading its library); False if absent."""
+        field, loader, attr = _OP_FUNCTION[part.op]
+        if getattr(self._ops, field) is None:
+            kernel = loader()
+            setattr(self._ops, field, _address(kernel and getattr(kernel, attr)) or None)
+        return getattr(self._ops, field) is not None
+
     def _scratch_for(self, m: int, parts: list[StepPart]) -> int:
         size = self._scratch_bytes.get(m)
         if size is None:
@@ -254,7 +267,11 @@ class CpuDecodeStep:
         return buf
 
 
-_OP_FUNCTION = {1: "int_exact", 2: "int_int8", 3: "gguf_exact", 4: "gguf_int8", 5: "packed_f32"}
+# decode_step.c op code -> (the ops table's field, the library's loader, its function)
+_OP_FUNCTION = {OP_INT_EXACT: ("int_exact", int_gemm_kernel, "exact"), OP_INT_INT8: ("int_int8", int_gemm_kernel, "int8"),
+                OP_GGUF_EXACT: ("gguf_exact", gguf_gemm_kernel, "exact"),
+                OP_GGUF_INT8: ("gguf_int8", gguf_gemm_kernel, "int8"),
+                OP_PACKED_F32: ("packed_f32", packed_gemm_kernel, "gemm")}
 
 
 def _fill_linear(desc: _Linear, module: nn.Module, parts: list[StepPart]) -> None:

@@ -201,7 +201,12 @@ def test_disabled_kernels_are_reported(fresh, monkeypatch):
 
 @needs_compiler
 @pytest.mark.slow  # seconds (a subprocess / a compile): not in the quick `not slow` run
-def test_active_kernels_are_reported(fresh):
+def test_active_kernels_are_reported(monkeypatch):
+    """Every kernel active and named (from the run's kernel cache: building all of them from
+    nothing is what the other tests of this file do, per case, with small sources)."""
+    monkeypatch.setattr(kernel_build, "_loaded", {})
+    monkeypatch.setattr(kernel_build, "_status", {}, raising=False)
+    monkeypatch.delenv(kernel_build.DISABLE_ENV, raising=False)
     status = kernel_status()
     assert status.any_active and all(k.active for k in status.kernels.values()), status
     assert all(name in status.summary() for name in status.kernels)

@@ -1,4 +1,5 @@
-"""The CPU KV cache's memory: zeroed, and on transparent huge pages where Linux offers them."""
+"""The CPU KV cache's memory: zeroed, untouched until used (no start-up cost, RSS what requests
+use), and on transparent huge pages where Linux offers them."""
 
 from __future__ import annotations
 
@@ -26,6 +27,33 @@ def _vm_flags_of(t: torch.Tensor) -> set[str]:
         elif inside and line.startswith("VmFlags:"):
             flags.update(line.split()[1:])
     return flags
+
+
+def _rss_kb_of(t: torch.Tensor) -> int:
+    """Resident kB of the mappings that hold `t`'s memory (from /proc/self/smaps)."""
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    rss, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if head:
+            inside = int(head.group(1), 16) < hi and int(head.group(2), 16) > lo
+        elif inside and line.startswith("Rss:"):
+            rss += int(line.split()[1])
+    return rss
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="no /proc/self/smaps here")
+def test_a_new_cache_is_not_touched_until_used():
+    """A 256 MB-a-layer cache costs no page faults at start-up: its pages arrive as blocks are
+    written (torch.zeros wrote every byte: seconds of faults before the first request)."""
+    engine = CacheEngine(num_layers=2, num_kv_heads=4, head_dim=64, num_blocks=8192, block_size=16,
+                         dtype=torch.float32, device="cpu")
+    cache = engine.kv_caches[0]
+    assert cache.numel() * 4 == 2 * 8192 * 16 * 4 * 64 * 4  # 256 MiB
+    assert _rss_kb_of(cache) < 8 * 1024  # nothing resident but what a huge page or two may hold
+    cache[0, 5].fill_(1.0)  # a block written: its pages (only) become resident
+    assert 0 < _rss_kb_of(cache) < 16 * 1024
+    assert float(cache[0, 5].sum()) == 16 * 4 * 64 and not cache[1].any()
 
 
 def test_cache_is_zeroed_with_the_right_shape():
