@@ -67,9 +67,9 @@ void rotary_f32(float *qkv, const float *cos_t, const float *sin_t, int64_t T, i
 /* out[m] = the index of the largest value of row m of x [M, V] (row stride ld), the first of
  * equal maxima; a row with a NaN gets its first NaN, as torch's max(dim) gives (its NaN is the
  * maximum). Why: greedy sampling reads every logits row once; torch's CPU max(dim).indices ran
- * 256 x 49,152 float32 rows at about 5 GB/s (9-10 ms a step on a 2-core Xeon). With AVX-512 one
- * pass keeps per lane the largest value and its first index (a strict compare, so the earliest
- * of equal values stays) and the lanes are reduced at the end; elsewhere two passes, the second
+ * 256 x 49,152 float32 rows at about 5 GB/s (9-10 ms a step on a 2-core Xeon). With AVX-512 (and
+ * AVX2, 8 lanes) one pass keeps per lane the largest value and its first index (a strict compare,
+ * so the earliest of equal values stays) and the lanes are reduced at the end; elsewhere two passes, the second
  * over a row still in L2: the maximum (a vectorized max reduction, with an integer test for NaN
  * that -ffast-math cannot fold away), then the first index holding it. */
 static inline int is_nan_bits(const float *p) {
@@ -117,6 +117,47 @@ static int64_t argmax_row(const float *r, int64_t V) {
     float top = vals[0];
     int64_t pos = idx[0];
     for (int l = 1; l < 16; ++l)
+        if (vals[l] > top || (vals[l] == top && idx[l] < pos)) top = vals[l], pos = idx[l];
+    for (int64_t k = body; k < V; ++k) {
+        if (is_nan_bits(r + k)) return k;
+        if (r[k] > top) top = r[k], pos = k;
+    }
+    return pos;
+}
+#elif defined(__AVX2__)
+#include <immintrin.h>
+/* The AVX-512 pass with 8 lanes: a blend keeps each lane's largest value and first index. */
+static int64_t argmax_row(const float *r, int64_t V) {
+    const int64_t body = V / 8 * 8;
+    if (body == 0 || V >= (int64_t)1 << 31) {
+        float best = r[0];
+        int64_t at = 0;
+        for (int64_t j = 1; j < V; ++j)
+            if (r[j] > best) best = r[j], at = j;
+        const int64_t nan = first_nan(r, V);
+        return nan >= 0 ? nan : at;
+    }
+    __m256 best = _mm256_loadu_ps(r);
+    __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i j = at;
+    const __m256i step = _mm256_set1_epi32(8);
+    __m256 nan = _mm256_cmp_ps(best, best, _CMP_UNORD_Q);
+    for (int64_t k = 8; k < body; k += 8) {
+        const __m256 v = _mm256_loadu_ps(r + k);
+        j = _mm256_add_epi32(j, step);
+        const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        best = _mm256_blendv_ps(best, v, gt);
+        at = _mm256_blendv_epi8(at, j, _mm256_castps_si256(gt));
+    }
+    if (_mm256_movemask_ps(nan)) return first_nan(r, V);
+    float vals[8];
+    int32_t idx[8];
+    _mm256_storeu_ps(vals, best);
+    _mm256_storeu_si256((__m256i *)idx, at);
+    float top = vals[0];
+    int64_t pos = idx[0];
+    for (int l = 1; l < 8; ++l)
         if (vals[l] > top || (vals[l] == top && idx[l] < pos)) top = vals[l], pos = idx[l];
     for (int64_t k = body; k < V; ++k) {
         if (is_nan_bits(r + k)) return k;
