@@ -84,18 +84,36 @@ static int64_t first_nan(const float *r, int64_t V) {
     return -1;
 }
 
+/* Short rows, and rows too long for 32-bit lane indices. */
+static inline int64_t argmax_scalar(const float *r, int64_t V) {
+    float best = r[0];
+    int64_t at = 0;
+    for (int64_t j = 1; j < V; ++j)
+        if (r[j] > best) best = r[j], at = j;
+    const int64_t nan = first_nan(r, V);
+    return nan >= 0 ? nan : at;
+}
+
+/* The vector pass's lanes (value, first index) reduced to the row's first maximum, then the
+ * tail past `body` (no NaN in the body: the caller checked). */
+static inline int64_t reduce_lanes(const float *vals, const int32_t *idx, int lanes, const float *r, int64_t body,
+                                   int64_t V) {
+    float top = vals[0];
+    int64_t pos = idx[0];
+    for (int l = 1; l < lanes; ++l)
+        if (vals[l] > top || (vals[l] == top && idx[l] < pos)) top = vals[l], pos = idx[l];
+    for (int64_t k = body; k < V; ++k) {
+        if (is_nan_bits(r + k)) return k;
+        if (r[k] > top) top = r[k], pos = k;
+    }
+    return pos;
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 static int64_t argmax_row(const float *r, int64_t V) {
     const int64_t body = V / 16 * 16;
-    if (body == 0 || V >= (int64_t)1 << 31) {
-        float best = r[0];
-        int64_t at = 0;
-        for (int64_t j = 1; j < V; ++j)
-            if (r[j] > best) best = r[j], at = j;
-        const int64_t nan = first_nan(r, V);
-        return nan >= 0 ? nan : at;
-    }
+    if (body == 0 || V >= (int64_t)1 << 31) return argmax_scalar(r, V);
     __m512 best = _mm512_loadu_ps(r);
     __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512i j = at;
@@ -114,29 +132,14 @@ static int64_t argmax_row(const float *r, int64_t V) {
     int32_t idx[16];
     _mm512_storeu_ps(vals, best);
     _mm512_storeu_si512(idx, at);
-    float top = vals[0];
-    int64_t pos = idx[0];
-    for (int l = 1; l < 16; ++l)
-        if (vals[l] > top || (vals[l] == top && idx[l] < pos)) top = vals[l], pos = idx[l];
-    for (int64_t k = body; k < V; ++k) {
-        if (is_nan_bits(r + k)) return k;
-        if (r[k] > top) top = r[k], pos = k;
-    }
-    return pos;
+    return reduce_lanes(vals, idx, 16, r, body, V);
 }
 #elif defined(__AVX2__)
 #include <immintrin.h>
 /* The AVX-512 pass with 8 lanes: a blend keeps each lane's largest value and first index. */
 static int64_t argmax_row(const float *r, int64_t V) {
     const int64_t body = V / 8 * 8;
-    if (body == 0 || V >= (int64_t)1 << 31) {
-        float best = r[0];
-        int64_t at = 0;
-        for (int64_t j = 1; j < V; ++j)
-            if (r[j] > best) best = r[j], at = j;
-        const int64_t nan = first_nan(r, V);
-        return nan >= 0 ? nan : at;
-    }
+    if (body == 0 || V >= (int64_t)1 << 31) return argmax_scalar(r, V);
     __m256 best = _mm256_loadu_ps(r);
     __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     __m256i j = at;
@@ -155,15 +158,7 @@ static int64_t argmax_row(const float *r, int64_t V) {
     int32_t idx[8];
     _mm256_storeu_ps(vals, best);
     _mm256_storeu_si256((__m256i *)idx, at);
-    float top = vals[0];
-    int64_t pos = idx[0];
-    for (int l = 1; l < 8; ++l)
-        if (vals[l] > top || (vals[l] == top && idx[l] < pos)) top = vals[l], pos = idx[l];
-    for (int64_t k = body; k < V; ++k) {
-        if (is_nan_bits(r + k)) return k;
-        if (r[k] > top) top = r[k], pos = k;
-    }
-    return pos;
+    return reduce_lanes(vals, idx, 8, r, body, V);
 }
 #else
 static int64_t argmax_row(const float *r, int64_t V) {
