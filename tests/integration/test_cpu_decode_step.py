@@ -89,10 +89,12 @@ def test_kv_cache_types_equal_eager(tiny, kv):
 
 
 @pytest.fixture(scope="module", params=["auto", "int8"])
-def default_model(request, smollm2_gguf):
-    from pagedllm import LLM
-
-    llm = LLM(smollm2_gguf, kv_cache_space=0.05, quant_compute=request.param)
+def default_model(request, smollm2_gguf, shared_llm):
+    """The default model (the run's shared engine for "auto"; its runners here get their own caches)."""
+    if request.param == "auto":
+        llm = shared_llm(model=smollm2_gguf, kv_cache_space=1.0, max_model_len=2048)
+    else:
+        llm = shared_llm(model=smollm2_gguf, kv_cache_space=0.05, quant_compute="int8")
     return llm.llm_engine.model, llm.llm_engine.hf_config
 
 
