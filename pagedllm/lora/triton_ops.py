@@ -40,10 +40,6 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
 HAS_TRITON = triton is not None
 
 
-def _interpreting() -> bool:
-    return envs.TRITON_INTERPRET
-
-
 if HAS_TRITON:
 
     def _tile_of(pid, tile_seg_ptr, tile_starts_ptr, starts_ptr, order_ptr, NUM_SEGS: tl.constexpr,
@@ -126,7 +122,7 @@ def _kernel(name: str):
     use: Triton decides between the two when `triton.jit` runs. The kernels call `_tile_of`
     by its global name, read when a kernel compiles (or, interpreted, runs): it is pointed at
     the helper of the mode first (jitted for the compiler, plain Python for the interpreter)."""
-    mode = _interpreting()
+    mode = envs.TRITON_INTERPRET
     key = (name, mode)
     if key not in _KERNELS:
         _KERNELS[key] = triton.jit({"shrink": _shrink_kernel, "expand": _expand_kernel}[name])
@@ -162,7 +158,7 @@ def _launch_checks(*tensors: torch.Tensor) -> None:
         raise RuntimeError("lora triton ops: this needs the triton package (pip install triton); it is not "
                            "installed, and CPU inference does not use it")
     device = tensors[0].device
-    if device.type != "cuda" and not _interpreting():
+    if device.type != "cuda" and not envs.TRITON_INTERPRET:
         raise ValueError(f"lora triton ops: tensors on {device} need TRITON_INTERPRET=1 (Triton's CPU "
                          "interpreter); the compiled kernels run on CUDA tensors")
 

@@ -87,10 +87,6 @@ _MIN_SPLIT_TOKENS = 256  # fewer keys per split than this do not pay for the red
 _MAX_SPLITS = 64
 
 
-def _interpreting() -> bool:
-    return envs.TRITON_INTERPRET
-
-
 if HAS_TRITON:
 
     def _write_kv_kernel(
@@ -344,7 +340,7 @@ def _kernels() -> dict[str, object]:
     call a JITFunction). A kernel finds a function it calls by name in its `__globals__` (the
     compiler when it compiles, the interpreter when it runs), so each mode's kernels are copies
     of the module's functions over their own globals, where `_attend_keys` is that mode's."""
-    mode = _interpreting()
+    mode = envs.TRITON_INTERPRET
     ks = _KERNELS.get(mode)
     if ks is None:
         scope = dict(globals())
@@ -411,7 +407,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, table_width: int, block
 def _dot_dtype(q_dtype: torch.dtype):
     """The dots' operand type: the query's (IEEE float32 for float32); in the interpreter float32
     for bfloat16 too (its bfloat16 tl.dot multiplies raw bits; the upcast products are exact)."""
-    if q_dtype == torch.float32 or (q_dtype == torch.bfloat16 and _interpreting()):
+    if q_dtype == torch.float32 or (q_dtype == torch.bfloat16 and envs.TRITON_INTERPRET):
         return tl.float32
     return tl.bfloat16 if q_dtype == torch.bfloat16 else tl.float16
 
@@ -461,7 +457,7 @@ def _check_device(name: str, *tensors: torch.Tensor) -> None:
     if len(devices) != 1:
         raise ValueError(f"{name}: all tensors must be on one device, got {sorted(map(str, devices))}")
     device = next(iter(devices))
-    if device.type != "cuda" and not _interpreting():
+    if device.type != "cuda" and not envs.TRITON_INTERPRET:
         raise ValueError(f"{name}: tensors on {device} need TRITON_INTERPRET=1 (Triton's CPU interpreter); the "
                          "compiled kernels run on CUDA tensors")
 

@@ -40,10 +40,6 @@ _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _interpreting() -> bool:
-    return envs.TRITON_INTERPRET
-
-
 if HAS_TRITON:
 
     def _int_gemm_kernel(
@@ -119,7 +115,7 @@ _KERNELS: dict[bool, object] = {}
 def _kernel():
     """The jitted kernel for the current mode (compiled, or the interpreter's), made on first use:
     Triton decides between the two when `triton.jit` runs."""
-    mode = _interpreting()
+    mode = envs.TRITON_INTERPRET
     k = _KERNELS.get(mode)
     if k is None:
         k = _KERNELS[mode] = triton.jit(_int_gemm_kernel)
@@ -174,7 +170,7 @@ def _constexprs(cfg: dict, bits: int, x_dtype: torch.dtype, has_perm: bool) -> d
     return dict(BITS=bits, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
                 GROUP_ALIGNED=cfg["group_aligned"], HAS_PERM=has_perm, X_FLOAT32=x_dtype == torch.float32,
                 # the interpreter's bfloat16 tl.dot is wrong; the same products upcast are exact in float32
-                UPCAST_DOT=x_dtype == torch.bfloat16 and _interpreting())
+                UPCAST_DOT=x_dtype == torch.bfloat16 and envs.TRITON_INTERPRET)
 
 
 def _check(x, qweight, scales, zeros, bits, group_size, perm) -> tuple[int, int, int]:
@@ -222,7 +218,7 @@ def _check(x, qweight, scales, zeros, bits, group_size, perm) -> tuple[int, int,
         raise ValueError("int_gemm_triton: all tensors must be on one device, got "
                          + ", ".join(f"{n} on {t.device}" for n, t in tensors))
     device = x.device
-    if device.type != "cuda" and not _interpreting():
+    if device.type != "cuda" and not envs.TRITON_INTERPRET:
         raise ValueError(f"int_gemm_triton: tensors on {device} need TRITON_INTERPRET=1 (Triton's CPU "
                          "interpreter); the compiled kernel runs on CUDA tensors")
     return K, N, gs
