@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import torch
 
+from pagedllm.kernels import gguf_gemm_kernel, int_gemm_kernel
+
 # kernels/decode_step.c's `op` codes
 OP_INT_EXACT, OP_INT_INT8, OP_GGUF_EXACT, OP_GGUF_INT8, OP_PACKED_F32 = 1, 2, 3, 4, 5
 _X_CHUNK_ROWS = 144  # packed_gemm.c's M_CHUNK: exact-path scratch holds one chunk of packed rows
@@ -36,11 +38,7 @@ class StepPart(NamedTuple):
         if self.op == OP_PACKED_F32:
             return 4 * min(m, _X_CHUNK_ROWS) * self.in_features
         if self.op == OP_INT_INT8:
-            from pagedllm.kernels import int_gemm_kernel
-
             return int(int_gemm_kernel().int8_scratch(m, self.in_features))
-        from pagedllm.kernels import gguf_gemm_kernel
-
         return int(gguf_gemm_kernel().int8_scratch(m, self.in_features))
 
 

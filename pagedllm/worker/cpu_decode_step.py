@@ -23,21 +23,16 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from pagedllm import envs
-from pagedllm.kernels import (
-    decode_attention_kernel,
-    decode_step_kernel,
-    gguf_gemm_kernel,
-    int_gemm_kernel,
-    packed_gemm_kernel,
-)
+from pagedllm.kernels import decode_step_kernel, gguf_gemm_kernel, int_gemm_kernel, packed_gemm_kernel
 from pagedllm.layers import kernel_choice
 from pagedllm.layers.activation import SiluAndMul
-from pagedllm.layers.backends.paged_ops import softcap_kernel
+from pagedllm.layers.backends.decode_op import decode_softcap_kernel
 from pagedllm.layers.decode_step_parts import (
     OP_GGUF_EXACT,
     OP_GGUF_INT8,
@@ -87,6 +82,16 @@ class _Model(ctypes.Structure):
                 ("pad2", ctypes.c_float), ("final_norm", ctypes.c_void_p), ("seconds", ctypes.c_void_p)]
 
 
+class _Plan(NamedTuple):
+    """The model described for one row bucket (what decode_step.c reads), and what it depends on."""
+
+    layers: ctypes.Array  # _Layer per decoder layer
+    model: _Model
+    parts: list[StepPart]  # every projection part, for the scratch they need
+    watched: list[tuple[torch.Tensor, int]]  # float weights with a kernel form, and their versions
+    scratch_bytes: dict[int, int]  # rows -> the largest scratch a part needs (filled as steps come)
+
+
 def _address(fn) -> int:
     return 0 if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
 
@@ -97,7 +102,7 @@ def unsupported_reason(model: nn.Module, kv_caches: list[torch.Tensor]) -> str |
 
     if not envs.PAGEDLLM_DECODE_STEP:
         return f"{ENV}=0"
-    if decode_step_kernel() is None or _decode_attention() is None:
+    if decode_step_kernel() is None or decode_softcap_kernel() is None:
         return "the C kernels are not available"
     if type(model).forward is not LlamaForCausalLM.forward or type(model.model) is not LlamaModel:
         return f"{type(model).__name__} is not a Llama-family decoder the step describes"
@@ -123,10 +128,6 @@ def unsupported_reason(model: nn.Module, kv_caches: list[torch.Tensor]) -> str |
     return None
 
 
-def _decode_attention():
-    return softcap_kernel(decode_attention_kernel, "paged_decode_attention.c", "paged_decode_attention_softcap")()
-
-
 class CpuDecodeStep:
     """Runs decode-only steps of one model through decode_step.c (see the module docstring)."""
 
@@ -137,9 +138,8 @@ class CpuDecodeStep:
         self.kernel = decode_step_kernel()
         # the products' functions are looked up when a plan needs them (a Q4_1 model never
         # builds gguf_gemm.c)
-        self._ops = _Ops(attention=_address(_decode_attention()))
-        self._plans: dict[int, tuple[tuple[int, int], object]] = {}  # bucket -> ((choice generation, KV pointer), plan)
-        self._scratch_bytes: dict[int, int] = {}
+        self._ops = _Ops(attention=_address(decode_softcap_kernel()))
+        self._plans: dict[int, tuple[tuple[int, int], _Plan | None]] = {}  # bucket -> ((choice generation, KV pointer), plan)
         self._work = torch.empty(0, dtype=torch.float32)
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self.steps = 0  # steps run here (tests and the profile read it)
@@ -165,7 +165,7 @@ class CpuDecodeStep:
         cached = self._plans.get(bucket)
         if cached is not None and cached[0] == stamp:
             plan = cached[1]
-            if plan is None or all(w._version == v for w, v in plan[3]):
+            if plan is None or all(w._version == v for w, v in plan.watched):
                 return plan
             self._plans.clear()
             return None
@@ -173,7 +173,7 @@ class CpuDecodeStep:
         self._plans[bucket] = (stamp, plan)
         return plan
 
-    def _make_plan(self, bucket: int):
+    def _make_plan(self, bucket: int) -> _Plan | None:
         inner = self.model.model
         layers = (_Layer * len(inner.layers))()
         parts: list[StepPart] = []
@@ -208,7 +208,7 @@ class CpuDecodeStep:
             return None  # the C step takes one epsilon for every norm
         watched = [(m.weight, m.weight._version) for m in self.model.modules()
                    if getattr(m, "prepared", None) is not None and isinstance(getattr(m, "weight", None), torch.Tensor)]
-        return layers, model_desc, parts, watched
+        return _Plan(layers, model_desc, parts, watched, {})
 
     # ---- one step ---------------------------------------------------------------------------
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -221,7 +221,7 @@ class CpuDecodeStep:
         plan = self._plan(kernel_choice.bucket_index(m))
         if plan is None:
             return None
-        layers, model_desc, parts, _ = plan
+        model_desc = plan.model
         inner = self.model.model
         hidden = inner.embed_tokens(input_ids)
         cos, sin = inner.rotary_emb(positions)
@@ -232,10 +232,10 @@ class CpuDecodeStep:
         model_desc.table_width = tables.shape[1]
         model_desc.seconds = None if self.seconds is None else self.seconds.data_ptr()
         work = self._buffer("_work", self.kernel.work_floats(ctypes.byref(model_desc), m), torch.float32)
-        scratch = self._buffer("_scratch", self._scratch_for(m, parts), torch.uint8)
+        scratch = self._buffer("_scratch", _scratch_for(plan, m), torch.uint8)
         out = torch.empty(m, model_desc.hidden, dtype=torch.float32)
         failed = self.kernel.run(
-            ctypes.addressof(self._ops), ctypes.addressof(model_desc), ctypes.addressof(layers), hidden.data_ptr(),
+            ctypes.addressof(self._ops), ctypes.addressof(model_desc), ctypes.addressof(plan.layers), hidden.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
             work.data_ptr(), scratch.data_ptr(), m, torch.get_num_threads(),
         )  # fmt: skip
@@ -253,12 +253,6 @@ class CpuDecodeStep:
             setattr(self._ops, field, _address(kernel and getattr(kernel, attr)) or None)
         return getattr(self._ops, field) is not None
 
-    def _scratch_for(self, m: int, parts: list[StepPart]) -> int:
-        size = self._scratch_bytes.get(m)
-        if size is None:
-            size = self._scratch_bytes[m] = max([p.scratch_bytes(m) for p in parts] + [64])
-        return size
-
     def _buffer(self, name: str, size: int, dtype: torch.dtype) -> torch.Tensor:
         buf = getattr(self, name)
         if buf.numel() < size:
@@ -272,6 +266,14 @@ _OP_FUNCTION = {OP_INT_EXACT: ("int_exact", int_gemm_kernel, "exact"), OP_INT_IN
                 OP_GGUF_EXACT: ("gguf_exact", gguf_gemm_kernel, "exact"),
                 OP_GGUF_INT8: ("gguf_int8", gguf_gemm_kernel, "int8"),
                 OP_PACKED_F32: ("packed_f32", packed_gemm_kernel, "gemm")}
+
+
+def _scratch_for(plan: _Plan, m: int) -> int:
+    """Bytes of scratch for a step of `m` rows under `plan` (once per row count)."""
+    size = plan.scratch_bytes.get(m)
+    if size is None:
+        size = plan.scratch_bytes[m] = max([p.scratch_bytes(m) for p in plan.parts] + [64])
+    return size
 
 
 def _fill_linear(desc: _Linear, module: nn.Module, parts: list[StepPart]) -> None:

@@ -36,8 +36,10 @@ from pagedllm.layers.backends.paged_ops import (
 )
 from pagedllm.layers.kv_cache_format import KERNEL_KIND, KVHalf, split_kv_cache
 
-# `paged_decode_attention_softcap`: the kernel build.py binds, plus the soft cap (0: none).
+# `paged_decode_attention_softcap`: the kernel build.py binds, plus the soft cap (0: none); the C
+# decode step (worker/cpu_decode_step.py) calls the same function.
 _c_kernel = softcap_kernel(decode_attention_kernel, "paged_decode_attention.c", "paged_decode_attention_softcap")
+decode_softcap_kernel = _c_kernel
 
 
 def decode_attention_torch(
