@@ -11,7 +11,7 @@ Targets (`--targets`, comma-separated):
   turn; greedy, EOS honoured) one request at a time through the offline `LLM` API, plain and
   with `{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
   "prompt_lookup_min": 2}` (`--lookup-max`, `--lookup-min`) for each k of `--ks`: output tok/s (median run), the ratio to plain,
-  acceptance per category (from the engine core's `spec_stats`: drafted and accepted tokens,
+  acceptance per category (from the engine core's `speculation.stats`: drafted and accepted tokens,
   per-position acceptance = accepted at position j / drafts, vLLM's figure), tokens per forward
   step, and the requests whose output differs from plain (greedy: must be 0).
 - `seed20`: benchmarks/workloads.py's seed20 (20 random-token prompts at once, exact output
@@ -162,14 +162,14 @@ def free(*llms) -> None:
 
 
 class SpecCounter:
-    """Deltas of the engine core's cumulative `spec_stats` (and of its step count)."""
+    """Deltas of the engine core's cumulative `speculation.stats` (and of its step count)."""
 
     def __init__(self, llm):
         self.core = llm.llm_engine.core
         self.mark = self._read()
 
     def _read(self) -> dict:
-        st = self.core.spec_stats
+        st = self.core.speculation.stats if self.core.speculation is not None else None
         d = {"steps": getattr(self.core, "_num_steps", 0)}
         if st is not None:
             d.update(drafts=st.num_drafts, draft_tokens=st.num_draft_tokens,

@@ -90,7 +90,7 @@ def run(name: str, spec: dict | None, args, no_backoff: bool = False) -> dict:
     llm = LLM(max_model_len=1024, kv_cache_space=0.5, speculative_config=spec)
     core = llm.llm_engine.core
     if no_backoff:
-        core.spec_backoff.allows = lambda seq_id, step: True
+        core.speculation.backoff.allows = lambda seq_id, step: True
     timer = _StepTimer(core.model_runner)
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
@@ -101,13 +101,13 @@ def run(name: str, spec: dict | None, args, no_backoff: bool = False) -> dict:
     for _ in range(args.repeats):
         llm.reset_prefix_cache()
         timer.reset()
-        before = (core.spec_stats.num_draft_tokens, core.spec_stats.num_accepted_tokens) if core.spec_stats else (0, 0)
+        before = (core.speculation.stats.num_draft_tokens, core.speculation.stats.num_accepted_tokens) if core.speculation else (0, 0)
         t = time.perf_counter()
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]  # one at a time
         wall = time.perf_counter() - t
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        drafted, accepted = ((core.spec_stats.num_draft_tokens - before[0], core.spec_stats.num_accepted_tokens - before[1])
-                             if core.spec_stats else (0, 0))
+        drafted, accepted = ((core.speculation.stats.num_draft_tokens - before[0], core.speculation.stats.num_accepted_tokens - before[1])
+                             if core.speculation else (0, 0))
         runs.append(dict(tok_s=tokens / wall, tokens=tokens, steps=timer.steps, draft_s=timer.draft_s,
                          step_s=timer.step_s, drafted=drafted, accepted=accepted))
         outputs = [o.outputs[0].token_ids for o in outs]

@@ -54,7 +54,6 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_cache_groups import KVCacheGroups
@@ -148,8 +147,11 @@ class SchedulerConfig:
             )
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class ScheduledSequence:
+    """The scheduler's decision for one sequence this step; the engine core turns it into the
+    runner's `SequenceStep` (core/step_plan.py), adding what only it knows."""
+
     seq: Sequence
     token_ids: list[int]  # tokens fed this step, at positions start_pos .. start_pos+len-1
     start_pos: int  # seq.num_computed_tokens before this step
@@ -159,7 +161,6 @@ class ScheduledSequence:
     blocks_from: int
     new_block_ids: list[int]
     sample: bool  # the step reaches the last known token: sample one from the last row
-    all_logits: bool = False  # set by the engine for prompt logprobs
     # The sequence's length (prompt + output so far) when scheduled: a length-dependent
     # positional encoding (Phi-3 LongRoPE) picks its regime from it. 0: start_pos + len(token_ids).
     seq_len: int = 0
@@ -169,15 +170,11 @@ class ScheduledSequence:
     # Speculative decoding: the draft tokens at the end of `token_ids` (after the sequence's
     # last known token), each position's logits verify the next; empty: no proposal.
     draft_token_ids: list[int] = field(default_factory=list)
-    # A draft model (spec_decode/draft_model.py): the tokens it runs this step, at positions
-    # `draft_start ..`, before the target (engine-set, after the schedule).
-    draft_start: int = 0
-    draft_input_ids: list[int] = field(default_factory=list)
     # Multi-LoRA: the adapter it runs with (0: the base model).
     lora_int_id: int = 0
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledSequence]
     block_copies: list[tuple[int, int]]  # (src, dst) CoW copies to do BEFORE the forward
@@ -192,9 +189,6 @@ class SchedulerOutput:
     # Sequences that left for good (finished, aborted) since the previous step: the runner
     # drops their sampling rows (a preempted sequence keeps its row: it comes back).
     finished_seq_ids: list[int] = field(default_factory=list)
-    # Multi-LoRA: the adapters of this step's sequences, by id (engine-set: the runners load
-    # any they do not hold; opaque here, core/ knows adapters only by id).
-    lora_requests: dict[int, Any] = field(default_factory=dict)
 
     @property
     def has_cache_ops(self) -> bool:

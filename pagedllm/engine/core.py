@@ -28,6 +28,7 @@ from pagedllm.core.kv_cache_groups import hybrid_kv_cache_groups
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Sequence, SequenceStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, check_priority
+from pagedllm.core.step_plan import StepPlan
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchRequest, beam_completions
 from pagedllm.engine.core_messages import (
     CoreStats,
@@ -42,15 +43,14 @@ from pagedllm.engine.input_processing import InputProcessor
 from pagedllm.engine.kv_stats import KVCacheStats, KVCacheStatsTracker
 from pagedllm.engine.request_state import RequestState
 from pagedllm.engine.sequence_update import SequenceUpdater
+from pagedllm.engine.speculation import Speculation
+from pagedllm.engine.step_planner import StepPlanner
 from pagedllm.kernels.status import log_kernel_status
 from pagedllm.layers.kv_cache_format import resolve_kv_cache_dtype
 from pagedllm.layers.sampler import Sampler
 from pagedllm.lora.core_registry import CoreLoRAs, lora_cache_key
 from pagedllm.lora.request import LoRARequest
-from pagedllm.spec_decode.backoff import DEFAULT_MIN_RATE, SpecBackoff
-from pagedllm.spec_decode.step_cost import StepCostModel
 from pagedllm.spec_decode.config import SpeculativeConfig
-from pagedllm.spec_decode.proposer import SpecDecodeStats, make_proposer
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.executor import create_executor
 from pagedllm.layers.rotary import long_context_threshold
@@ -60,6 +60,7 @@ from pagedllm.tokenizer import load_tokenizer
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.device import resolve_device, resolve_dtype
 from pagedllm.worker.input_batch import SamplingRowSpec
+from pagedllm.worker.model_runner import ModelRunnerOutput
 from pagedllm.worker.worker import DraftModelConfig
 from pagedllm.worker.memory_sizing import MemoryProfile, size_kv_cache
 
@@ -145,23 +146,20 @@ class EngineCore:
             self._load_tokenizer, self.vocab_size, sorted(self.eos_token_ids),
             compile_timeout_s=config.structured_outputs_timeout)
         self.requests: dict[str, RequestState] = {}
-        self.proposer = None
+        # Speculative decoding: proposals before the schedule, statistics and back-off after.
+        self.speculation: Speculation | None = None
         if spec is not None:
-            draft_len = None if self.draft is None else self._draft_max_model_len(spec)
-            self.proposer = make_proposer(spec, self.max_model_len, draft_max_model_len=draft_len,
-                                          max_catchup_tokens=self.max_num_batched_tokens)
-            self.proposer.follows = self._follows_proposals
-        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec is not None else None
-        self.spec_backoff = SpecBackoff()  # proposals that keep missing pause (spec_decode/backoff.py)
-        # What a draft token costs here (spec_decode/step_cost.py): sets the back-off's bar.
-        self.step_cost = StepCostModel()
+            self.speculation = Speculation(
+                spec, self.requests, self.structured, self.max_model_len, self.max_num_batched_tokens,
+                draft_max_model_len=None if self.draft is None else self._draft_max_model_len(spec),
+                has_draft_model=self.draft is not None)
         # Multi-LoRA: the adapters rank 0's runner holds, pinned in host memory while requests use them.
         self.loras: CoreLoRAs | None = None
         if config.enable_lora:
             self.loras = CoreLoRAs(self.model_runner.lora)
+        self.planner = StepPlanner(self.requests, self.structured,
+                                   None if self.speculation is None else self.speculation.proposer, self.loras)
         self._seq_counter = itertools.count()
-        # Sampling rows the runner has not been given yet (each sequence's, once).
-        self._new_rows: list[SamplingRowSpec] = []
         self._idle_steps = 0  # the watchdog's count (see `stall_steps`)
         self._kv_stats = KVCacheStatsTracker(self.num_blocks, self.block_size)
         # Tokens fed per step until stats() hands them on; bounded: the offline engine never
@@ -434,7 +432,7 @@ class EngineCore:
         seq.grammar = state.constraint.new_matcher() if state.constraint else None
         state.fork_seq_ids = [next(self._seq_counter) for _ in range(1, params.n)]
         blocked = frozenset(params.stop_token_ids) | params.all_stop_token_ids | self.eos_token_ids
-        self._new_rows.append(SamplingRowSpec(
+        self.planner.add_sampling_row(SamplingRowSpec(
             seq.seq_id, params, 0, state.prompt_token_ids,
             min_tokens_blocked=blocked if params.min_tokens else frozenset(),
             fork_seq_ids=list(state.fork_seq_ids)))
@@ -473,9 +471,9 @@ class EngineCore:
         """The one place a request leaves the core (finished, stopped by a string, aborted):
         the proposer forgets its sequences (suffix decoding: their per-sequence trees)."""
         state = self.requests.pop(rid)
-        if self.proposer is not None:
+        if self.speculation is not None:
             for seq in state.seqs:
-                self.proposer.on_finished(seq)
+                self.speculation.proposer.on_finished(seq)
         if state.lora_request is not None:
             self.loras.release(state.lora_request.lora_int_id)
 
@@ -488,48 +486,55 @@ class EngineCore:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
-        """Run one scheduler step; an output for every request that advanced."""
-        if self.proposer is not None:
-            self._propose()
+        """One step: schedule -> execute -> update; an output for every request that advanced."""
+        sched_out = self._schedule()
+        plan = self.planner.plan(sched_out)  # frozen from here on
+        started = time.time()
+        runner_out = self._execute(plan)
+        return self._update(sched_out, plan, runner_out, started)
+
+    def _schedule(self) -> SchedulerOutput:
+        """The running decodes' proposals, then the scheduler's decision (watched for stalls)."""
+        if self.speculation is not None:
+            self.speculation.propose(self.scheduler.running, self._num_steps)
         sched_out = self.scheduler.schedule()
         self._watch_progress(sched_out)
+        return sched_out
+
+    def _execute(self, plan: StepPlan) -> ModelRunnerOutput | None:
+        """The plan on every rank (None: nothing to run, not even a table to drop)."""
+        if not plan.has_work:
+            return None
+        t0 = time.perf_counter()
+        runner_out = self.executor.execute_model(plan)
+        if self.speculation is not None and plan.sequences:
+            self.speculation.observe_step_time(plan, time.perf_counter() - t0)
+        return runner_out
+
+    def _update(self, sched_out: SchedulerOutput, plan: StepPlan, runner_out: ModelRunnerOutput | None,
+                started: float) -> EngineCoreOutputs:
+        """Tokens computed, sampled tokens appended, finished requests out."""
         if not sched_out.scheduled:
-            # e.g. a step that only swapped a group out, or only released tables: the
-            # runner's copies of the tables must see every release
-            if sched_out.has_cache_ops or sched_out.released_seq_ids or sched_out.finished_seq_ids:
-                self.executor.execute_model(self._with_new_rows(sched_out))
             return EngineCoreOutputs(timestamp=time.time(), engine_index=self.engine_index)
-        now = time.time()
         outputs: dict[str, EngineCoreOutput] = {}
         for item in sched_out.scheduled:
             state = self.requests[item.seq.request_id]
             if state.first_scheduled_time is None:
-                state.first_scheduled_time = now
+                state.first_scheduled_time = started
                 state.num_cached_tokens = item.seq.num_cached_tokens
                 outputs[state.request_id] = EngineCoreOutput(
-                    state.request_id, [], first_scheduled_time=now,
+                    state.request_id, [], first_scheduled_time=started,
                     num_cached_tokens=item.seq.num_cached_tokens,
                 )
-            item.all_logits = state.num_prompt_logprobs is not None and not state.prompt_logprobs_done
-        # The token masks depend only on tokens already accepted: filled while the forward runs.
-        sched_out.token_masks = self.structured.submit_masks(self._mask_entries(sched_out))
-        if self.proposer is not None:
-            self.proposer.annotate(sched_out)
-        if self.loras is not None:
-            sched_out.lora_requests = self.loras.requests_of(sched_out.scheduled)
-        t0 = time.perf_counter()
-        runner_out = self.executor.execute_model(self._with_new_rows(sched_out))
-        if self.proposer is not None and all(len(s.token_ids) == 1 + len(s.draft_token_ids)
-                                             for s in sched_out.scheduled):
-            self.step_cost.observe(sched_out.num_batched_tokens, time.perf_counter() - t0)
         self._num_steps += 1
         self._step_tokens.append(sched_out.num_batched_tokens)
         self.num_batched_tokens_total += sched_out.num_batched_tokens
-        self.scheduler.update_after_step(sched_out, runner_out.num_accepted if runner_out else None)
-        if self.proposer is not None:
-            self.proposer.after_step(sched_out, runner_out.num_accepted if runner_out else {})
+        num_accepted = runner_out.num_accepted if runner_out is not None else {}
+        self.scheduler.update_after_step(sched_out, num_accepted)
+        if self.speculation is not None:
+            self.speculation.after_step(sched_out, plan, num_accepted)
         self._observe_kv_usage()
-        self._process_outputs(sched_out, runner_out, outputs)
+        self._process_outputs(sched_out, plan, runner_out, outputs)
         self._observe_kv_usage()  # finished sequences gave their blocks back
         # Every entry carries something: a first scheduling (cache hits, queue time), tokens,
         # prompt logprobs, or a finished beam search.
@@ -542,43 +547,6 @@ class EngineCore:
                 self._drop_request(rid)
         return EngineCoreOutputs(list(outputs.values()), timestamp=time.time(),
                                  engine_index=self.engine_index)
-
-    def _propose(self) -> None:
-        """Draft tokens for the running sequences about to decode, unless the batch is at
-        `disable_by_batch_size`. Beams and constrained samples (grammars, allowed / bad
-        words: their masks are per position) decode one token at a time."""
-        running = self.scheduler.running
-        limit = self.proposer.config.disable_by_batch_size
-        if limit is not None and len(running) >= limit:
-            self.proposer.deactivate()
-            return
-        backoff, step = self.spec_backoff, self._num_steps
-        rho = self.step_cost.break_even(len(running))
-        backoff.min_rate = DEFAULT_MIN_RATE if rho is None else rho
-        if len(backoff) > 2 * len(running) + 64:
-            backoff.forget_all_but({seq.seq_id for seq in running})
-        candidates = []
-        for seq in running:
-            if seq.num_computed_tokens != seq.num_tokens - 1 or not seq.output_token_ids:
-                continue
-            if self._follows_proposals(seq) and backoff.allows(seq.seq_id, step):
-                candidates.append((seq, self.requests[seq.request_id].params))
-        self.proposer.propose(candidates)
-        for seq, _ in candidates:  # a draft the constraint refuses ends the proposal
-            constraint = self.requests[seq.request_id].constraint
-            if constraint is not None and seq.spec_token_ids:
-                n = self.structured.valid_draft_prefix(constraint, seq.grammar, seq.output_token_ids,
-                                                       seq.spec_token_ids)
-                del seq.spec_token_ids[n:]
-
-    def _follows_proposals(self, seq: Sequence) -> bool:
-        """Whether `seq` may get proposals: not a beam; a constrained sample (grammar,
-        allowed_token_ids, bad_words) only from proposers whose tokens are known before the
-        step, so that they are checked against the constraint (not a draft model's)."""
-        state = self.requests.get(seq.request_id)
-        if state is None or state.beam is not None:
-            return False
-        return state.constraint is None or self.draft is None
 
     def _watch_progress(self, sched_out: SchedulerOutput) -> None:
         """The watchdog: raise `SchedulerStallError` naming the stuck requests when
@@ -603,36 +571,17 @@ class EngineCore:
             out = outputs[rid] = EngineCoreOutput(rid, [])
         return out
 
-    def _with_new_rows(self, sched_out: SchedulerOutput) -> SchedulerOutput:
-        """The step, with the sampling rows of the sequences added since the last one."""
-        sched_out.new_sampling_rows, self._new_rows = self._new_rows, []
-        return sched_out
-
-    def _mask_entries(self, sched_out: SchedulerOutput) -> list:
-        """(seq id, constraint, matcher, output ids, drafts) of the constrained sequences that
-        sample this step: the runner's sampler waits for their rows after the forward."""
-        entries = []
-        for item in sched_out.scheduled:
-            if not item.sample:
-                continue
-            state = self.requests[item.seq.request_id]
-            if state.constraint is not None and state.beam is None:
-                entries.append((item.seq.seq_id, state.constraint, item.seq.grammar,
-                                item.seq.output_token_ids, item.draft_token_ids))
-        return entries
-
-    def _process_outputs(
-        self, sched_out: SchedulerOutput, runner_out, outputs: dict[str, EngineCoreOutput],
-    ) -> None:
+    def _process_outputs(self, sched_out: SchedulerOutput, plan: StepPlan, runner_out: ModelRunnerOutput,
+                         outputs: dict[str, EngineCoreOutput]) -> None:
         """Append the runner's sampled tokens (`runner_out.sampled`: one row per sampled
         sequence in scheduled order, an n > 1 sequence's forks after it at its first sample);
         beams get their logits row (`sample_logits`, one per sampling item)."""
         sampled = runner_out.sampled
         r = 0  # the next row of `sampled`
         sample_i = 0  # the next row of `sample_logits`
-        for item in sched_out.scheduled:
+        for item, step in zip(sched_out.scheduled, plan.sequences):
             state = self.requests[item.seq.request_id]
-            if item.all_logits:
+            if step.all_logits:
                 entries = self.updater.add_prompt_logprobs(
                     state, item, runner_out.all_logits[item.seq.seq_id], self.sampler
                 )
@@ -653,10 +602,9 @@ class EngineCore:
             sample_i += 1 + len(item.draft_token_ids)
             if item.draft_token_ids:
                 accepted = runner_out.num_accepted.get(item.seq.seq_id, 0)
-                self.spec_stats.observe(len(item.draft_token_ids), accepted)
-                self.spec_backoff.observe(item.seq.seq_id, accepted, len(item.draft_token_ids), self._num_steps)
-                r = self._append_verified(state, item, sampled, r,
-                                          runner_out.num_accepted.get(item.seq.seq_id, 0), outputs)
+                self.speculation.observe_verified(item.seq.seq_id, len(item.draft_token_ids), accepted,
+                                                  self._num_steps)
+                r = self._append_verified(state, item, sampled, r, accepted, outputs)
                 continue
             targets = [item.seq]
             if state.params.n > 1 and not state.forked:
@@ -741,7 +689,7 @@ class EngineCore:
     def stats(self) -> CoreStats:
         """The gauges and counters that /metrics shows (metrics.EngineMetrics)."""
         sched, kv = self.scheduler, self.kv_cache_manager
-        swapped = getattr(sched, "swapped", ())  # groups of one request's sequences
+        swapped = sched.swapped  # groups of one request's sequences
         return CoreStats(
             num_running=len({s.request_id for s in sched.running}),
             num_waiting=len({s.request_id for s in sched.waiting}),
@@ -755,17 +703,9 @@ class EngineCore:
             kv_used_blocks_by_group=kv.num_used_blocks_by_group if kv.is_hybrid else [],
             sliding_blocks_freed=kv.num_dead_blocks_freed,
             iteration_tokens=self._drain_step_tokens(),
-            **self._spec_stats_fields(),
+            **(self.speculation.stats_fields() if self.speculation is not None else {}),
             **self._lora_stats_fields(),
         )
-
-    def _spec_stats_fields(self) -> dict[str, Any]:
-        st = self.spec_stats
-        if st is None:
-            return {}
-        return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
-                    spec_num_accepted_tokens=st.num_accepted_tokens,
-                    spec_accepted_per_pos=list(st.accepted_per_pos))
 
     def _lora_stats_fields(self) -> dict[str, Any]:
         """vllm:lora_requests_info's labels: the adapters of running and of waiting requests."""

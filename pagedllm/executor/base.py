@@ -9,10 +9,10 @@ process; `MultiprocExecutor` (executor/multiproc.py) adds tensor-parallel worker
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
 
 from torch import nn
 
+from pagedllm.core.step_plan import StepPlan
 from pagedllm.worker.memory_sizing import MemoryProfile
 from pagedllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 from pagedllm.worker.worker import Worker
@@ -46,7 +46,7 @@ class Executor(ABC):
         """Every rank's runner with `num_blocks` KV blocks (its own heads) and the host pool."""
 
     @abstractmethod
-    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
+    def execute_model(self, plan: StepPlan) -> ModelRunnerOutput:
         """One step on every rank; the logits (rank 0's) come back."""
 
     @abstractmethod

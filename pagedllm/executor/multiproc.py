@@ -3,8 +3,8 @@
 Rank 0 is the engine-core process itself (its `Worker` is the driver); ranks 1..N-1 are worker
 processes (executor/worker_proc.py) started here. All N join one torch.distributed group (gloo
 on CPU, NCCL on CUDA) and load their own shards at the same time. Each step the scheduler's
-output is encoded once (executor/messages.py: diffs of the block tables) and written to every
-worker's link; then every rank runs the same forward, the collectives keeping them in step, and
+plan (core/step_plan.py: the block tables as the scheduler's deltas) is encoded once without its
+rank-0-only parts and written to every worker's link; then every rank runs the same forward, the collectives keeping them in step, and
 only rank 0 gets logits back. There is no reply per step.
 
 Failures are start-up errors or clear run-time errors, never hangs:
@@ -35,7 +35,7 @@ from pagedllm import envs
 from pagedllm.distributed import cpu_binding, parallel_state
 from pagedllm.executor.base import Executor
 from pagedllm.executor.channel import Listener, free_port
-from pagedllm.executor.messages import encode_step
+from pagedllm.core.step_plan import StepPlan, encode_for_workers
 from pagedllm.executor.worker_proc import AUTHKEY_ENV
 from pagedllm.worker.memory_sizing import MemoryProfile
 from pagedllm.worker.model_runner import ModelRunnerOutput
@@ -215,10 +215,10 @@ class MultiprocExecutor(Executor):
         self._guarded(self.driver.initialize_cache, num_blocks, num_host_blocks, max_model_len, None)
         self._guarded(self._wait_all, "cache_ready", "allocate its KV cache")
 
-    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
+    def execute_model(self, plan: StepPlan) -> ModelRunnerOutput:
         self._check_alive()
-        self._broadcast(encode_step(scheduler_output))
-        return self._guarded(self.driver.execute_model, scheduler_output)
+        self._broadcast(pickle.dumps(("step", encode_for_workers(plan)), protocol=pickle.HIGHEST_PROTOCOL))
+        return self._guarded(self.driver.execute_model, plan)
 
     def profile_memory(self, num_tokens: int, num_seqs: int, max_model_len: int) -> MemoryProfile:
         self._broadcast(pickle.dumps(("profile", num_tokens, num_seqs, max_model_len)))

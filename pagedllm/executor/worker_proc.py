@@ -25,7 +25,7 @@ from typing import Any
 AUTHKEY_ENV = "PAGEDLLM_TP_AUTHKEY"
 def run_worker(conn: Connection, rank: int, config: Any, init_method: str, binding: Any) -> None:
     """Start-up stages (each reported to rank 0), then the step loop until "shutdown"."""
-    from pagedllm.executor.messages import decode_step
+    from pagedllm.core.step_plan import decode_from_rank0
     from pagedllm.worker.worker import Worker
 
     worker = Worker(config, rank)
@@ -39,7 +39,7 @@ def run_worker(conn: Connection, rank: int, config: Any, init_method: str, bindi
         msg = pickle.loads(conn.recv_bytes())
         kind = msg[0]
         if kind == "step":
-            worker.execute_model(decode_step(msg))
+            worker.execute_model(decode_from_rank0(msg[1]))
         elif kind == "init_cache":
             worker.initialize_cache(*msg[1:])
             conn.send(("cache_ready", rank))

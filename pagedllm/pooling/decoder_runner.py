@@ -15,6 +15,7 @@ import torch
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Sequence, SequenceStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+from pagedllm.engine.step_planner import plan_of
 from pagedllm.model.decoder_embedders import HEADLESS_OF
 from pagedllm.pooling.poolers import pool
 from pagedllm.pooling.work import PoolingWork
@@ -94,7 +95,7 @@ class DecoderPoolingRunner:
 
     def step(self) -> list[tuple[str, torch.Tensor]]:
         sched_out = self.scheduler.schedule()
-        hidden = self.runner.execute_hidden(sched_out)
+        hidden = self.runner.execute_hidden(plan_of(sched_out))
         self.scheduler.update_after_step(sched_out)
         done = []
         for item, rows in zip(sched_out.scheduled, hidden):

@@ -9,9 +9,9 @@ pool so). What the core tracks is how far the draft's KV goes: `Sequence.draft_n
 A step of a sequence that speculates:
 - before the schedule, `propose` gives it `k` placeholder drafts (their slots are allocated and
   counted against the token budget like any draft);
-- after the schedule, `annotate` names the tokens the draft runs first: those the draft has
+- after the schedule, `draft_inputs` names the tokens the draft runs first: those the draft has
   not seen, up to and including the sequence's last token (`draft_input_ids` from
-  `draft_start`); its last row's argmax is the first draft, then k - 1 one-token passes give
+  `draft_start`, in the step plan); its last row's argmax is the first draft, then k - 1 one-token passes give
   the rest (the runner fills the placeholders before the target's forward);
 - after the step, `after_step` moves `draft_num_computed` to what the draft wrote that is
   still true: the inputs, and of the drafts it ran (all but the last) the accepted ones.
@@ -68,10 +68,12 @@ class DraftModelProposer(Proposer):
         """This step does not speculate: the draft runs nothing."""
         self._active = False
 
-    def annotate(self, sched_out: Any) -> None:
+    def draft_inputs(self, scheduled: list[Any]) -> dict[int, tuple[int, list[int]]]:
+        """seq id -> (draft_start, draft_input_ids): what the draft runs this step."""
         if not self._active:
-            return
-        for item in sched_out.scheduled:
+            return {}
+        out = {}
+        for item in scheduled:
             seq = item.seq
             if not self.follows(seq):
                 continue
@@ -89,14 +91,14 @@ class DraftModelProposer(Proposer):
                 continue
             seq.draft_num_computed = start
             if end > start:
-                item.draft_start = start
-                item.draft_input_ids = seq.token_ids_slice(start, end)
+                out[seq.seq_id] = (start, seq.token_ids_slice(start, end))
+        return out
 
-    def after_step(self, sched_out: Any, num_accepted: dict[int, int]) -> None:
-        for item in sched_out.scheduled:
-            if not item.draft_input_ids or item.seq.is_finished:
+    def after_step(self, scheduled: list[Any], plan: Any, num_accepted: dict[int, int]) -> None:
+        for item, step in zip(scheduled, plan.sequences):
+            if not step.draft_input_ids or item.seq.is_finished:
                 continue
-            done = item.draft_start + len(item.draft_input_ids)
+            done = step.draft_start + len(step.draft_input_ids)
             if item.draft_token_ids:  # it also ran every draft but the last
                 done += min(num_accepted.get(item.seq.seq_id, 0), len(item.draft_token_ids) - 1)
             item.seq.draft_num_computed = min(done, item.seq.num_computed_tokens)

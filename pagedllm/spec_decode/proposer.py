@@ -16,8 +16,8 @@ BUILT_METHODS = ("ngram", "suffix", "draft_model")
 
 class Proposer:
     """What the engine core calls on a proposer, once per step (every hook but `propose` is a
-    no-op here): `propose` before the schedule (sets `Sequence.spec_token_ids`), `annotate`
-    on the step's `SchedulerOutput` before it runs, `after_step` with the runner's accepted
+    no-op here): `propose` before the schedule (sets `Sequence.spec_token_ids`), `draft_inputs`
+    for the step plan (core/step_plan.py) after the schedule, `after_step` with the runner's accepted
     counts, `on_finished` when a sequence ends (a proposer that learns from finished outputs)."""
 
     config: SpeculativeConfig
@@ -25,14 +25,15 @@ class Proposer:
     def propose(self, running: Iterable[tuple[Sequence, Any]]) -> int:
         raise NotImplementedError
 
-    def annotate(self, sched_out: Any) -> None:
-        return None
+    def draft_inputs(self, scheduled: list[Any]) -> dict[int, tuple[int, list[int]]]:
+        """seq id -> (draft_start, draft_input_ids) for a draft model to run this step."""
+        return {}
 
     def deactivate(self) -> None:
         """This step proposes nothing (`disable_by_batch_size`)."""
         return None
 
-    def after_step(self, sched_out: Any, num_accepted: dict[int, int]) -> None:
+    def after_step(self, scheduled: list[Any], plan: Any, num_accepted: dict[int, int]) -> None:
         return None
 
     def on_finished(self, seq: Sequence) -> None:

@@ -14,31 +14,17 @@ scheduler allocated for the drafts).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from pagedllm.core.step_plan import SequenceStep
 from pagedllm.worker.block_table import BlockTable
 
 
-@dataclass
-class DraftStep:
-    """A duck-typed ScheduledSequence for the draft's `prepare_input`: no table change."""
-
-    seq: Any
-    token_ids: list[int]
-    start_pos: int
-    blocks_from: int
-    sample: bool
-    new_block_ids: list[int] = field(default_factory=list)
-    all_logits: bool = False
-    draft_token_ids: tuple = ()
-
-
-@dataclass
-class _SeqRef:
-    seq_id: int
+def _draft_step(seq_id: int, token_ids: list[int], start_pos: int, table: BlockTable, sample: bool) -> SequenceStep:
+    """A pass of the draft over `token_ids`: the table as it is (no change: the target's applied it)."""
+    return SequenceStep(seq_id, token_ids, start_pos, table.num_blocks_of(seq_id), [], sample)
 
 
 class DraftModelRunner:
@@ -56,16 +42,16 @@ class DraftModelRunner:
         return self.runner.cache_engine
 
     @torch.no_grad()
-    def propose(self, scheduled: list[Any]) -> dict[int, list[int]]:
+    def propose(self, scheduled: list[SequenceStep]) -> dict[int, list[int]]:
         """seq id -> its drafts (as many as its placeholders), for the sequences that have
         placeholders; every sequence with `draft_input_ids` has them run."""
         table = self.runner.block_table
-        first: list[DraftStep] = []
+        first: list[SequenceStep] = []
         wanted: dict[int, int] = {}
         starts: dict[int, int] = {}
         for s in scheduled:
             ids = getattr(s, "draft_input_ids", None)
-            seq_id = s.seq.seq_id
+            seq_id = s.seq_id
             n_drafts = len(getattr(s, "draft_token_ids", ()))
             if not ids:
                 if n_drafts:
@@ -74,21 +60,19 @@ class DraftModelRunner:
             if n_drafts:
                 wanted[seq_id] = n_drafts
                 starts[seq_id] = s.draft_start + len(ids)  # the first draft's position
-            first.append(DraftStep(_SeqRef(seq_id), list(ids), s.draft_start,
-                                   blocks_from=table.num_blocks_of(seq_id), sample=bool(n_drafts)))
+            first.append(_draft_step(seq_id, list(ids), s.draft_start, table, bool(n_drafts)))
         if not first:
             return {}
         tokens = self._greedy(first)
         drafts = {seq_id: [t] for seq_id, t in zip(wanted, tokens)}
         for p in range(1, max(wanted.values(), default=0)):
-            batch = [DraftStep(_SeqRef(seq_id), [drafts[seq_id][-1]], starts[seq_id] + p - 1,
-                               blocks_from=table.num_blocks_of(seq_id), sample=True)
+            batch = [_draft_step(seq_id, [drafts[seq_id][-1]], starts[seq_id] + p - 1, table, True)
                      for seq_id, n in wanted.items() if n > p]
             for step, t in zip(batch, self._greedy(batch)):
-                drafts[step.seq.seq_id].append(t)
+                drafts[step.seq_id].append(t)
         return drafts
 
-    def _greedy(self, steps: list[DraftStep]) -> list[int]:
+    def _greedy(self, steps: list[SequenceStep]) -> list[int]:
         """One draft forward; the argmax of each sampled step's last row, in order."""
         inp = self.runner.prepare_input(steps)
         logits = self.runner.run_model(inp)

@@ -1,18 +1,17 @@
-"""Turns a scheduler step into tensors, runs the model over the paged KV cache, samples.
+"""Turns a step plan into tensors, runs the model over the paged KV cache, samples.
 
-Contract with the scheduler (duck-typed): `scheduler_output.scheduled` is a list of scheduled
-sequences with `.seq.seq_id`, `.token_ids` (run at positions `start_pos ..`), `.start_pos`,
-`.blocks_from` / `.new_block_ids` (the change to the runner's copy of its block table, which
-then covers every position up to `start_pos + len(token_ids) - 1`; worker/block_table.py),
-`.sample` and `.all_logits`; `scheduler_output.released_seq_ids` (tables to drop first, optional),
-`block_copies` lists `(src, dst)` block copies to do first, after the optional
-`blocks_to_swap_out` (device, host) and `blocks_to_swap_in` (host, device) pairs.
+The contract is the frozen `StepPlan` (core/step_plan.py): per scheduled sequence
+(`SequenceStep`) its id, the tokens run at positions `start_pos ..`, the change to the runner's
+copy of its block table (`blocks_from` / `new_block_ids`, which then covers every position up to
+`start_pos + len(token_ids) - 1`; worker/block_table.py), whether it samples and whether every
+row's logits come back; for the step the tables to drop first and the swap-out, swap-in and
+copy-on-write block pairs to apply first, in that order.
 
 Sampling happens here, on the persistent batch (worker/input_batch.py, vLLM v1's InputBatch):
-`new_sampling_rows` (one `SamplingRowSpec` per sequence, sent once) and `finished_seq_ids` keep
-it, `token_masks` (a future of seq id -> packed allowed-token row, (seq id, j) -> the row after
-a speculating sequence's first j drafts, filled by the core while the
-forward runs) constrains it, and the core gets back the sampled ids and logprobs
+the plan's `new_sampling_rows` (one `SamplingRowSpec` per sequence, sent once) and
+`finished_seq_ids` keep it, its `token_masks` (a future of seq id -> packed allowed-token row,
+(seq id, j) -> the row after a speculating sequence's first j drafts, filled by the core while
+the forward runs) constrains it, and the core gets back the sampled ids and logprobs
 (`ModelRunnerOutput.sampled`). Sequences without a row (beam search) get their logits row.
 
 Inside a step the runner orders the batch decodes first (sequences with exactly one query token),
@@ -43,6 +42,7 @@ import torch
 from torch import nn
 
 from pagedllm.core.kv_cache_groups import KVCacheGroups
+from pagedllm.core.step_plan import SequenceStep, StepPlan
 from pagedllm.spec_decode.verify import rows_to_keep
 from pagedllm.layers.attention import Attention, AttentionMetadata
 from pagedllm.layers.sampler import Sampler, SamplerOutput
@@ -189,7 +189,7 @@ class ModelRunner:
             slots[layer] = slot
         return slots
 
-    def prepare_input(self, scheduled: list[Any]) -> ModelInput:
+    def prepare_input(self, scheduled: list[SequenceStep]) -> ModelInput:
         """Input ids, positions, slot mapping and attention metadata for a non-empty step."""
         B = self.block_size
         q_lens = [len(s.token_ids) for s in scheduled]
@@ -199,7 +199,7 @@ class ModelRunner:
         if self.lora is not None:
             # Multi-LoRA: each part's sequences grouped by adapter slot, so that the LoRA kernels
             # see runs of one slot and read each adapter's A and B once per run, not per token.
-            slot_of = {i: self.lora.slot_of(getattr(s, "lora_int_id", 0)) for i, s in enumerate(scheduled)}
+            slot_of = {i: self.lora.slot_of(s.lora_int_id) for i, s in enumerate(scheduled)}
             decodes.sort(key=slot_of.__getitem__)
             prefills.sort(key=slot_of.__getitem__)
         order = decodes + prefills
@@ -215,18 +215,18 @@ class ModelRunner:
             ctx = s.start_pos + q_lens[i]
             n_blocks = -(-ctx // B)
             if q_lens[i] == 0:
-                raise ValueError(f"Sequence {s.seq.seq_id} is scheduled with no tokens")
-            row = table.apply(s.seq.seq_id, s.blocks_from, s.new_block_ids)  # usually 0-1 ids
+                raise ValueError(f"Sequence {s.seq_id} is scheduled with no tokens")
+            row = table.apply(s.seq_id, s.blocks_from, s.new_block_ids)  # usually 0-1 ids
             if group_rows:
-                deltas = getattr(s, "group_deltas", ())
+                deltas = s.group_deltas
                 if len(deltas) != len(group_rows):
-                    raise ValueError(f"Sequence {s.seq.seq_id}: {len(deltas)} group table deltas for "
+                    raise ValueError(f"Sequence {s.seq_id}: {len(deltas)} group table deltas for "
                                      f"{len(group_rows) + 1} KV cache groups")
                 for rows_g, t, (start, ids) in zip(group_rows, self.block_tables[1:], deltas):
-                    rows_g.append(t.apply(s.seq.seq_id, start, ids))
+                    rows_g.append(t.apply(s.seq_id, start, ids))
             if table.num_blocks(row) < n_blocks:
                 raise ValueError(
-                    f"Sequence {s.seq.seq_id}: block table has {table.num_blocks(row)} blocks, "
+                    f"Sequence {s.seq_id}: block table has {table.num_blocks(row)} blocks, "
                     f"{n_blocks} needed for {ctx} tokens"
                 )
             lens.append(q_lens[i])
@@ -292,7 +292,7 @@ class ModelRunner:
             prefill_query_start_loc=dev_t.get("prefill_query_start_loc"),
             prefill_context_lens_tensor=dev_t.get("prefill_context_lens"),
             max_prefill_query_len=max(lens[num_decodes:], default=0),
-            prefill_seq_lens=[max(getattr(scheduled[i], "seq_len", 0), ctx_lens[num_decodes + j])
+            prefill_seq_lens=[max(scheduled[i].seq_len, ctx_lens[num_decodes + j])
                               for j, i in enumerate(order[num_decodes:])],
         )
         for g in range(1, len(self.block_tables)):  # the same batch through each group's tables
@@ -312,12 +312,12 @@ class ModelRunner:
         for i, s in enumerate(scheduled):
             first, n = row_of[i], q_lens[i]
             if s.all_logits:
-                all_logits_slices.append((s.seq.seq_id, len(logits_rows), n))
+                all_logits_slices.append((s.seq_id, len(logits_rows), n))
                 logits_rows.extend(range(first, first + n))
                 if s.sample:
                     sample_indices.append(len(logits_rows) - 1)
             elif s.sample:  # the last row, and with draft tokens the rows verifying them
-                nd = len(getattr(s, "draft_token_ids", ()))
+                nd = len(s.draft_token_ids)
                 sample_indices.extend(range(len(logits_rows), len(logits_rows) + nd + 1))
                 logits_rows.extend(range(first + n - 1 - nd, first + n))
         lora_indices = None
@@ -355,29 +355,28 @@ class ModelRunner:
             self.cuda_graphs.capture_all()
 
     @torch.no_grad()
-    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput | None:
-        for seq_id in getattr(scheduler_output, "released_seq_ids", ()):
+    def execute_model(self, plan: StepPlan) -> ModelRunnerOutput | None:
+        for seq_id in plan.released_seq_ids:
             for table in self.block_tables:
                 table.release(seq_id)
         batch = self.input_batch
-        for spec in getattr(scheduler_output, "new_sampling_rows", ()):
+        for spec in plan.new_sampling_rows:
             batch.add(spec)
-        for seq_id in getattr(scheduler_output, "finished_seq_ids", ()):
+        for seq_id in plan.finished_seq_ids:
             batch.remove(seq_id)
         # Swaps before copies: a swap-out frees blocks a copy may fill; a copy may read a
         # block that was just swapped in. A draft model's KV lives in the same blocks.
         caches = [self.cache_engine] + ([self.drafter.cache_engine] if self.drafter is not None else [])
-        copies = getattr(scheduler_output, "block_copies", None)
         for cache in caches:
-            cache.swap_out(list(getattr(scheduler_output, "blocks_to_swap_out", ())))
-            cache.swap_in(list(getattr(scheduler_output, "blocks_to_swap_in", ())))
-            if copies:
-                cache.copy_blocks(list(copies))
-        scheduled = list(scheduler_output.scheduled)
+            cache.swap_out(plan.blocks_to_swap_out)
+            cache.swap_in(plan.blocks_to_swap_in)
+            if plan.block_copies:
+                cache.copy_blocks(plan.block_copies)
+        scheduled = plan.sequences
         if not scheduled:
             return ModelRunnerOutput(torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device))
         if self.lora is not None:  # the step's adapters into slots (loaded on demand)
-            self.lora.begin_step(getattr(scheduler_output, "lora_requests", None) or {})
+            self.lora.begin_step(plan.lora_requests)
         inp = self.prepare_input(scheduled)  # applies the table changes the draft reads too
         drafts = self.drafter.propose(scheduled) if self.drafter is not None else {}
         if drafts:
@@ -393,15 +392,15 @@ class ModelRunner:
             sample_logits = logits[torch.tensor(inp.sample_indices, dtype=torch.long, device=self.device)]
         all_logits = {seq_id: logits[at : at + n] for seq_id, at, n in inp.all_logits_slices}
         out = ModelRunnerOutput(sample_logits=sample_logits, all_logits=all_logits, draft_token_ids=drafts)
-        out.sampled = self._sample(scheduler_output, scheduled, sample_logits, out.num_accepted, drafts)
+        out.sampled = self._sample(plan, sample_logits, out.num_accepted, drafts)
         return out
 
-    def _fill_drafts(self, inp: ModelInput, scheduled: list[Any], drafts: dict[int, list[int]]) -> None:
+    def _fill_drafts(self, inp: ModelInput, scheduled: list[SequenceStep], drafts: dict[int, list[int]]) -> None:
         """Put the draft model's tokens where the step's placeholder drafts are."""
         rows: list[int] = []
         values: list[int] = []
         for i, s in enumerate(scheduled):
-            d = drafts.get(s.seq.seq_id)
+            d = drafts.get(s.seq_id)
             if d:
                 at = inp.first_rows[i] + len(s.token_ids) - len(d)
                 rows.extend(range(at, at + len(d)))
@@ -409,9 +408,8 @@ class ModelRunner:
         inp.input_ids[torch.tensor(rows, dtype=torch.long, device=self.device)] = torch.tensor(
             values, dtype=inp.input_ids.dtype, device=self.device)
 
-    def _sample(self, scheduler_output: Any, scheduled: list[Any], sample_logits: torch.Tensor,
-                num_accepted: dict[int, int], draft_tokens: dict[int, list[int]] | None = None,
-                ) -> SamplerOutput | None:
+    def _sample(self, plan: StepPlan, sample_logits: torch.Tensor, num_accepted: dict[int, int],
+                draft_tokens: dict[int, list[int]] | None = None) -> SamplerOutput | None:
         """One token for every sampled sequence with a row (and its forks at the first sample),
         after the structured-output masks the core filled during the forward. A sequence with
         draft tokens draws one at each verified position (spec_decode/verify.py); its accepted
@@ -424,11 +422,11 @@ class ModelRunner:
         spans: list[tuple[int, list[int]]] = []  # per sampled row group: first row, drafts
         spec_seqs: list[int] = []
         j = 0
-        for s in scheduled:
+        for s in plan.sequences:
             if not s.sample:
                 continue
-            seq_id = s.seq.seq_id
-            drafts = (draft_tokens or {}).get(seq_id) or list(getattr(s, "draft_token_ids", ()))
+            seq_id = s.seq_id
+            drafts = (draft_tokens or {}).get(seq_id) or s.draft_token_ids
             if seq_id in batch:
                 if drafts:
                     row = batch.row_of[seq_id]
@@ -449,8 +447,7 @@ class ModelRunner:
             j += 1 + len(drafts)
         if not rows:
             return None
-        pending = getattr(scheduler_output, "token_masks", None)
-        masks = pending.result() if pending is not None else None
+        masks = plan.token_masks.result() if plan.token_masks is not None else None
         if not spec_seqs:
             return sample_batch(self.sampler, batch, sample_logits, rows, logits_rows, mask_keys, masks)
         out = sample_batch(self.sampler, batch, sample_logits, rows, logits_rows, mask_keys, masks,
@@ -462,13 +459,13 @@ class ModelRunner:
         batch.record([rows[i] for i in keep], out.sampled_token_ids)
         return out
 
-    def execute_hidden(self, scheduler_output: Any) -> list[torch.Tensor]:
+    def execute_hidden(self, plan: StepPlan) -> list[torch.Tensor]:
         """Pooling models (pagedllm/pooling/): the final hidden states of each scheduled
         sequence's tokens this step, in scheduled order; no logits, no sampling rows."""
-        for seq_id in getattr(scheduler_output, "released_seq_ids", ()):
+        for seq_id in plan.released_seq_ids:
             for table in self.block_tables:
                 table.release(seq_id)
-        scheduled = list(scheduler_output.scheduled)
+        scheduled = plan.sequences
         if not scheduled:
             return []
         inp = self.prepare_input(scheduled)
@@ -527,36 +524,11 @@ class ModelRunner:
         steps = []
         for i in range(num_seqs):
             n = base + (1 if i < extra else 0)
-            steps.append(_ProfileSequence(i, n, -(-n // self.block_size)))
+            # a prefill of n dummy tokens, its table all block 0
+            steps.append(SequenceStep(i, [0] * n, 0, 0, [0] * -(-n // self.block_size), True))
         inp = self.prepare_input(steps)
         logits = self.run_model(inp)
         for s in steps:
             for table in self.block_tables:
-                table.release(s.seq.seq_id)
+                table.release(s.seq_id)
         return 0 if logits is None else int(logits.shape[0])  # logits rows (rank 0)
-
-
-@dataclass
-class _ProfileSequence:
-    """A scheduled prefill of `n` dummy tokens, its table all block 0 (`profile_run`)."""
-
-    seq_id: int
-    n: int
-    n_blocks: int
-    sample: bool = True
-    all_logits: bool = False
-    start_pos: int = 0
-
-    @property
-    def seq(self) -> "_ProfileSequence":
-        return self
-
-    @property
-    def token_ids(self) -> list[int]:
-        return [0] * self.n
-
-    blocks_from: int = 0
-
-    @property
-    def new_block_ids(self) -> list[int]:
-        return [0] * self.n_blocks

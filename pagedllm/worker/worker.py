@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.core.step_plan import StepPlan
 from pagedllm.distributed import cpu_binding, parallel_state
 from pagedllm.layers.backends import select_attn_backend, set_attn_backend
 from pagedllm.model.loader import load_model
@@ -139,8 +140,8 @@ class Worker:
             self.model_runner.drafter = DraftModelRunner(draft, self.model_runner.block_tables)
         self.model_runner.capture_cuda_graphs()
 
-    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput | None:
-        return self.model_runner.execute_model(scheduler_output)
+    def execute_model(self, plan: StepPlan) -> ModelRunnerOutput | None:
+        return self.model_runner.execute_model(plan)
 
     def profile_memory(self, num_tokens: int, num_seqs: int, max_model_len: int) -> MemoryProfile:
         """GPU: this rank's figures for sizing the KV cache (worker/memory_sizing.py), measured on

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from pagedllm.core.kv_cache_groups import hybrid_kv_cache_groups
-from tests.integration.model_fixtures import FakeScheduledSequence, FakeSchedulerOutput, FakeSeq, ToyBlocks
+from tests.integration.model_fixtures import ToyBlocks, step_plan, table_step
 
 MAX_TOKENS = 32
 # Longer than the tests' sliding windows (8-16) and than one 16-token chunk.
@@ -176,9 +176,9 @@ def our_prefill_logits(path: Path, config, sequences: list[list[int]]) -> list[t
 
     model = load_model(str(path), None, config, torch.float32, torch.device("cpu"))
     blocks = ToyBlocks(256, BLOCK_SIZE, seed=1)
-    scheduled = [FakeScheduledSequence(FakeSeq(i), s, 0, blocks.ensure(i, len(s)), all_logits=True)
+    scheduled = [table_step(i, s, 0, blocks.ensure(i, len(s)), all_logits=True)
                  for i, s in enumerate(sequences)]
-    out = ModelRunner(model, config, 256, BLOCK_SIZE, torch.float32, "cpu").execute_model(FakeSchedulerOutput(scheduled))
+    out = ModelRunner(model, config, 256, BLOCK_SIZE, torch.float32, "cpu").execute_model(step_plan(scheduled))
     return [out.all_logits[i] for i in range(len(sequences))]
 
 

@@ -1,47 +1,29 @@
-"""Helpers for the model-side integration tests: tiny random transformers checkpoints, a fake
-scheduler output (the duck-typed contract of `ModelRunner.execute_model`) and a toy block
-allocator that hands out shuffled, non-contiguous block ids."""
+"""Helpers for the model-side integration tests: tiny random transformers checkpoints, step plans
+(`ModelRunner.execute_model`'s contract, core/step_plan.py) that rewrite whole block tables, and a
+toy block allocator that hands out shuffled, non-contiguous block ids."""
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pagedllm.core.step_plan import SequenceStep, StepPlan
 from tests.smollm2 import hf_tokenizer
 
 TINY_VOCAB = 256
 
 
-@dataclass
-class FakeSeq:
-    seq_id: int
+def table_step(seq_id: int, token_ids: list[int], start_pos: int, block_table: list[int], sample: bool = True,
+               all_logits: bool = False) -> SequenceStep:
+    """A sequence's part of a step that rewrites its whole block table (a delta from block 0)."""
+    return SequenceStep(seq_id, list(token_ids), start_pos, 0, list(block_table), sample, all_logits)
 
 
-@dataclass
-class FakeScheduledSequence:
-    seq: FakeSeq
-    token_ids: list[int]
-    start_pos: int
-    block_table: list[int]
-    sample: bool = True
-    all_logits: bool = False
-
-    # The whole table every step: a delta from 0, which the runner takes as a rewrite.
-    blocks_from = 0
-
-    @property
-    def new_block_ids(self) -> list[int]:
-        return self.block_table
-
-
-@dataclass
-class FakeSchedulerOutput:
-    scheduled: list[FakeScheduledSequence]
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
+def step_plan(steps: list[SequenceStep], block_copies: list[tuple[int, int]] = ()) -> StepPlan:
+    return StepPlan(steps, sum(len(s.token_ids) for s in steps), list(block_copies))
 
 
 class ToyBlocks:

@@ -16,12 +16,11 @@ from pagedllm.worker import ModelRunner
 from pagedllm.worker.cpu_decode_step import CpuDecodeStep, unsupported_reason
 from tests.integration.model_fixtures import (
     TINY_VOCAB,
-    FakeScheduledSequence,
-    FakeSchedulerOutput,
-    FakeSeq,
     ToyBlocks,
     make_hf_model,
     save_checkpoint,
+    step_plan,
+    table_step,
     tiny_config,
 )
 
@@ -46,14 +45,14 @@ def _decode_logits(model, config, batch: int, steps: int, c_step: bool, seed: in
     vocab = min(config.vocab_size, TINY_VOCAB)
     blocks = ToyBlocks(NUM_BLOCKS, BLOCK_SIZE, seed=seed)
     tokens = [[rng.randrange(vocab) for _ in range(rng.randrange(3, 12))] for _ in range(batch)]
-    out = runner.execute_model(FakeSchedulerOutput([
-        FakeScheduledSequence(FakeSeq(i), t, 0, blocks.ensure(i, len(t))) for i, t in enumerate(tokens)]))
+    out = runner.execute_model(step_plan([
+        table_step(i, t, 0, blocks.ensure(i, len(t))) for i, t in enumerate(tokens)]))
     logits = []
     for _ in range(steps):
         for t, row in zip(tokens, out.sample_logits):
             t.append(int(row.argmax()))
-        out = runner.execute_model(FakeSchedulerOutput([
-            FakeScheduledSequence(FakeSeq(i), t[-1:], len(t) - 1, blocks.ensure(i, len(t))) for i, t in enumerate(tokens)]))
+        out = runner.execute_model(step_plan([
+            table_step(i, t[-1:], len(t) - 1, blocks.ensure(i, len(t))) for i, t in enumerate(tokens)]))
         logits.append(out.sample_logits.clone())
     return logits, runner
 

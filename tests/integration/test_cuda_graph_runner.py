@@ -19,12 +19,11 @@ from pagedllm.worker.cuda_graphs import CapturedGraph
 from pagedllm.worker.model_runner import ModelRunner
 from tests.integration.model_fixtures import (
     TINY_VOCAB,
-    FakeScheduledSequence,
-    FakeSchedulerOutput,
-    FakeSeq,
     ToyBlocks,
     make_hf_model,
     save_checkpoint,
+    step_plan,
+    table_step,
     tiny_config,
 )
 
@@ -65,8 +64,8 @@ def test_graph_steps_match_eager_steps(tiny):
         sched = []
         for i in ids:
             toks = seqs[i][starts[i]:]
-            sched.append(FakeScheduledSequence(FakeSeq(i), toks, starts[i], blocks.ensure(i, len(seqs[i]))))
-        out = FakeSchedulerOutput(sched)
+            sched.append(table_step(i, toks, starts[i], blocks.ensure(i, len(seqs[i]))))
+        out = step_plan(sched)
         a = eager.execute_model(out).sample_logits
         b = graphed.execute_model(out).sample_logits.clone()  # a graph's rows live until its next replay
         for s, row in zip(sched, a):

@@ -14,11 +14,10 @@ from pagedllm.model import get_model_class, load_model
 from pagedllm.model.gguf_loader import dequantize_tensor, gguf_to_hf_name
 from pagedllm.worker import ModelRunner
 from tests.integration.model_fixtures import (
-    FakeScheduledSequence,
-    FakeSchedulerOutput,
-    FakeSeq,
     hf_logits,
     make_hf_model,
+    step_plan,
+    table_step,
     tiny_config,
 )
 
@@ -48,8 +47,8 @@ def smollm2_ours(smollm2_gguf, smollm2_config):
 
 def test_smollm2_gguf_logits_match_transformers(smollm2_ours, smollm2_config, hf_smollm2) -> None:
     runner = ModelRunner(smollm2_ours, smollm2_config, 16, 16, torch.float32, "cpu")
-    seq = FakeScheduledSequence(FakeSeq(0), PROMPT_IDS, 0, [7, 2, 11], sample=True, all_logits=True)
-    out = runner.execute_model(FakeSchedulerOutput([seq]))
+    seq = table_step(0, PROMPT_IDS, 0, [7, 2, 11], sample=True, all_logits=True)
+    out = runner.execute_model(step_plan([seq]))
     ref = hf_logits(hf_smollm2, PROMPT_IDS)
     ours = out.all_logits[0]
     diff = (ours - ref).abs().max().item()
@@ -67,8 +66,8 @@ def test_smollm2_gguf_greedy_decode_matches_transformers(smollm2_ours, smollm2_c
     pos = 0
     while len(tokens) < len(PROMPT_IDS) + new_tokens:
         n = min(16, len(tokens) - pos)
-        seq = FakeScheduledSequence(FakeSeq(0), tokens[pos : pos + n], pos, table, sample=pos + n == len(tokens))
-        out = runner.execute_model(FakeSchedulerOutput([seq]))
+        seq = table_step(0, tokens[pos : pos + n], pos, table, sample=pos + n == len(tokens))
+        out = runner.execute_model(step_plan([seq]))
         pos += n
         if seq.sample:
             tokens.append(int(out.sample_logits[0].argmax()))
@@ -198,7 +197,7 @@ def test_tiny_gguf_with_mixed_quant_types_matches_transformers(tmp_path, arch, g
     runner = ModelRunner(model, config, 8, 16, torch.float32, "cpu")
     prompt = [(7 * i + 3) % config.vocab_size for i in range(37)]
     out = runner.execute_model(
-        FakeSchedulerOutput([FakeScheduledSequence(FakeSeq(0), prompt, 0, [5, 1, 6], all_logits=True)])
+        step_plan([table_step(0, prompt, 0, [5, 1, 6], all_logits=True)])
     )
     torch.testing.assert_close(out.all_logits[0], hf_logits(hf_model, prompt), atol=1e-4, rtol=0)
     # The .gguf path alone also works.
@@ -234,7 +233,7 @@ def test_every_gguf_type_kept_in_its_blocks_matches_transformers(tmp_path, qtype
     runner = ModelRunner(model, config, 8, 16, torch.float32, "cpu")
     prompt = [(7 * i + 3) % config.vocab_size for i in range(37)]
     out = runner.execute_model(
-        FakeSchedulerOutput([FakeScheduledSequence(FakeSeq(0), prompt, 0, [5, 1, 6], all_logits=True)])
+        step_plan([table_step(0, prompt, 0, [5, 1, 6], all_logits=True)])
     )
     ref = hf_logits(hf_model, prompt)
     torch.testing.assert_close(out.all_logits[0], ref, atol=1e-4 * max(1.0, float(ref.abs().max())), rtol=0)

@@ -19,7 +19,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import build as kernel_build
-from tests.integration.model_fixtures import FakeScheduledSequence, FakeSchedulerOutput, FakeSeq
+from tests.integration.model_fixtures import step_plan, table_step
 from tests.integration.prompts import LONG_TEXT, PROMPTS, batch_prompts
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
@@ -111,13 +111,13 @@ def _decode(runner, seq_id, prompt, table, steps, swap=None):
     same batch every time, so runs differ only in where the blocks are). `swap(step)` runs
     between steps and may return a new block table. Returns the logits rows."""
     rows, ids = [], list(prompt)
-    out = runner.execute_model(FakeSchedulerOutput([FakeScheduledSequence(FakeSeq(seq_id), ids, 0, table)]))
+    out = runner.execute_model(step_plan([table_step(seq_id, ids, 0, table)]))
     rows.append(out.sample_logits[0])
     for step in range(steps):
         if swap is not None:
             table = swap(step) or table
         ids.append(int(rows[-1].argmax()))
-        out = runner.execute_model(FakeSchedulerOutput([FakeScheduledSequence(FakeSeq(seq_id), [ids[-1]], len(ids) - 1, table)]))
+        out = runner.execute_model(step_plan([table_step(seq_id, [ids[-1]], len(ids) - 1, table)]))
         rows.append(out.sample_logits[0])
     return torch.stack(rows)
 

@@ -15,16 +15,16 @@ import torch
 from transformers import GenerationConfig
 from tests.integration.model_fixtures import (
     TINY_VOCAB,
-    FakeScheduledSequence,
-    FakeSchedulerOutput,
-    FakeSeq,
     ToyBlocks,
     hf_logits,
     make_hf_model,
     save_checkpoint,
+    step_plan,
+    table_step,
     tiny_config,
 )
 
+from pagedllm.core.step_plan import SequenceStep
 from pagedllm.layers.rotary import compute_inv_freq
 from pagedllm.model import LlamaForCausalLM, get_model_class, load_model
 from pagedllm.worker import CacheEngine, ModelRunner
@@ -98,10 +98,10 @@ def test_full_prefill_batch(case: Case, block_size: int) -> None:
     prompts = [_tokens(rng, n) for n in (7, 1, 40, 23, 16)]
     blocks = ToyBlocks(NUM_BLOCKS, block_size, seed=block_size)
     scheduled = [
-        FakeScheduledSequence(FakeSeq(10 + i), p, 0, blocks.ensure(10 + i, len(p)), sample=True, all_logits=True)
+        table_step(10 + i, p, 0, blocks.ensure(10 + i, len(p)), sample=True, all_logits=True)
         for i, p in enumerate(prompts)
     ]
-    out = _runner(case, block_size).execute_model(FakeSchedulerOutput(scheduled))
+    out = _runner(case, block_size).execute_model(step_plan(scheduled))
 
     assert out.sample_logits.shape == (len(prompts), TINY_VOCAB)
     assert out.sample_logits.dtype == torch.float32
@@ -122,12 +122,10 @@ class _Stream:
         self.computed = 0
         self.rows: dict[int, torch.Tensor] = {}
 
-    def schedule(self, blocks: ToyBlocks, max_tokens: int) -> FakeScheduledSequence:
+    def schedule(self, blocks: ToyBlocks, max_tokens: int) -> SequenceStep:
         n = min(max_tokens, len(self.tokens) - self.computed)
         start = self.computed
-        return FakeScheduledSequence(
-            FakeSeq(self.seq_id),
-            self.tokens[start : start + n],
+        return table_step(self.seq_id, self.tokens[start : start + n],
             start,
             blocks.ensure(self.seq_id, start + n),
             sample=start + n == len(self.tokens),
@@ -137,7 +135,7 @@ class _Stream:
 
 def _run_step(runner: ModelRunner, blocks: ToyBlocks, plan: list[tuple[_Stream, int]], copies=()) -> None:
     scheduled = [stream.schedule(blocks, n) for stream, n in plan]
-    out = runner.execute_model(FakeSchedulerOutput(scheduled, list(copies)))
+    out = runner.execute_model(step_plan(scheduled, list(copies)))
     sample_row = 0
     for (stream, _), s in zip(plan, scheduled):
         for j, row in enumerate(out.all_logits[stream.seq_id]):
@@ -232,15 +230,15 @@ def test_prefix_hit_and_copy_on_write_fork(case: Case) -> None:
 
 def test_empty_and_logits_free_steps(case: Case) -> None:
     runner = _runner(case, 16)
-    out = runner.execute_model(FakeSchedulerOutput([]))
+    out = runner.execute_model(step_plan([]))
     assert out.sample_logits.shape == (0, TINY_VOCAB) and out.all_logits == {}
     blocks = ToyBlocks(NUM_BLOCKS, 16)
-    s = FakeScheduledSequence(FakeSeq(1), list(range(10)), 0, blocks.ensure(1, 10), sample=False)
-    out = runner.execute_model(FakeSchedulerOutput([s]))
+    s = table_step(1, list(range(10)), 0, blocks.ensure(1, 10), sample=False)
+    out = runner.execute_model(step_plan([s]))
     assert out.sample_logits.shape == (0, TINY_VOCAB)
     # The returned logits are ordinary tensors: the sampler may modify them in place.
-    s = FakeScheduledSequence(FakeSeq(1), [3], 10, blocks.ensure(1, 11), sample=True)
-    out = runner.execute_model(FakeSchedulerOutput([s]))
+    s = table_step(1, [3], 10, blocks.ensure(1, 11), sample=True)
+    out = runner.execute_model(step_plan([s]))
     out.sample_logits.div_(0.7)
 
 
@@ -271,7 +269,7 @@ def test_sharded_checkpoint_loads(tmp_path) -> None:
     runner = ModelRunner(model, config, 16, 16, torch.float32, "cpu")
     prompt = list(range(5, 35))
     out = runner.execute_model(
-        FakeSchedulerOutput([FakeScheduledSequence(FakeSeq(0), prompt, 0, [3, 9], all_logits=True)])
+        step_plan([table_step(0, prompt, 0, [3, 9], all_logits=True)])
     )
     torch.testing.assert_close(out.all_logits[0], hf_logits(hf_model, prompt), atol=ATOL, rtol=0)
 
@@ -303,10 +301,10 @@ def test_bfloat16_model_and_cache(tmp_path) -> None:
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
     runner = ModelRunner(model, config, 16, 8, torch.bfloat16, "cpu")
     prompt = list(range(3, 30))
-    first = FakeScheduledSequence(FakeSeq(0), prompt[:20], 0, [4, 0, 9, 2], sample=False, all_logits=True)
-    out = runner.execute_model(FakeSchedulerOutput([first]))
-    rest = FakeScheduledSequence(FakeSeq(0), prompt[20:], 20, [4, 0, 9, 2], all_logits=True)
-    out2 = runner.execute_model(FakeSchedulerOutput([rest]))
+    first = table_step(0, prompt[:20], 0, [4, 0, 9, 2], sample=False, all_logits=True)
+    out = runner.execute_model(step_plan([first]))
+    rest = table_step(0, prompt[20:], 20, [4, 0, 9, 2], all_logits=True)
+    out2 = runner.execute_model(step_plan([rest]))
     ours = torch.cat([out.all_logits[0], out2.all_logits[0]])
     assert ours.dtype == torch.float32 and out2.sample_logits.dtype == torch.float32
     torch.testing.assert_close(ours, hf_logits(hf_model, prompt), atol=0.1, rtol=0.05)

@@ -64,7 +64,7 @@ def test_greedy_equals_plain(plain, spec, batch):
     prompts = PROMPTS[1:batch + 1]  # the first (copy a code block) is answered, not copied
     ours = run_checked(spec, prompts, params)
     assert _tokens(ours) == _tokens(plain.generate(prompts, params, use_tqdm=False))
-    stats = spec.llm_engine.core.spec_stats
+    stats = spec.llm_engine.core.speculation.stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
 
 
@@ -78,5 +78,5 @@ def test_greedy_equals_plain_with_preemption_prefix_hits_and_n():
     assert got == want
     stats = llm.kv_cache_stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
-    assert llm.llm_engine.core.spec_stats.num_accepted_tokens > 0
+    assert llm.llm_engine.core.speculation.stats.num_accepted_tokens > 0
     assert stats.used_blocks == 0

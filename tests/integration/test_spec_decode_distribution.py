@@ -150,13 +150,13 @@ def _draw(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, tuple[int, int]]:
     """N_DRAWS seeded samples of MAX_TOKENS tokens: [N, MAX_TOKENS] and the (drafts, accepted)
     counts of the run."""
     core = llm.llm_engine.core
-    before = (core.spec_stats.num_draft_tokens, core.spec_stats.num_accepted_tokens)
+    before = (core.speculation.stats.num_draft_tokens, core.speculation.stats.num_accepted_tokens)
     params = [SamplingParams(n=N_PER_REQUEST, seed=SEED0 + i, **PARAMS) for i in range(N_REQUESTS)]
     outs = llm.generate([{"prompt_token_ids": prompt}] * N_REQUESTS, params, use_tqdm=False)
     tokens = torch.tensor([c.token_ids for o in outs for c in o.outputs])
     assert tokens.shape == (N_DRAWS, MAX_TOKENS)
     assert llm.kv_cache_stats().used_blocks == 0
-    st = core.spec_stats
+    st = core.speculation.stats
     return tokens, (st.num_draft_tokens - before[0], st.num_accepted_tokens - before[1])
 
 

@@ -39,7 +39,7 @@ def test_smollm2_as_its_own_draft_equals_plain_and_accepts_nearly_all(plain):
     params = SamplingParams(temperature=0.0, max_tokens=40)
     prompts = PROMPTS[:4]
     assert _tokens(run_checked(llm, prompts, params)) == _tokens(plain.generate(prompts, params, use_tqdm=False))
-    stats = llm.llm_engine.core.spec_stats
+    stats = llm.llm_engine.core.speculation.stats
     assert stats.num_drafts > 0 and stats.acceptance_rate > 0.9, vars(stats)
     assert llm.kv_cache_stats().used_blocks == 0
 
@@ -58,7 +58,7 @@ def test_a_random_draft_under_preemption_prefix_hits_and_n_equals_plain(plain, r
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     if mode == "swap":
         assert stats.num_swapped_out > 0
-    spec = llm.llm_engine.core.spec_stats
+    spec = llm.llm_engine.core.speculation.stats
     assert spec.num_draft_tokens > 0 and spec.acceptance_rate < 0.5
     assert stats.used_blocks == 0
 

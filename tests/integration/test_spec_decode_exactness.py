@@ -139,7 +139,7 @@ def test_preemption_by_swap_equals_plain(smollm2_gguf, plain):
     assert stats.num_swapped_in == stats.num_swapped_out
     kv = llm.llm_engine.kv_cache_manager
     assert kv.num_free_host_blocks == llm.llm_engine.num_host_blocks
-    assert llm.llm_engine.core.spec_stats.num_accepted_tokens > 0
+    assert llm.llm_engine.core.speculation.stats.num_accepted_tokens > 0
 
 
 def _stop_string_at(tok, ids: list[int], i: int) -> str | None:
@@ -251,7 +251,7 @@ def test_n_with_seeds(plain, spec):
     outs, _ = run(spec, prompts, greedy)
     assert tokens(outs) == tokens(plain.generate(prompts, greedy, use_tqdm=False))
     sampled = SamplingParams(n=3, temperature=0.7, max_tokens=20, seed=7)
-    st = spec.llm_engine.core.spec_stats
+    st = spec.llm_engine.core.speculation.stats
     accepted = st.num_accepted_tokens
     first, deltas = run(spec, prompts, sampled)
     assert st.num_accepted_tokens > accepted

@@ -33,10 +33,10 @@ def engines():
 
 def _both(engines, prompts, params):
     plain, spec = engines
-    before = spec.llm_engine.core.spec_stats.num_accepted_tokens
+    before = spec.llm_engine.core.speculation.stats.num_accepted_tokens
     got = _tokens(run_checked(spec, prompts, params))
     assert got == _tokens(plain.generate(prompts, params, use_tqdm=False))
-    return spec.llm_engine.core.spec_stats.num_accepted_tokens - before, got
+    return spec.llm_engine.core.speculation.stats.num_accepted_tokens - before, got
 
 
 def test_a_json_schema_with_copied_drafts_equals_plain(engines):

@@ -32,8 +32,8 @@ def suffix():
 
 def _counts(llm: LLM) -> tuple[int, int, int, int]:
     core = llm.llm_engine.core
-    s = core.spec_stats
-    return s.num_draft_tokens, s.num_accepted_tokens, core.proposer.num_local_drafts, core.proposer.num_global_drafts
+    s = core.speculation.stats
+    return s.num_draft_tokens, s.num_accepted_tokens, core.speculation.proposer.num_local_drafts, core.speculation.proposer.num_global_drafts
 
 
 def test_greedy_equals_plain_then_the_global_tree_serves_round_two(plain, suffix):
@@ -42,7 +42,7 @@ def test_greedy_equals_plain_then_the_global_tree_serves_round_two(plain, suffix
     assert _tokens(run_checked(suffix, prompts, GREEDY)) == want
     drafted, accepted, local, glob = _counts(suffix)
     assert drafted > 0 and accepted > 0 and local > 0
-    proposer = suffix.llm_engine.core.proposer
+    proposer = suffix.llm_engine.core.speculation.proposer
     assert proposer.num_active == 0 and not proposer.cache.local  # nothing left per sequence
     assert len(proposer.cache.cached) == len(prompts)  # their outputs stay in the global tree
     # Round two asks the same again: the answers are in the global tree.
@@ -66,19 +66,19 @@ def test_greedy_equals_plain_under_preemption_with_n_and_an_abort():
     assert got == want
     stats = llm.kv_cache_stats()
     core = llm.llm_engine.core
-    assert stats.num_preemptions > 0 and core.spec_stats.num_accepted_tokens > 0
-    assert core.proposer.num_active == 0 and stats.used_blocks == 0
+    assert stats.num_preemptions > 0 and core.speculation.stats.num_accepted_tokens > 0
+    assert core.speculation.proposer.num_active == 0 and stats.used_blocks == 0
     # An abort mid-way leaves nothing behind either.
     engine = llm.llm_engine
     engine.add_request("gone", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=64, n=2))
     engine.add_request("stays", PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=16))
     for _ in range(50):  # until both samples of "gone" and "stays" were proposed for
-        if core.proposer.num_active == 3:
+        if core.speculation.proposer.num_active == 3:
             break
         engine.step()
     engine.abort_request("gone")
-    assert core.proposer.num_active == 1
+    assert core.speculation.proposer.num_active == 1
     while engine.has_unfinished_requests():
         engine.step()
-    assert core.proposer.num_active == 0 and not core.proposer.cache.local
+    assert core.speculation.proposer.num_active == 0 and not core.speculation.proposer.cache.local
     assert llm.kv_cache_stats().used_blocks == 0

@@ -1,11 +1,9 @@
-"""Tensor parallelism's pieces that need no process group: the step message and the
-scheduler's block-table deltas it forwards, the CPU split, the vocabulary split, the start-up checks, and every weight format's shard
+"""Tensor parallelism's pieces that need no process group: the step plan as the other ranks get
+it and the scheduler's block-table deltas it forwards, the CPU split, the vocabulary split, the start-up checks, and every weight format's shard
 cuts (a rank's layer, loaded from its cuts of the checkpoint tensors, computes exactly its part
 of the whole layer's output)."""
 
 from __future__ import annotations
-
-import pickle
 
 import numpy as np
 import pytest
@@ -13,21 +11,22 @@ import torch
 
 from pagedllm.distributed.cpu_binding import rank_binding
 from pagedllm.distributed.sharding import column_shard, row_shard, vocab_shard
-from pagedllm.executor.messages import decode_step, encode_step
+from pagedllm.core.step_plan import SequenceStep, StepPlan, decode_from_rank0, encode_for_workers
+from pagedllm.engine.step_planner import plan_of
 from pagedllm.executor.multiproc import check_tensor_parallel_devices
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.quantization.awq import AWQConfig
 from pagedllm.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from pagedllm.layers.quantization.gptq import GPTQConfig
 from pagedllm.model.llama import LlamaForCausalLM
-from tests.integration.model_fixtures import FakeScheduledSequence, FakeSchedulerOutput, FakeSeq, tiny_config
+from tests.integration.model_fixtures import tiny_config
 
 
 # ---- the step message ------------------------------------------------------------------------
 
-def _roundtrip(sched):
-    payload = encode_step(sched)
-    return decode_step(pickle.loads(payload)), payload
+def _roundtrip(sched_out):
+    payload = encode_for_workers(plan_of(sched_out))
+    return decode_from_rank0(payload), payload
 
 
 def test_the_step_message_forwards_the_schedulers_deltas():
@@ -51,12 +50,12 @@ def test_the_step_message_forwards_the_schedulers_deltas():
         assert got.released_seq_ids == out.released_seq_ids
         for seq_id in got.released_seq_ids:
             worker.release(seq_id)
-        for s in got.scheduled:
-            worker.apply(s.seq.seq_id, s.blocks_from, s.new_block_ids)
-            assert worker.ids(s.seq.seq_id) == kv.get_block_ids(s.seq.seq_id)
-        assert [(s.seq.seq_id, s.token_ids, s.start_pos, s.sample) for s in got.scheduled] == \
+        for s in got.sequences:
+            worker.apply(s.seq_id, s.blocks_from, s.new_block_ids)
+            assert worker.ids(s.seq_id) == kv.get_block_ids(s.seq_id)
+        assert [(s.seq_id, s.token_ids, s.start_pos, s.sample) for s in got.sequences] == \
             [(s.seq.seq_id, s.token_ids, s.start_pos, s.sample) for s in out.scheduled]
-        assert got.block_copies == out.block_copies
+        assert [tuple(c) for c in got.block_copies] == [tuple(c) for c in out.block_copies]
         sched.update_after_step(out)
         for s in out.scheduled:
             if s.sample:
@@ -88,17 +87,39 @@ def test_the_step_message_carries_draft_tokens():
     out = sched.schedule()
     assert out.scheduled[0].draft_token_ids == [11, 12, 13]
     got, _ = _roundtrip(out)
-    assert list(got.scheduled[0].draft_token_ids) == [11, 12, 13]
-    assert got.scheduled[0].token_ids == [7, 11, 12, 13]
+    assert got.sequences[0].draft_token_ids == [11, 12, 13]
+    assert got.sequences[0].token_ids == [7, 11, 12, 13]
 
 
 def test_a_decode_step_message_is_small():
     """256 decoding sequences with 64-block tables: a few bytes per sequence, never the tables."""
-    step = FakeSchedulerOutput([FakeScheduledSequence(FakeSeq(i), [5], 1000, [])
-                                for i in range(256)])
-    for s in step.scheduled:  # steady decode: the runner holds all 64 ids, none is new
-        s.blocks_from = 64
-    assert len(encode_step(step)) < 24 * 256
+    # steady decode: the runner holds all 64 ids, none is new
+    plan = StepPlan([SequenceStep(i, [5], 1000, 64, [], True) for i in range(256)], 256)
+    assert len(encode_for_workers(plan)) < 24 * 256
+
+
+def test_the_other_ranks_get_the_plan_without_rank_0s_parts():
+    """Only rank 0 samples: the sampling rows and the mask future stay home; the rest arrives
+    equal, adapters included."""
+    from concurrent.futures import Future
+
+    from pagedllm.lora.request import LoRARequest
+
+    lora = LoRARequest("a", 3, "/adapters/a")
+    plan = StepPlan([SequenceStep(4, [1, 2], 0, 0, [9], True, lora_int_id=3)], 2, [(1, 2)], [(3, 0)], [],
+                    [7], [8], {3: lora}, new_sampling_rows=[object()], token_masks=Future())
+    got = decode_from_rank0(encode_for_workers(plan))
+    assert got.new_sampling_rows == [] and got.token_masks is None
+    assert got.sequences == plan.sequences and got.lora_requests == {3: lora}
+    assert [tuple(c) for c in got.block_copies] == [(1, 2)] and got.released_seq_ids == [7]
+
+
+def test_a_step_plan_cannot_be_changed_once_made():
+    plan = StepPlan([SequenceStep(0, [1], 0, 0, [5], True)])
+    with pytest.raises(AttributeError):
+        plan.token_masks = object()
+    with pytest.raises(AttributeError):
+        plan.sequences[0].all_logits = True
 
 
 # ---- cores, vocabulary, start-up checks -------------------------------------------------------
