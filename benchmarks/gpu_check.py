@@ -450,7 +450,7 @@ def engine_figures(llm) -> dict[str, Any]:
     """What the engine decided at start-up: blocks, their size, the memory profile it sized them by."""
     eng = llm.llm_engine
     core = eng.core
-    per_block = core._bytes_per_block()  # noqa: SLF001 (the number the pool was sized with)
+    per_block = core.bytes_per_block  # noqa: SLF001 (the number the pool was sized with)
     out = {"num_blocks": eng.num_blocks, "block_size": eng.block_size, "bytes_per_block": per_block,
            "kv_cache_gib": round(eng.num_blocks * per_block / 2**30, 3),
            "kv_tokens": eng.num_blocks * eng.block_size, "max_model_len": eng.max_model_len,

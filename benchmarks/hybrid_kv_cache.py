@@ -92,7 +92,7 @@ def run_mode(path: Path, hybrid: bool, length: int, budget_bytes: int, num_reque
     engine = llm.llm_engine
     core = engine.core
     kv, sched = core.kv_cache_manager, core.scheduler
-    per_block = core._bytes_per_block()
+    per_block = core.bytes_per_block
     rng = random.Random(seed)
     prompt_len = length - OUTPUT_TOKENS
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)

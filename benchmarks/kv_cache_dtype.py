@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = llm.llm_engine
         reqs = load_workload(args.workload, int(engine.hf_config.vocab_size))
         row.update(num_blocks=engine.num_blocks, tokens=engine.num_blocks * engine.block_size,
-                   bytes_per_block=engine._bytes_per_block(), num_host_blocks=engine.num_host_blocks)
+                   bytes_per_block=engine.bytes_per_block, num_host_blocks=engine.num_host_blocks)
         run_workload(llm, reqs)  # warm-up (kernels built, pages touched)
         runs = [run_workload(llm, reqs) for _ in range(args.repeats)]
         times = [r["elapsed_s"] for r in runs]

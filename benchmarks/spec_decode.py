@@ -170,7 +170,7 @@ class SpecCounter:
 
     def _read(self) -> dict:
         st = self.core.speculation.stats if self.core.speculation is not None else None
-        d = {"steps": getattr(self.core, "_num_steps", 0)}
+        d = {"steps": self.core.counters.num_steps}
         if st is not None:
             d.update(drafts=st.num_drafts, draft_tokens=st.num_draft_tokens,
                      accepted=st.num_accepted_tokens, per_pos=list(st.accepted_per_pos))

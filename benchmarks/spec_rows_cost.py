@@ -40,9 +40,9 @@ def step_cost(model: str | None, k: int, repeats: int = 5) -> tuple[float, float
     ms, per_step = [], []
     for _ in range(repeats):
         llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)  # cached prompt
-        s0, t = core._num_steps, time.perf_counter()
+        s0, t = core.counters.num_steps, time.perf_counter()
         out = llm.generate([prompt], params, use_tqdm=False)[0]
-        dt, steps = time.perf_counter() - t, core._num_steps - s0
+        dt, steps = time.perf_counter() - t, core.counters.num_steps - s0
         ms.append(dt * 1000 / steps)
         per_step.append(len(out.outputs[0].token_ids) / steps)
     llm.shutdown()

@@ -1,8 +1,9 @@
 """EngineCore: the scheduler, the KV cache manager, the model runner and the sampler.
 
 Token ids in (`EngineCoreRequest`), token deltas out (`EngineCoreOutputs`, one per step):
-schedule (core/scheduler) -> execute and sample (worker/model_runner, on its persistent batch)
--> update (append tokens, check EOS / stop ids / lengths, free finished sequences). It never
+schedule (proposals, then core/scheduler) -> plan (engine/step_planner: the frozen StepPlan) ->
+execute and sample (executor -> worker/model_runner, on its persistent batch) -> update (append
+tokens, check EOS / stop ids / lengths, free finished sequences). It never
 tokenizes or detokenizes: text is the front end's (`engine/output_processor.py`), which also
 checks stop strings and tells the core which samples they ended (`finish_samples`).
 
@@ -12,13 +13,9 @@ its own process behind the server (`engine/core_process.py`, over ZeroMQ). Singl
 
 from __future__ import annotations
 
-import collections
-import itertools
-import json
 import logging
 import time
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any, Iterable
 
 import torch
@@ -26,10 +23,21 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_groups import hybrid_kv_cache_groups
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Sequence, SequenceStatus
+from pagedllm.core.request import SequenceStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, check_priority
 from pagedllm.core.step_plan import StepPlan
-from pagedllm.engine.beam_search import BeamSearch, BeamSearchRequest, beam_completions
+from pagedllm.engine.beam_search import beam_completions
+from pagedllm.engine.core_stats import CoreCounters
+from pagedllm.engine.core_startup import (
+    bytes_per_block,
+    compile_batch_sizes,
+    draft_max_model_len,
+    draft_model_config,
+    eos_token_ids,
+    log_cache_size,
+    resolve_max_model_len,
+    size_block_pool,
+)
 from pagedllm.engine.core_messages import (
     CoreStats,
     EngineCoreOutput,
@@ -40,29 +48,26 @@ from pagedllm.engine.core_messages import (
 from pagedllm.engine.errors import STALL_STEPS, EngineFatalError, SchedulerStallError
 from pagedllm.engine.engine_state import core_engine_state
 from pagedllm.engine.input_processing import InputProcessor
-from pagedllm.engine.kv_stats import KVCacheStats, KVCacheStatsTracker
+from pagedllm.engine.kv_stats import KVCacheStats
 from pagedllm.engine.request_state import RequestState
+from pagedllm.engine.sequence_maker import SequenceMaker
 from pagedllm.engine.sequence_update import SequenceUpdater
 from pagedllm.engine.speculation import Speculation
 from pagedllm.engine.step_planner import StepPlanner
 from pagedllm.kernels.status import log_kernel_status
 from pagedllm.layers.kv_cache_format import resolve_kv_cache_dtype
 from pagedllm.layers.sampler import Sampler
-from pagedllm.lora.core_registry import CoreLoRAs, lora_cache_key
+from pagedllm.lora.core_registry import CoreLoRAs, check_lora_enabled
 from pagedllm.lora.request import LoRARequest
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.executor import create_executor
 from pagedllm.layers.rotary import long_context_threshold
-from pagedllm.model_source import (ModelSource, load_hf_config, resolve_model, resolve_model_source,
+from pagedllm.model_source import (ModelSource, load_hf_config, resolve_model_source,
                                    resolve_tokenizer_source)
 from pagedllm.tokenizer import load_tokenizer
-from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.device import resolve_device, resolve_dtype
-from pagedllm.worker.input_batch import SamplingRowSpec
 from pagedllm.worker.model_runner import ModelRunnerOutput
-from pagedllm.worker.worker import DraftModelConfig
-from pagedllm.worker.memory_sizing import MemoryProfile, size_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -88,21 +93,27 @@ class EngineCore:
         self.hf_config = load_hf_config(self.source)
         self.vocab_size = int(self.hf_config.vocab_size)
         spec = SpeculativeConfig.from_value(config.speculative_config)
-        self.draft = self._draft_model_config(spec) if spec is not None and spec.method == "draft_model" else None
+        self.draft = (draft_model_config(config, self.hf_config, spec)
+                      if spec is not None and spec.method == "draft_model" else None)
         # Every rank's weights (tensor parallelism: worker processes load their shards meanwhile).
         self.executor = create_executor(config, self.source.path, self.source.gguf_file, self.hf_config,
                                         self.dtype, self.device, self.kv_cache_dtype, draft=self.draft)
         self.model = self.executor.model  # rank 0's (its shard under tensor parallelism)
-        self.max_model_len = self._resolve_max_model_len()
+        self.max_model_len = resolve_max_model_len(self.hf_config, config.max_model_len)
         self.block_size = config.block_size
         # Layers grouped by attention type when the model mixes them (docs/hybrid_kv_cache.md):
         # a block then holds `slots` layers, and sliding groups keep only their window.
         self.kv_cache_groups = hybrid_kv_cache_groups(self.hf_config,
                                                       config.disable_hybrid_kv_cache_manager)
-        self.memory_profile: MemoryProfile | None = None  # GPU: the figures the pool was sized by
-        self.num_blocks = self._determine_num_blocks()
-        self.num_host_blocks = int(config.swap_space * (1 << 30)) // self._bytes_per_block()
-        self._log_cache_size()
+        # One block over every layer (a hybrid cache's: over its slots), a draft model's too.
+        self.bytes_per_block = bytes_per_block(self.hf_config, self.kv_cache_groups, self.draft, self.block_size,
+                                               self.kv_cache_dtype)
+        # GPU: the pool is what the profile (memory_profile) leaves; CPU: kv_cache_space.
+        self.num_blocks, self.memory_profile = size_block_pool(config, self.executor, self.device,
+                                                               self.bytes_per_block, self.max_model_len)
+        self.num_host_blocks = int(config.swap_space * (1 << 30)) // self.bytes_per_block
+        log_cache_size(config, self.kv_cache_groups, self.kv_cache_dtype, self.bytes_per_block, self.num_blocks,
+                       self.num_host_blocks, self.max_model_len)
 
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks,
@@ -127,12 +138,12 @@ class EngineCore:
         )
         # Every rank: its runner, the same number of blocks of its own KV heads, the host pool.
         self.executor.initialize_cache(self.num_blocks, self.num_host_blocks, self.max_model_len,
-                                       self._compile_batch_sizes())
+                                       compile_batch_sizes(config, self.device))
         self.model_runner = self.executor.model_runner  # rank 0's
         if self.model_runner.decode_graphs is not None:
             self.model_runner.decode_graphs.request_all()  # in the background, smallest first
         self.sampler = Sampler()  # prompt logprobs (the runner samples the tokens)
-        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_ids = eos_token_ids(self.hf_config, self.model, self.source, self._load_tokenizer)
         # The core validates again what the front end validated (a request from another
         # process is not trusted); it needs no tokenizer for token ids.
         self.inputs = InputProcessor(None, self.vocab_size, self.max_model_len,
@@ -151,7 +162,8 @@ class EngineCore:
         if spec is not None:
             self.speculation = Speculation(
                 spec, self.requests, self.structured, self.max_model_len, self.max_num_batched_tokens,
-                draft_max_model_len=None if self.draft is None else self._draft_max_model_len(spec),
+                draft_max_model_len=None if self.draft is None else draft_max_model_len(self.draft, spec,
+                                                                                       self.max_model_len),
                 has_draft_model=self.draft is not None)
         # Multi-LoRA: the adapters rank 0's runner holds, pinned in host memory while requests use them.
         self.loras: CoreLoRAs | None = None
@@ -159,172 +171,18 @@ class EngineCore:
             self.loras = CoreLoRAs(self.model_runner.lora)
         self.planner = StepPlanner(self.requests, self.structured,
                                    None if self.speculation is None else self.speculation.proposer, self.loras)
-        self._seq_counter = itertools.count()
+        self.sequences = SequenceMaker(self.scheduler, self.planner, self.eos_token_ids)
         self._idle_steps = 0  # the watchdog's count (see `stall_steps`)
-        self._kv_stats = KVCacheStatsTracker(self.num_blocks, self.block_size)
-        # Tokens fed per step until stats() hands them on; bounded: the offline engine never
-        # reads them.
-        self._step_tokens: collections.deque[int] = collections.deque(maxlen=4096)
-        self._num_steps = 0
-        self.num_batched_tokens_total = 0  # tokens fed to the model, cumulative (engine_state)
+        self.counters = CoreCounters(self.scheduler, self.kv_cache_manager, config.max_loras, self.loras,
+                                     self.speculation)
         self.startup_seconds = time.perf_counter() - t0
         log_kernel_status(self.device)  # which path runs: the C kernels or plain torch
         logger.info("Engine core ready in %.1f s (%s, %s)", self.startup_seconds, self.device,
                     self.dtype)
 
-    # ---- start-up -------------------------------------------------------------------------
-
-    def _resolve_max_model_len(self) -> int:
-        model_max = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0)
-        wanted = self.config.max_model_len
-        if wanted is None:
-            return model_max or 2048
-        if model_max and wanted > model_max:
-            raise ValueError(
-                f"max_model_len={wanted} is larger than the model's maximum context length "
-                f"(max_position_embeddings={model_max})."
-            )
-        return wanted
-
-    def _bytes_per_block(self) -> int:
-        """One block over every layer; with a draft model, its layers' K/V of the same block too."""
-        # A hybrid cache's block holds one layer per slot, not every layer.
-        layers = self.kv_cache_groups.slots if self.kv_cache_groups else self.hf_config.num_hidden_layers
-        per_block = self._model_block_bytes(self.hf_config, layers)
-        if self.draft is not None:
-            per_block += self._model_block_bytes(self.draft.hf_config, self.draft.hf_config.num_hidden_layers)
-        return per_block
-
-    def _model_block_bytes(self, cfg: Any, layers: int) -> int:
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        return CacheEngine.bytes_per_block(layers, kv_heads, head_dim, self.block_size, self.kv_cache_dtype)
-
-    def _draft_model_config(self, spec: SpeculativeConfig) -> DraftModelConfig:
-        """The draft model of `speculative_config` (method draft_model), checked against the
-        target: one process (no tensor parallelism), one block table (no hybrid or sliding KV
-        cache groups: their freed blocks would be the draft's too), the target's vocabulary."""
-        config = self.config
-        if config.enable_lora:
-            raise ValueError("speculative method 'draft_model' with enable_lora is not built in pagedllm yet "
-                             "(the draft would run without the adapters); use method 'ngram' or 'suffix'.")
-        if config.tensor_parallel_size > 1:
-            raise ValueError("speculative method 'draft_model' with tensor_parallel_size > 1 is not built in "
-                             "pagedllm yet (the draft runs beside rank 0's shard); use method 'ngram' or one rank.")
-        if hybrid_kv_cache_groups(self.hf_config, config.disable_hybrid_kv_cache_manager) is not None:
-            raise ValueError("speculative method 'draft_model' is not built for a model with sliding-window "
-                             "KV cache groups (the draft's K/V would lose the blocks the window frees); pass "
-                             "disable_hybrid_kv_cache_manager=True, or use method 'ngram'.")
-        source = resolve_model(spec.model, revision=spec.revision, download_dir=config.download_dir)
-        hf_config = load_hf_config(source)
-        draft_vocab = int(getattr(hf_config, "vocab_size", 0) or 0)
-        if draft_vocab != self.vocab_size:
-            raise ValueError(f"the draft model {spec.model!r} has a vocabulary of {draft_vocab} tokens, the target "
-                             f"{self.vocab_size}: a draft model needs the target's tokenizer.")
-        logger.info("Speculative decoding: draft model %s (%s, %d layers), %d tokens per proposal",
-                    source.name, type(hf_config).__name__, hf_config.num_hidden_layers,
-                    spec.num_speculative_tokens)
-        return DraftModelConfig(source.path, source.gguf_file, hf_config, quantization=spec.quantization)
-
-    def _draft_max_model_len(self, spec: SpeculativeConfig) -> int:
-        """How far the draft proposes: its `max_model_len` (speculative_config) or its own
-        maximum; sequences longer than that decode one token at a time (as vLLM)."""
-        own = int(getattr(self.draft.hf_config, "max_position_embeddings", 0) or self.max_model_len)
-        if spec.max_model_len is not None and spec.max_model_len > own:
-            raise ValueError(f"speculative_config max_model_len={spec.max_model_len} is larger than the draft "
-                             f"model's maximum context length ({own}).")
-        return min(spec.max_model_len or own, self.max_model_len)
-
-    def _determine_num_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        per_block = self._bytes_per_block()
-        if self.device.type == "cuda":
-            return self._size_gpu_cache(per_block)
-        budget = int(self.config.kv_cache_space * (1 << 30))
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"The KV cache budget ({budget} bytes) holds no block of {per_block} bytes; "
-                "raise kv_cache_space."
-            )
-        return int(num_blocks)
-
-    def _size_gpu_cache(self, per_block: int) -> int:
-        """GPU: what is left of `gpu_memory_utilization` of the device after the weights, a
-        profile step of `max_num_batched_tokens` tokens, the CUDA graph pool and non-torch memory
-        (worker/memory_sizing.py); errors say what to change."""
-        tokens = self.config.resolved_max_num_batched_tokens(self.max_model_len)
-        profile = self.executor.profile_memory(tokens, min(self.config.max_num_seqs, tokens), self.max_model_len)
-        # Each rank's device holds only its KV heads of every block: one block costs a rank
-        # `kv_share` times fewer bytes than `_bytes_per_block` (all heads) says.
-        rank_block = -(-per_block // self.executor.kv_share)
-        sizing = size_kv_cache(profile, self.config.gpu_memory_utilization, rank_block, self.block_size,
-                               self.max_model_len)
-        logger.info("GPU memory: %s; gpu_memory_utilization=%.2f leaves %.2f GiB for the KV cache: %d blocks",
-                    profile.describe(), self.config.gpu_memory_utilization, sizing.budget_bytes / (1 << 30),
-                    sizing.num_blocks)
-        self.memory_profile = profile
-        return sizing.num_blocks
-
-    def _compile_batch_sizes(self) -> list[int] | None:
-        """The torch.compile'd decode graphs' batch sizes (CPU; a GPU captures CUDA graphs instead:
-        executor/cuda_graph_sizes); None (eager only) unless asked for, or with enforce_eager."""
-        if self.config.enforce_eager or self.device.type != "cpu" or not self.config.compile_batch_sizes:
-            return None
-        return sorted(set(self.config.compile_batch_sizes))
-
-    def _log_cache_size(self) -> None:
-        per_block = self._bytes_per_block()
-        tokens = self.num_blocks * self.block_size
-        concurrency = tokens / self.max_model_len
-        groups = self.kv_cache_groups
-        if groups is not None:  # what one full-length sequence holds over its groups
-            chunk = self.config.resolved_max_num_batched_tokens(self.max_model_len)
-            concurrency = (self.num_blocks - 1) / groups.peak_blocks(self.max_model_len, self.block_size, chunk)
-            logger.info("KV cache groups: %d, of %d layer(s) each (%s); a block holds %d layer(s); "
-                        "a %d-token sequence holds at most %d blocks in a step of %d tokens",
-                        len(groups.groups), groups.slots,
-                        ", ".join("full" if g.sliding_window is None else f"window {g.sliding_window}"
-                                  for g in groups.groups), groups.slots, self.max_model_len,
-                        groups.peak_blocks(self.max_model_len, self.block_size, chunk), chunk)
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB of %s; maximum concurrency for "
-            "%d tokens per request: %.2fx; swap space: %d blocks",
-            self.num_blocks, self.block_size, tokens, self.num_blocks * per_block / (1 << 30),
-            str(self.kv_cache_dtype).removeprefix("torch."),
-            self.max_model_len, concurrency, self.num_host_blocks,
-        )
-
-    def _eos_token_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for src in (self.hf_config, getattr(self.model, "generation_config", None)):
-            value = getattr(src, "eos_token_id", None) if src is not None else None
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, (list, tuple)):
-                ids.update(int(v) for v in value)
-        gen_cfg = self._generation_config()
-        if gen_cfg is not None:
-            value = gen_cfg.get("eos_token_id")
-            ids.update([value] if isinstance(value, int) else (value or []))
-        if not ids:
-            # The tokenizer's EOS, the last resort (a GGUF file names it in its metadata).
-            tok_source = resolve_tokenizer_source(self.config, self.source)
-            eos = load_tokenizer(tok_source.path, tok_source.gguf_file).eos_token_id
-            if eos is not None:
-                ids.add(eos)
-        return ids
-
     def _load_tokenizer(self):
         tok_source = resolve_tokenizer_source(self.config, self.source)
         return load_tokenizer(tok_source.path, tok_source.gguf_file)
-
-    def _generation_config(self) -> dict | None:
-        if self.source.is_gguf:
-            return None
-        path = Path(self.source.path) / "generation_config.json"
-        return json.loads(path.read_text()) if path.exists() else None
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -333,7 +191,7 @@ class EngineCore:
         if request.request_id in self.requests:
             raise ValueError(f"Request id {request.request_id!r} is already in use.")
         check_priority(request.priority, self.config.scheduling_policy)
-        self._check_lora(request.lora_request)
+        check_lora_enabled(self.loras, request.lora_request)
         prompt_ids = self.inputs.check_token_ids(request.prompt_token_ids)
         self.inputs.validate(prompt_ids, request.sampling_params)
         return prompt_ids
@@ -357,11 +215,11 @@ class EngineCore:
 
             beam_params = beam_params_from_sampling(params, params.max_tokens)
         constraint = self.structured.constraint_for(params, grammar)  # a bad grammar: ValueError
-        lora = self._check_lora(request.lora_request)
+        lora = check_lora_enabled(self.loras, request.lora_request)
         if lora is not None:  # loaded and checked once (a bad adapter: ValueError), then pinned
             self.loras.acquire(lora)
         try:
-            state = self._new_request_state(request, prompt_ids, beam_params, constraint, lora)
+            state = self.sequences.new_request_state(request, prompt_ids, beam_params, constraint, lora)
         except BaseException:
             if lora is not None:
                 self.loras.release(lora.lora_int_id)
@@ -373,70 +231,6 @@ class EngineCore:
         except BaseException as exc:
             raise EngineFatalError(f"adding request {request_id} to the scheduler failed: "
                                    f"{exc!r}") from exc
-
-    def _new_request_state(self, request: EngineCoreRequest, prompt_ids: list[int], beam_params: Any,
-                           constraint: Any, lora: LoRARequest | None) -> RequestState:
-        """The request's state and its first sequence (a beam, or sample 0)."""
-        params = request.sampling_params
-        request_id = request.request_id
-        state = RequestState(
-            request_id=request_id,
-            prompt_token_ids=prompt_ids,
-            params=params,
-            arrival_time=request.arrival_time,
-            num_prompt_logprobs=0 if params.prompt_logprobs is not None else None,
-            priority=request.priority,
-            constraint=constraint,
-            lora_request=lora,
-        )
-        if beam_params is not None:
-            seq = self._new_beam_sequence(state, request.cache_salt, [])
-            stop_ids = self.eos_token_ids | set(params.stop_token_ids)
-            state.beam = BeamSearchRequest(BeamSearch(beam_params, stop_ids), running=[seq])
-        else:
-            seq = self._new_sequence(state, cache_salt=request.cache_salt)
-        if params.prompt_logprobs is not None:
-            seq.skip_prefix_cache = True
-        state.seqs.append(seq)
-        return state
-
-    def _new_beam_sequence(
-        self, state: RequestState, cache_salt: str | None, output_token_ids: list[int]
-    ) -> Sequence:
-        """A beam: no sampling row (beam search chooses its tokens itself)."""
-        return self._make_sequence(state, 0, cache_salt, output_token_ids)
-
-    def _make_sequence(
-        self, state: RequestState, index: int, cache_salt: str | None,
-        output_token_ids: list[int] = (), seq_id: int | None = None,
-    ) -> Sequence:
-        lora = state.lora_request
-        return Sequence(
-            seq_id=next(self._seq_counter) if seq_id is None else seq_id,
-            request_id=state.request_id,
-            prompt_token_ids=state.prompt_token_ids,
-            arrival_time=state.arrival_time,
-            index=index,
-            cache_salt=cache_salt,
-            priority=state.priority,
-            output_token_ids=list(output_token_ids),
-            lora_int_id=0 if lora is None else lora.lora_int_id,
-            lora_key=None if lora is None else lora_cache_key(lora),
-        )
-
-    def _new_sequence(self, state: RequestState, cache_salt: str | None) -> Sequence:
-        """Sample 0 of a sampled request; its row goes to the runner with the next step, with
-        the seq ids its n > 1 forks will have."""
-        params = state.params
-        seq = self._make_sequence(state, 0, cache_salt)
-        seq.grammar = state.constraint.new_matcher() if state.constraint else None
-        state.fork_seq_ids = [next(self._seq_counter) for _ in range(1, params.n)]
-        blocked = frozenset(params.stop_token_ids) | params.all_stop_token_ids | self.eos_token_ids
-        self.planner.add_sampling_row(SamplingRowSpec(
-            seq.seq_id, params, 0, state.prompt_token_ids,
-            min_tokens_blocked=blocked if params.min_tokens else frozenset(),
-            fork_seq_ids=list(state.fork_seq_ids)))
-        return seq
 
     def abort_requests(self, request_ids: str | Iterable[str]) -> None:
         """Drop requests wherever they are; their blocks return to the pool at once."""
@@ -450,7 +244,7 @@ class EngineCore:
                     self.scheduler.finish_sequence(seq, SequenceStatus.FINISHED_ABORTED)
                 seq.grammar = None  # frees the grammar state now
             self._drop_request(rid)
-        self._observe_kv_usage()  # kv_cache_stats() shows the freed blocks at once
+        self.counters.observe_kv_usage()  # kv_cache_stats() shows the freed blocks at once
 
     def finish_samples(self, samples: Iterable[tuple[str, int]]) -> None:
         """The front end saw a stop string end these (request id, sample index) samples: free
@@ -465,7 +259,7 @@ class EngineCore:
                     seq.grammar = None
             if state.finished:
                 self._drop_request(rid)
-        self._observe_kv_usage()
+        self.counters.observe_kv_usage()
 
     def _drop_request(self, rid: str) -> None:
         """The one place a request leaves the core (finished, stopped by a string, aborted):
@@ -496,7 +290,7 @@ class EngineCore:
     def _schedule(self) -> SchedulerOutput:
         """The running decodes' proposals, then the scheduler's decision (watched for stalls)."""
         if self.speculation is not None:
-            self.speculation.propose(self.scheduler.running, self._num_steps)
+            self.speculation.propose(self.scheduler.running, self.counters.num_steps)
         sched_out = self.scheduler.schedule()
         self._watch_progress(sched_out)
         return sched_out
@@ -526,16 +320,14 @@ class EngineCore:
                     state.request_id, [], first_scheduled_time=started,
                     num_cached_tokens=item.seq.num_cached_tokens,
                 )
-        self._num_steps += 1
-        self._step_tokens.append(sched_out.num_batched_tokens)
-        self.num_batched_tokens_total += sched_out.num_batched_tokens
+        self.counters.on_step(sched_out.num_batched_tokens)
         num_accepted = runner_out.num_accepted if runner_out is not None else {}
         self.scheduler.update_after_step(sched_out, num_accepted)
         if self.speculation is not None:
             self.speculation.after_step(sched_out, plan, num_accepted)
-        self._observe_kv_usage()
+        self.counters.observe_kv_usage()
         self._process_outputs(sched_out, plan, runner_out, outputs)
-        self._observe_kv_usage()  # finished sequences gave their blocks back
+        self.counters.observe_kv_usage()  # finished sequences gave their blocks back
         # Every entry carries something: a first scheduling (cache hits, queue time), tokens,
         # prompt logprobs, or a finished beam search.
         for rid, out in outputs.items():
@@ -603,14 +395,14 @@ class EngineCore:
             if item.draft_token_ids:
                 accepted = runner_out.num_accepted.get(item.seq.seq_id, 0)
                 self.speculation.observe_verified(item.seq.seq_id, len(item.draft_token_ids), accepted,
-                                                  self._num_steps)
+                                                  self.counters.num_steps)
                 r = self._append_verified(state, item, sampled, r, accepted, outputs)
                 continue
             targets = [item.seq]
             if state.params.n > 1 and not state.forked:
                 # First sample of an n > 1 request: fork n - 1 children that share the
                 # prompt's blocks; the runner drew each one's first token from the same logits.
-                targets += [self._fork(state, item.seq, idx) for idx in range(1, state.params.n)]
+                targets += [self.sequences.fork_sample(state, item.seq, idx) for idx in range(1, state.params.n)]
                 state.forked = True
             out = self._output_for(outputs, state.request_id)
             for seq in targets:
@@ -643,25 +435,12 @@ class EngineCore:
         self._output_for(outputs, state.request_id).samples.append(delta)
         return r + accepted + 1
 
-    def _fork(self, state: RequestState, parent: Sequence, idx: int) -> Sequence:
-        """Sample `idx` of an n > 1 request, made at the first sample with the seq id the
-        runner's fork row has: it shares the parent's blocks (ref counts raised; copy-on-write
-        before it writes a shared block)."""
-        child = self._make_sequence(state, idx, parent.cache_salt,
-                                    seq_id=state.fork_seq_ids[idx - 1])
-        child.grammar = state.constraint.new_matcher() if state.constraint else None
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.draft_num_computed = parent.draft_num_computed  # the shared blocks hold its K/V too
-        self.scheduler.fork_sequence(parent, child)
-        state.seqs.append(child)
-        return child
-
     def _advance_beams(self, state: RequestState) -> None:
         """One beam-search step for a request whose running beams all have their logits."""
         beam = state.beam
         assert beam is not None
         done = beam.advance(
-            fork=lambda parent: self._fork_beam(state, parent),
+            fork=lambda parent: self.sequences.fork_beam(state, parent),
             drop=lambda seq: self.scheduler.finish_sequence(seq, SequenceStatus.FINISHED_ABORTED),
         )
         state.seqs = list(beam.running)
@@ -669,73 +448,16 @@ class EngineCore:
             state.beam_outputs = beam_completions(beam.search.results(), state,
                                                   self.eos_token_ids)
 
-    def _fork_beam(self, state: RequestState, parent: Sequence) -> Sequence:
-        """A beam chosen twice: the copy shares every block of its parent (CoW on write)."""
-        child = self._new_beam_sequence(state, parent.cache_salt, parent.output_token_ids)
-        self.scheduler.fork_sequence(parent, child)
-        return child
-
-    def _observe_kv_usage(self) -> None:
-        kv = self.kv_cache_manager
-        shared = kv.num_shared_blocks
-        # One addition per running sequence; blocks walked only where they are shared.
-        tokens = KVCacheStatsTracker.stored_tokens(
-            self.scheduler.running, kv.req_to_blocks, self.block_size, shared
-        )
-        self._kv_stats.observe(kv.num_usable_blocks - kv.num_free_blocks, tokens, shared)
-
     # ---- statistics -----------------------------------------------------------------------
 
     def stats(self) -> CoreStats:
-        """The gauges and counters that /metrics shows (metrics.EngineMetrics)."""
-        sched, kv = self.scheduler, self.kv_cache_manager
-        swapped = sched.swapped  # groups of one request's sequences
-        return CoreStats(
-            num_running=len({s.request_id for s in sched.running}),
-            num_waiting=len({s.request_id for s in sched.waiting}),
-            num_swapped=len({s.request_id for g in swapped for s in g}),
-            kv_used_blocks=kv.num_usable_blocks - kv.num_free_blocks,  # not the null block
-            kv_num_blocks=kv.num_usable_blocks,
-            prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
-            num_preemptions=sched.num_preemptions,
-            num_steps=self._num_steps,
-            kv_used_blocks_by_group=kv.num_used_blocks_by_group if kv.is_hybrid else [],
-            sliding_blocks_freed=kv.num_dead_blocks_freed,
-            iteration_tokens=self._drain_step_tokens(),
-            **(self.speculation.stats_fields() if self.speculation is not None else {}),
-            **self._lora_stats_fields(),
-        )
-
-    def _lora_stats_fields(self) -> dict[str, Any]:
-        """vllm:lora_requests_info's labels: the adapters of running and of waiting requests."""
-        if self.loras is None:
-            return {}
-        sched = self.scheduler
-        return dict(max_lora=self.config.max_loras,
-                    running_lora_adapters=self.loras.names_of(s.lora_int_id for s in sched.running),
-                    waiting_lora_adapters=self.loras.names_of(
-                        s.lora_int_id for s in [*sched.waiting, *(t for g in sched.swapped for t in g)]))
-
-    def _drain_step_tokens(self) -> list[int]:
-        """The tokens of each step since the last call (each step counted once)."""
-        out = list(self._step_tokens)
-        self._step_tokens.clear()
-        return out
+        return self.counters.stats()
 
     def kv_cache_stats(self) -> KVCacheStats:
-        kv = self.kv_cache_manager
-        stats = self._kv_stats.snapshot(
-            self.scheduler.num_preemptions, kv.prefix_cache_queries, kv.prefix_cache_hits,
-            kv.num_swapped_out, kv.num_swapped_in,
-        )
-        stats.num_kv_cache_groups = len(kv.groups)
-        stats.used_blocks_by_group = kv.num_used_blocks_by_group
-        stats.sliding_blocks_freed = kv.num_dead_blocks_freed
-        return stats
+        return self.counters.kv_cache_stats()
 
     def reset_kv_cache_peak(self) -> None:
-        self._kv_stats.reset_peak()
+        self.counters.reset_kv_cache_peak()
 
     def engine_state(self) -> dict[str, Any]:
         """The block map, queues and block tables now (engine/engine_state.py): made only when
@@ -759,30 +481,20 @@ class EngineCore:
             raise ValueError(f"Unknown engine core call {name!r}.")
         return getattr(self, name)(*args)
 
-    # ---- LoRA adapters (docs/lora.md) -----------------------------------------------------
-
-    def _check_lora(self, lora: LoRARequest | None) -> LoRARequest | None:
-        if lora is None:
-            return None
-        if self.loras is None:
-            raise ValueError(f"LoRA adapter {lora.lora_name!r} requested, but LoRA is not enabled: start the "
-                             "engine with enable_lora=True (--enable-lora).")
-        return lora
+    # ---- LoRA adapters (docs/lora.md): vLLM's add_lora / remove_lora / list_loras / pin_lora --
 
     def add_lora(self, lora: LoRARequest | dict) -> bool:
-        """Load an adapter into host memory now (vLLM's `add_lora`); a bad one: ValueError."""
-        lora = self._check_lora(lora if isinstance(lora, LoRARequest) else LoRARequest(**lora))
+        """Load an adapter into host memory now; a bad one: ValueError."""
+        lora = check_lora_enabled(self.loras, lora if isinstance(lora, LoRARequest) else LoRARequest(**lora))
         return self.loras.add(lora)
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget an adapter (vLLM's `remove_lora`); requests already running with it finish."""
-        if self.loras is None:
-            return False
-        return self.loras.remove(int(lora_int_id))
+        """Forget an adapter; requests already running with it finish."""
+        return False if self.loras is None else self.loras.remove(int(lora_int_id))
 
     def list_loras(self) -> list[int]:
         return [] if self.loras is None else self.loras.list()
 
     def pin_lora(self, lora_int_id: int) -> bool:
-        """Keep a loaded adapter in host memory until removed (vLLM's `pin_lora`)."""
+        """Keep a loaded adapter in host memory until removed."""
         return False if self.loras is None else self.loras.pin(int(lora_int_id))

@@ -109,3 +109,11 @@ class CoreLoRAs:
     def names_of(self, ids: Iterable[int]) -> list[str]:
         """The names of the adapters among `ids` (0: the base model, left out), sorted."""
         return sorted({self.requests[i].lora_name for i in ids if i and i in self.requests})
+
+
+def check_lora_enabled(loras: CoreLoRAs | None, lora: LoRARequest | None) -> LoRARequest | None:
+    """`lora` when the engine serves adapters (`loras` is not None); a ValueError otherwise."""
+    if lora is not None and loras is None:
+        raise ValueError(f"LoRA adapter {lora.lora_name!r} requested, but LoRA is not enabled: start the "
+                         "engine with enable_lora=True (--enable-lora).")
+    return lora

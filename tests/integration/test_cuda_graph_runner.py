@@ -69,8 +69,8 @@ def test_graph_steps_match_eager_steps(tiny):
         a = eager.execute_model(out).sample_logits
         b = graphed.execute_model(out).sample_logits.clone()  # a graph's rows live until its next replay
         for s, row in zip(sched, a):
-            starts[s.seq.seq_id] = len(seqs[s.seq.seq_id])
-            seqs[s.seq.seq_id].append(int(row.argmax()))
+            starts[s.seq_id] = len(seqs[s.seq_id])
+            seqs[s.seq_id].append(int(row.argmax()))
         return a, b
 
     # prefill of 5 (eager), decodes of 5 (above the largest bucket: eager), of 3 (bucket 4, one

@@ -48,7 +48,7 @@ def test_blocks_at_a_fixed_budget(engines):
     for dt, llm in engines.items():
         cache = llm.llm_engine.model_runner.kv_caches[0]
         assert str(cache.dtype) == f"torch.{dt}"
-        assert cache.numel() * cache.element_size() == blocks[dt] * llm.llm_engine.core._bytes_per_block() // 30
+        assert cache.numel() * cache.element_size() == blocks[dt] * llm.llm_engine.core.bytes_per_block // 30
 
 
 def _scored(llm, ids):

@@ -70,8 +70,8 @@ def test_the_draft_takes_its_share_of_each_block(random_draft):
     both = LLM(max_model_len=512, kv_cache_space=0.5,
                speculative_config={"model": random_draft, "num_speculative_tokens": 2}).llm_engine.core
     target_bytes, draft_bytes = 2 * 30 * 16 * 3 * 64 * 4, 2 * 2 * 16 * 2 * 16 * 4
-    assert target._bytes_per_block() == target_bytes
-    assert both._bytes_per_block() == target_bytes + draft_bytes
+    assert target.bytes_per_block == target_bytes
+    assert both.bytes_per_block == target_bytes + draft_bytes
     assert both.num_blocks == int(0.5 * (1 << 30)) // (target_bytes + draft_bytes) < target.num_blocks
     draft_cache = both.model_runner.drafter.cache_engine
     assert draft_cache.num_blocks == both.num_blocks and draft_cache.num_layers == 2
