@@ -40,7 +40,7 @@ def main() -> int:
 
     from pagedllm.model.loader import load_model
     from pagedllm.model_source import load_hf_config, resolve_model
-    from pagedllm.quantizer import quantize_model, rtn_quantize
+    from pagedllm.quantization.algorithms.checkpoint_writer import quantize_model, rtn_quantize
 
     ok = True
     tmp = Path(tempfile.mkdtemp())

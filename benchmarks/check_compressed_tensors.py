@@ -51,10 +51,10 @@ def main() -> int:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from safetensors.torch import load_file, save_file
 
-    from pagedllm.layers.quantization.packing import pack_int32, unpack_int32
+    from pagedllm.quantization.formats.packing import pack_int32, unpack_int32
     from pagedllm.model.loader import load_model
     from pagedllm.model_source import load_hf_config, resolve_model
-    from pagedllm.quantizer import quantize_model, rtn_quantize
+    from pagedllm.quantization.algorithms.checkpoint_writer import quantize_model, rtn_quantize
 
     ok = True
 

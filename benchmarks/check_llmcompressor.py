@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     from llmcompressor.modifiers.quantization import GPTQModifier
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pagedllm.quantization_algorithms.calibration import calibration_samples, read_text
+    from pagedllm.quantization.algorithms.calibration import calibration_samples, read_text
 
     tok = AutoTokenizer.from_pretrained(args.model)
     samples = calibration_samples(tok, read_text(None), args.num_samples, args.seq_len)

@@ -22,7 +22,7 @@ import torch
 
 from pagedllm.kernels import build as kernel_build
 from pagedllm.kernels import isa
-from pagedllm.layers.quantization.gguf_kernel import TYPES, GGUFTensor
+from pagedllm.quantization.kernels.gguf_kernel import TYPES, GGUFTensor
 from tests.gguf_random import ALL_TYPES, random_tensor
 
 LAYER = [(1536, 1536), (256, 1536), (256, 1536), (1536, 1536), (8960, 1536), (8960, 1536), (1536, 8960)]

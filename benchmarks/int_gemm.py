@@ -16,7 +16,7 @@ import time
 import torch
 
 from pagedllm.layers.linear import linear, prepare_weight
-from pagedllm.layers.quantization.int_kernel import int_gemm_isa, int_matmul, pack_int_weight
+from pagedllm.quantization.kernels.int_kernel import int_gemm_isa, int_matmul, pack_int_weight
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 

@@ -53,7 +53,7 @@ def _child(batches: list[int]) -> None:
 
     from pagedllm.kernels.status import kernel_status
     from pagedllm.layers.linear import linear_prepared, prepare_weight
-    from pagedllm.layers.quantization.int_kernel import int_gemm_isa, int_matmul, pack_int_weight, unpack_int_weight
+    from pagedllm.quantization.kernels.int_kernel import int_gemm_isa, int_matmul, pack_int_weight, unpack_int_weight
 
     report = kernel_status()
     try:

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from pagedllm import LLM, SamplingParams
-    from pagedllm.quantization_algorithms.calibration import HELDOUT, shipped_text
+    from pagedllm.quantization.algorithms.calibration import HELDOUT, shipped_text
 
     dtypes = args.dtypes.split(",")
     rows: dict[str, dict] = {}

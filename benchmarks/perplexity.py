@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from pagedllm.model_source import resolve_model
-    from pagedllm.quantization_algorithms.calibration import HELDOUT, shipped_text
+    from pagedllm.quantization.algorithms.calibration import HELDOUT, shipped_text
     from pagedllm.tokenizer import load_tokenizer
 
     text = shipped_text(HELDOUT) if args.text is None else Path(args.text).read_text(encoding="utf-8")

@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
                 return fn(*a, **kw)
         return wrapper
 
-    import pagedllm.layers.quantization.gguf_kernel as gguf_mod
-    import pagedllm.layers.quantization.int_kernel as int_mod
+    import pagedllm.quantization.kernels.gguf_kernel as gguf_mod
+    import pagedllm.quantization.kernels.int_kernel as int_mod
 
     patches = [(linear_mod, "linear", "projections (linear)"), (llama_mod, "linear", "projections (linear)"),
                (int_mod, "_int_matmul", "projections (int_gemm)"), (gguf_mod, "_gguf_matmul", "projections (gguf_gemm)"),

@@ -1,5 +1,5 @@
 """GPU benchmark (needs CUDA and triton): the Triton dequantize-fused int4 / int8 matmul
-(`pagedllm/layers/quantization/triton_int_gemm.py`) against torch's float16 matmul of the
+(`pagedllm/quantization/kernels/triton_int_gemm.py`) against torch's float16 matmul of the
 already-dequantized weight (the float16 layer it replaces) and against the portable path
 (dequantize in torch on every call, then matmul: what `apply` ran before).
 
@@ -24,7 +24,7 @@ import torch
 
 
 def _weight(K, N, bits, gs, device, seed=0):
-    from pagedllm.layers.quantization.packing import pack_int32
+    from pagedllm.quantization.formats.packing import pack_int32
 
     g = torch.Generator().manual_seed(seed)
     groups = K // (K if gs == -1 else gs)
@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks/triton_int_gemm.py needs a CUDA GPU (none found)", file=sys.stderr)
         return 2
-    from pagedllm.layers.quantization import triton_int_gemm as tig
-    from pagedllm.layers.quantization.packing import dequantize
+    from pagedllm.quantization.kernels import triton_int_gemm as tig
+    from pagedllm.quantization.formats.packing import dequantize
 
     if not tig.HAS_TRITON:
         print("benchmarks/triton_int_gemm.py needs triton (pip install triton)", file=sys.stderr)

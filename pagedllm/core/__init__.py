@@ -2,7 +2,7 @@
 
 from pagedllm.core.block_pool import BlockPool, FreeKVBlockQueue, KVBlock, hash_block_tokens
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Sequence, SequenceStatus
+from pagedllm.core.request import SequenceState, SequenceStatus
 from pagedllm.core.scheduler import (
     ScheduledSequence,
     Scheduler,
@@ -19,7 +19,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
-    "Sequence",
+    "SequenceState",
     "SequenceStatus",
     "hash_block_tokens",
 ]

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 
 from pagedllm.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
 from pagedllm.core.kv_cache_groups import KVCacheGroup, KVCacheGroups
-from pagedllm.core.request import Sequence
+from pagedllm.core.request import SequenceState
 
 # Prefix hits: one list of blocks (one group), or one list per group (hybrid).
 PrefixHits = list
@@ -129,7 +129,7 @@ class KVCacheManager:
         `chunk` new tokens, over all groups (what "fits in an empty pool" means)."""
         return self.kv_cache_groups.peak_blocks(num_tokens, self.block_size, chunk)
 
-    def num_blocks_to_resume(self, seq: Sequence, chunk: int) -> int:
+    def num_blocks_to_resume(self, seq: SequenceState, chunk: int) -> int:
         """Free blocks beyond its host blocks that a swapped `seq` may take to finish: each
         group's peak less what it holds on the host, plus one copy-on-write per group."""
         return sum(
@@ -181,7 +181,7 @@ class KVCacheManager:
     # ---- prefix cache ---------------------------------------------------------------------
 
     def _block_hash(
-        self, seq: Sequence, index: int, parent_hash: BlockHash | None
+        self, seq: SequenceState, index: int, parent_hash: BlockHash | None
     ) -> BlockHash:
         start = index * self.block_size
         tokens = seq.token_ids_slice(start, start + self.block_size)
@@ -198,7 +198,7 @@ class KVCacheManager:
         """The pool's key of a block of `group` (group 0: the chain hash itself, as always)."""
         return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
 
-    def get_computed_blocks(self, seq: Sequence) -> tuple[PrefixHits, int]:
+    def get_computed_blocks(self, seq: SequenceState) -> tuple[PrefixHits, int]:
         """Longest run of cached full blocks at the start of `seq`, and the tokens they hold.
 
         Only the first `num_tokens - 1` tokens are looked up: the last one is always recomputed
@@ -257,11 +257,11 @@ class KVCacheManager:
                 return h
         return 0
 
-    def _uses_prefix_cache(self, seq: Sequence) -> bool:
+    def _uses_prefix_cache(self, seq: SequenceState) -> bool:
         return self.enable_caching and seq.num_computed_tokens == 0 and not seq.skip_prefix_cache
 
     def first_missed_block_hash(
-        self, seq: Sequence, hits: PrefixHits
+        self, seq: SequenceState, hits: PrefixHits
     ) -> BlockHash | None:
         """Hash of the first looked-up block after `hits` (the block that missed), or None.
 
@@ -283,7 +283,7 @@ class KVCacheManager:
             return 0
         return len(hits[0]) if self.is_hybrid else len(hits)
 
-    def hashes_filled_by(self, seq: Sequence, num_new_tokens: int) -> list[BlockHash]:
+    def hashes_filled_by(self, seq: SequenceState, num_new_tokens: int) -> list[BlockHash]:
         """Chain hashes of the blocks that computing `num_new_tokens` more tokens makes full."""
         if not self.enable_caching or seq.skip_prefix_cache:
             return []
@@ -295,7 +295,7 @@ class KVCacheManager:
             out.append(parent)
         return out
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
+    def cache_full_blocks(self, seq: SequenceState) -> None:
         """Hash and publish every block now full of computed tokens (prompt or generated)."""
         if not self.enable_caching:
             return
@@ -328,7 +328,7 @@ class KVCacheManager:
 
     def allocate_slots(
         self,
-        seq: Sequence,
+        seq: SequenceState,
         num_new_tokens: int,
         new_computed_blocks: PrefixHits | None = None,
     ) -> bool:
@@ -404,7 +404,7 @@ class KVCacheManager:
             self.tables[g][sid] = table
         return True
 
-    def trim(self, seq: Sequence, num_tokens: int) -> int:
+    def trim(self, seq: SequenceState, num_tokens: int) -> int:
         """Give back every block past the first `num_tokens` slots of `seq`'s tables (rejected
         draft tokens' blocks, speculative decoding); returns how many went. Those blocks were
         written this step only, so none is hashed; the runner's copies are re-sent from the
@@ -437,7 +437,7 @@ class KVCacheManager:
             table[i] = null
         table.extend([null] * (dead - len(table)))
 
-    def num_blocks_to_admit(self, plans: list[tuple[Sequence, PrefixHits, int]]) -> int:
+    def num_blocks_to_admit(self, plans: list[tuple[SequenceState, PrefixHits, int]]) -> int:
         """Free blocks that admitting these (sequence, prefix hits, new tokens) together takes:
         fresh blocks beyond the hits, plus the distinct hits that sit in the free queue."""
         fresh = 0
@@ -460,7 +460,7 @@ class KVCacheManager:
         """Pool blocks one decoding sequence of `num_tokens` holds at most, over all groups."""
         return sum(g.max_live_blocks(num_tokens, self.block_size) for g in self.groups)
 
-    def _check_hits(self, seq: Sequence, group_hits: list[list[KVBlock]]) -> list[BlockHash]:
+    def _check_hits(self, seq: SequenceState, group_hits: list[list[KVBlock]]) -> list[BlockHash]:
         """Chain hashes of the hits, refusing blocks evicted (and maybe reused) since the lookup."""
         hashes: list[BlockHash] = []
         if not group_hits:
@@ -475,7 +475,7 @@ class KVCacheManager:
                     raise ValueError(f"seq {seq.seq_id}: stale prefix hit on block {block.block_id}")
         return hashes
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: SequenceState, child: SequenceState) -> None:
         """Share all of the parent's blocks with the child (copy-on-write on first write)."""
         if any(child.seq_id in t for t in self.tables):
             raise ValueError(f"seq {child.seq_id} already has a block table")
@@ -486,7 +486,7 @@ class KVCacheManager:
         if parent.seq_id in self.req_to_block_hashes:
             self.req_to_block_hashes[child.seq_id] = list(self.req_to_block_hashes[parent.seq_id])
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: SequenceState) -> None:
         """Release the sequence's blocks, tail first so its prefix stays cached the longest.
 
         A copy-on-write queued this step into one of its blocks is dropped: the block may be
@@ -526,7 +526,7 @@ class KVCacheManager:
                     seen.setdefault(block.block_id, block)
         return list(seen.values())
 
-    def _allocate_per_group(self, src: list[dict[int, list[KVBlock]]], seqs: list[Sequence],
+    def _allocate_per_group(self, src: list[dict[int, list[KVBlock]]], seqs: list[SequenceState],
                             pool: BlockPool) -> tuple[list[KVBlock], list[KVBlock]]:
         """The distinct blocks of `seqs`' tables in `src`, and as many new blocks of `pool`,
         each taken for the group its source block serves."""
@@ -538,28 +538,28 @@ class KVCacheManager:
             new += pool.get_new_blocks(len(blocks), g)
         return distinct, new
 
-    def _all_tables(self, which: list[dict[int, list[KVBlock]]], seqs: list[Sequence]):
+    def _all_tables(self, which: list[dict[int, list[KVBlock]]], seqs: list[SequenceState]):
         return [t.get(s.seq_id, []) for t in which for s in seqs]
 
-    def num_swap_out_blocks(self, seqs: list[Sequence]) -> int:
+    def num_swap_out_blocks(self, seqs: list[SequenceState]) -> int:
         """Host blocks a swap-out of `seqs` takes: each block they share is stored once, dead
         (null) entries not at all."""
         return len(self._distinct(self._all_tables(self.tables, seqs)))
 
-    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+    def can_swap_out(self, seqs: list[SequenceState]) -> bool:
         return (
             self.host_pool is not None
             and self.num_swap_out_blocks(seqs) <= self.host_pool.num_free_blocks
         )
 
-    def num_swap_in_blocks(self, seqs: list[Sequence]) -> int:
+    def num_swap_in_blocks(self, seqs: list[SequenceState]) -> int:
         return len(self._distinct(self._all_tables(self.host_tables, seqs)))
 
-    def num_swapped_entries(self, seq: Sequence) -> int:
+    def num_swapped_entries(self, seq: SequenceState) -> int:
         """Blocks of `seq` held on the host (all groups): what a swap-in brings back."""
         return sum(len(self._live(t.get(seq.seq_id, ()))) for t in self.host_tables)
 
-    def swap_out(self, seqs: list[Sequence]) -> None:
+    def swap_out(self, seqs: list[SequenceState]) -> None:
         """Move the blocks of `seqs` (a forked group) to host memory, keeping their sharing.
 
         Each distinct device block gets one host block, whose ref count is the number of
@@ -583,7 +583,7 @@ class KVCacheManager:
         for seq in seqs:
             self._forget_table(seq.seq_id)
 
-    def swap_in(self, seqs: list[Sequence]) -> bool:
+    def swap_in(self, seqs: list[SequenceState]) -> bool:
         """Bring swapped `seqs` back into fresh device blocks; False (nothing changed) if the
         pool is short. Their full blocks are published to the prefix cache again."""
         assert self.host_pool is not None
@@ -604,7 +604,7 @@ class KVCacheManager:
                         self.block_pool.cache_full_block(block, self._group_key(g, block_hash))
         return True
 
-    def _move_tables(self, seqs: list[Sequence], src: list[dict[int, list[KVBlock]]],
+    def _move_tables(self, seqs: list[SequenceState], src: list[dict[int, list[KVBlock]]],
                      dst: list[dict[int, list[KVBlock]]], src_pool: BlockPool,
                      dst_pool: BlockPool, mapping: dict[int, KVBlock]) -> None:
         """Re-point the tables of `seqs` (every group) from `src` to `dst` blocks by `mapping`,
@@ -631,7 +631,7 @@ class KVCacheManager:
 
     # ---- checks for tests -----------------------------------------------------------------
 
-    def check_invariants(self, active_seqs: Iterable[Sequence]) -> None:
+    def check_invariants(self, active_seqs: Iterable[SequenceState]) -> None:
         """Assert the bookkeeping is consistent; raises AssertionError on the first breach."""
         seqs = {s.seq_id: s for s in active_seqs}
         B = self.block_size

@@ -27,7 +27,7 @@ from typing import Any
 
 from pagedllm.core.block_pool import BlockPool, KVBlock
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Sequence
+from pagedllm.core.request import SequenceState
 
 FREE, USED, SHARED, CACHED, RESERVED, SWAPPED = range(6)
 BLOCK_STATES = ("free", "used", "shared", "cached", "reserved", "swapped")
@@ -102,7 +102,7 @@ def count_states(states: bytes | bytearray, n: int = len(BLOCK_STATES)) -> dict[
     return {BLOCK_STATES[v]: states.count(v) for v in range(n)}
 
 
-def sequence_entry(seq: Sequence, kv: KVCacheManager) -> dict[str, Any]:
+def sequence_entry(seq: SequenceState, kv: KVCacheManager) -> dict[str, Any]:
     """One sequence: its status, tokens and block table(s) (device, or host while swapped)."""
     swapped = any(seq.seq_id in t for t in kv.host_tables)
     which = kv.host_tables if swapped else kv.tables

@@ -35,7 +35,7 @@ class SequenceStatus(enum.Enum):
 
 
 @dataclass(eq=False)
-class Sequence:
+class SequenceState:
     """One token stream: prompt + generated tokens, and how much of it is in the KV cache.
 
     `num_computed_tokens` counts tokens whose K/V are written in the cache (or were found in the

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_cache_groups import KVCacheGroups
-from pagedllm.core.request import Sequence, SequenceStatus
+from pagedllm.core.request import SequenceState, SequenceStatus
 
 
 def check_request_fits_pool(
@@ -152,7 +152,7 @@ class ScheduledSequence:
     """The scheduler's decision for one sequence this step; the engine core turns it into the
     runner's `SequenceStep` (core/step_plan.py), adding what only it knows."""
 
-    seq: Sequence
+    seq: SequenceState
     token_ids: list[int]  # tokens fed this step, at positions start_pos .. start_pos+len-1
     start_pos: int  # seq.num_computed_tokens before this step
     # The runner's copy of the seq's block table becomes its first `blocks_from` ids followed
@@ -203,16 +203,16 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: deque[SequenceState] = deque()
         # Ordered by (priority, arrival_time, request order, index): the tail is the victim.
-        self.running: list[Sequence] = []
+        self.running: list[SequenceState] = []
         # Groups preempted by swap, each a request's sequences, oldest request first.
-        self.swapped: list[list[Sequence]] = []
+        self.swapped: list[list[SequenceState]] = []
         self.num_preemptions = 0
         self.num_long_context_recomputes = 0  # sequences recomputed on growing past long_context_after
         # Unfinished sequences of each request, and the order requests were first seen in
         # (keeps a request's sequences together in `running` when arrival times tie).
-        self._requests: dict[str, list[Sequence]] = {}
+        self._requests: dict[str, list[SequenceState]] = {}
         self._finished_ids: list[int] = []  # since the last schedule(): finished_seq_ids
         self._request_order: dict[str, int] = {}
         self._next_request_order = 0
@@ -222,27 +222,27 @@ class Scheduler:
 
     # ---- queues ---------------------------------------------------------------------------
 
-    def _priority(self, seq: Sequence) -> tuple[int, float, int, int, int]:
+    def _priority(self, seq: SequenceState) -> tuple[int, float, int, int, int]:
         """The scheduling order: smaller first, the largest is the preemption victim."""
         prio = seq.priority if self.config.policy == "priority" else 0
         return (prio, seq.arrival_time, self._request_order[seq.request_id], seq.index,
                 seq.seq_id)
 
-    def _insert_waiting(self, seq: Sequence) -> None:
+    def _insert_waiting(self, seq: SequenceState) -> None:
         """fcfs: behind every waiting sequence; priority: in (priority, arrival) order."""
         if self.config.policy == "priority":
             bisect.insort(self.waiting, seq, key=self._priority)
         else:
             self.waiting.append(seq)
 
-    def _register(self, seq: Sequence) -> None:
+    def _register(self, seq: SequenceState) -> None:
         if seq.request_id not in self._requests:
             self._requests[seq.request_id] = []
             self._request_order[seq.request_id] = self._next_request_order
             self._next_request_order += 1
         self._requests[seq.request_id].append(seq)
 
-    def _insert_running(self, seq: Sequence) -> None:
+    def _insert_running(self, seq: SequenceState) -> None:
         bisect.insort(self.running, seq, key=self._priority)
 
     def check_request_fits(self, num_tokens: int, num_lockstep_seqs: int = 1) -> None:
@@ -256,7 +256,7 @@ class Scheduler:
         check_request_fits_pool(num_tokens, num_lockstep_seqs, kv.num_blocks, kv.block_size,
                                 kv.kv_cache_groups, self.config.max_num_batched_tokens)
 
-    def add_sequence(self, seq: Sequence, lockstep: bool = False) -> None:
+    def add_sequence(self, seq: SequenceState, lockstep: bool = False) -> None:
         """Queue a new sequence (status WAITING) behind all waiting ones.
 
         `lockstep`: the request's sequences (this one and its forks) advance together, as beam
@@ -268,7 +268,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self._insert_waiting(seq)
 
-    def fork_sequence(self, parent: Sequence, child: Sequence) -> None:
+    def fork_sequence(self, parent: SequenceState, child: SequenceState) -> None:
         """Run `child` alongside its running `parent`, sharing the parent's blocks (CoW).
 
         The child holds the same computed tokens as the parent (its own sampled tokens, if any,
@@ -286,7 +286,7 @@ class Scheduler:
         child.status = SequenceStatus.RUNNING
         self._insert_running(child)
 
-    def _preempt_by_recompute(self, seq: Sequence) -> None:
+    def _preempt_by_recompute(self, seq: SequenceState) -> None:
         """Free its blocks and requeue it ahead of new arrivals.
 
         Its output tokens are kept: it resumes as a prefill of prompt + output so far. Preempted
@@ -298,7 +298,7 @@ class Scheduler:
         self.num_preemptions += 1
         self._requeue_for_recompute(seq)
 
-    def _requeue_for_recompute(self, seq: Sequence) -> None:
+    def _requeue_for_recompute(self, seq: SequenceState) -> None:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         if self.config.policy == "priority":
@@ -314,7 +314,7 @@ class Scheduler:
             i += 1
         self.waiting.insert(i, seq)
 
-    def _preempt_by_swap(self, group: list[Sequence]) -> None:
+    def _preempt_by_swap(self, group: list[SequenceState]) -> None:
         """Move the group's blocks to host memory; it comes back, whole, before new arrivals.
         Slots given this step to a member's drafts (past its known tokens) go back first: the
         drafts will not run."""
@@ -330,7 +330,7 @@ class Scheduler:
             self.num_preemptions += 1
         bisect.insort(self.swapped, group, key=lambda g: self._priority(g[0]))
 
-    def _preempt_last(self) -> list[Sequence]:
+    def _preempt_last(self) -> list[SequenceState]:
         """Preempt the last running request's sequences (the most recently arrived; under the
         priority policy the lowest-priority, then most recent); returns them.
 
@@ -351,11 +351,11 @@ class Scheduler:
             self._preempt_by_recompute(seq)
         return gone
 
-    def _crossed_into_long_context(self, seq: Sequence) -> bool:
+    def _crossed_into_long_context(self, seq: SequenceState) -> bool:
         limit = self.config.long_context_after
         return limit is not None and not seq.long_context and seq.num_tokens > limit
 
-    def _recompute_in_long_context(self, seq: Sequence) -> list[Sequence]:
+    def _recompute_in_long_context(self, seq: SequenceState) -> list[SequenceState]:
         """`seq` (computed in the short regime) has grown past `long_context_after`: free its
         blocks and requeue it (its lockstep group with it) to be computed again, all of it, in
         the long regime. Not a preemption for memory: counted in `num_long_context_recomputes`."""
@@ -369,7 +369,7 @@ class Scheduler:
             self._requeue_for_recompute(s)
         return group
 
-    def _set_context_regime(self, seq: Sequence) -> None:
+    def _set_context_regime(self, seq: SequenceState) -> None:
         """Before a sequence's first block is looked up or computed: its regime from its length."""
         if seq.num_computed_tokens == 0:
             limit = self.config.long_context_after
@@ -380,7 +380,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         kv = self.kv_cache_manager
         budget = self.config.max_num_batched_tokens
-        steps: list[tuple[Sequence, int]] = []  # (seq, num_new_tokens), in emission order
+        steps: list[tuple[SequenceState, int]] = []  # (seq, num_new_tokens), in emission order
         preempted: list[int] = []
 
         # 1. Running sequences, oldest first. Victims come from the end of `running`: either
@@ -460,7 +460,7 @@ class Scheduler:
         out, self._finished_ids = self._finished_ids, []
         return out
 
-    def _swap_in(self, steps: list[tuple[Sequence, int]], budget: int) -> int:
+    def _swap_in(self, steps: list[tuple[SequenceState, int]], budget: int) -> int:
         """Bring back swapped groups, oldest first, while their blocks and seats fit.
 
         A group comes back whole when the pool holds its blocks plus room for all its
@@ -498,7 +498,7 @@ class Scheduler:
                     budget -= n
         return budget
 
-    def _admit_waiting(self, steps: list[tuple[Sequence, int]], budget: int) -> int:
+    def _admit_waiting(self, steps: list[tuple[SequenceState, int]], budget: int) -> int:
         """Admit waiting sequences FCFS with prefill chunks from what is left of the budget.
 
         With prefix caching, a sequence whose first missed block is being computed this step by
@@ -559,12 +559,12 @@ class Scheduler:
             return set()
         return {s.lora_int_id for s in self.running if s.lora_int_id}
 
-    def _lora_fits(self, seq: Sequence, loras: set[int]) -> bool:
+    def _lora_fits(self, seq: SequenceState, loras: set[int]) -> bool:
         """Whether `seq` may run beside the running adapters `loras` (max_loras slots)."""
         return (not seq.lora_int_id or seq.lora_int_id in loras
                 or len(loras) < self.config.max_loras)
 
-    def _fits_whole(self, seq: Sequence, num_hit_tokens: int) -> bool:
+    def _fits_whole(self, seq: SequenceState, num_hit_tokens: int) -> bool:
         """A sequence preempted by recompute comes back only when the free blocks hold its
         whole length (at its peak over the KV cache groups), not just its first chunk: else
         the running ones grow into the blocks its chunks took, it is the newest and is
@@ -575,7 +575,7 @@ class Scheduler:
         need = kv.peak_blocks(seq.num_tokens, self.config.max_num_batched_tokens)
         return need - num_hit_tokens // kv.block_size <= kv.num_free_blocks
 
-    def _start_running(self, seq: Sequence, num_hit_tokens: int) -> None:
+    def _start_running(self, seq: SequenceState, num_hit_tokens: int) -> None:
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = num_hit_tokens
         seq.num_computed_tokens += num_hit_tokens
@@ -583,7 +583,7 @@ class Scheduler:
         self._insert_running(seq)
 
     def _admit_group(
-        self, group: list[Sequence], steps: list[tuple[Sequence, int]], budget: int,
+        self, group: list[SequenceState], steps: list[tuple[SequenceState, int]], budget: int,
         in_flight: set[int] | None,
     ) -> int | None:
         """Admit a lockstep group's waiting sequences together; None (nothing changed) if the
@@ -647,7 +647,7 @@ class Scheduler:
 
     # ---- finishing ------------------------------------------------------------------------
 
-    def finish_sequence(self, seq: Sequence, status: SequenceStatus) -> None:
+    def finish_sequence(self, seq: SequenceState, status: SequenceStatus) -> None:
         """Finish `seq` with `status`, wherever it is, and free its blocks at once."""
         if not status.is_finished:
             raise ValueError(f"{status} is not a finished status")
@@ -673,7 +673,7 @@ class Scheduler:
                 del self._request_order[seq.request_id]
                 self._lockstep.discard(seq.request_id)
 
-    def abort_request(self, request_id: str) -> list[Sequence]:
+    def abort_request(self, request_id: str) -> list[SequenceState]:
         """Finish every unfinished sequence of the request as aborted; returns them."""
         seqs = list(self._requests.get(request_id, ()))
         for seq in seqs:
@@ -698,7 +698,7 @@ class Scheduler:
         """Sequences whose blocks are in host memory now."""
         return sum(len(g) for g in self.swapped)
 
-    def all_unfinished(self) -> list[Sequence]:
+    def all_unfinished(self) -> list[SequenceState]:
         return self.running + list(self.waiting) + [s for g in self.swapped for s in g]
 
     def get_sequence_count(self) -> tuple[int, int]:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.core.request import Sequence, SequenceStatus
+from pagedllm.core.request import SequenceState, SequenceStatus
 from pagedllm.engine.core_messages import BeamCompletion
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -135,10 +135,10 @@ class BeamSearchRequest:
     """
 
     search: BeamSearch
-    running: list[Sequence]
+    running: list[SequenceState]
     pending: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def add_logits(self, seq: Sequence, row: torch.Tensor) -> None:
+    def add_logits(self, seq: SequenceState, row: torch.Tensor) -> None:
         self.pending[seq.seq_id] = row
 
     def ready(self) -> bool:
@@ -155,7 +155,7 @@ class BeamSearchRequest:
         return torch.stack(rows)
 
     def advance(
-        self, fork: Callable[[Sequence], Sequence], drop: Callable[[Sequence], None]
+        self, fork: Callable[[SequenceState], SequenceState], drop: Callable[[SequenceState], None]
     ) -> bool:
         """One beam step on the sequences; returns True when the search is done.
 
@@ -166,7 +166,7 @@ class BeamSearchRequest:
         parents = self.running
         step = self.search.step(self.take_logits(), [s.output_token_ids for s in parents])
         kept: set[int] = set()
-        chosen: list[tuple[Sequence, int]] = []
+        chosen: list[tuple[SequenceState, int]] = []
         for c in step.continuations:
             parent = parents[c.parent]
             if parent.seq_id in kept:

@@ -46,7 +46,7 @@ from pagedllm.engine.core_messages import (
     SampleDelta,
 )
 from pagedllm.engine.errors import STALL_STEPS, EngineFatalError, SchedulerStallError
-from pagedllm.engine.engine_state import core_engine_state
+from pagedllm.engine.dashboard_snapshot import core_engine_state
 from pagedllm.engine.input_processing import InputProcessor
 from pagedllm.engine.kv_stats import KVCacheStats
 from pagedllm.engine.request_state import RequestState
@@ -55,7 +55,7 @@ from pagedllm.engine.sequence_update import SequenceUpdater
 from pagedllm.engine.speculation import Speculation
 from pagedllm.engine.step_planner import StepPlanner
 from pagedllm.kernels.status import log_kernel_status
-from pagedllm.layers.kv_cache_format import resolve_kv_cache_dtype
+from pagedllm.layers.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedllm.layers.sampler import Sampler
 from pagedllm.lora.core_registry import CoreLoRAs, check_lora_enabled
 from pagedllm.lora.request import LoRARequest
@@ -460,7 +460,7 @@ class EngineCore:
         self.counters.reset_kv_cache_peak()
 
     def engine_state(self) -> dict[str, Any]:
-        """The block map, queues and block tables now (engine/engine_state.py): made only when
+        """The block map, queues and block tables now (engine/dashboard_snapshot.py): made only when
         asked, between steps (the dashboard's poll is a utility call)."""
         return core_engine_state(self)
 

@@ -15,7 +15,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.beam_search import beam_params_from_sampling, sampling_params_from_beam
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.core_messages import EngineCoreRequest
-from pagedllm.engine.engine_state import add_request_timings
+from pagedllm.engine.dashboard_snapshot import add_request_timings
 from pagedllm.engine.input_processing import InputProcessor, PromptType
 from pagedllm.engine.generation_defaults import load_generation_defaults
 from pagedllm.engine.kv_stats import KVCacheStats

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from pagedllm.core.block_pool import KVBlock
-from pagedllm.core.request import Sequence
+from pagedllm.core.request import SequenceState
 
 
 @dataclass
@@ -53,7 +53,7 @@ class KVCacheStatsTracker:
 
     @staticmethod
     def count_stored_tokens(
-        running: Iterable[Sequence], block_ids_of, block_size: int
+        running: Iterable[SequenceState], block_ids_of, block_size: int
     ) -> int:
         """Tokens held in the cache, counting a block shared by several sequences once."""
         filled: dict[int, int] = {}
@@ -69,7 +69,7 @@ class KVCacheStatsTracker:
 
     @staticmethod
     def stored_tokens(
-        running: Iterable[Sequence],
+        running: Iterable[SequenceState],
         tables: Mapping[int, list[KVBlock]],
         block_size: int,
         num_shared_blocks: int,

@@ -1,6 +1,6 @@
 """Engine-core state of a request: its sequences, prompt-logprob progress, beams, constraint.
 
-core/ keeps the token streams and cache positions (`Sequence`, one per sample); the runner's
+core/ keeps the token streams and cache positions (`SequenceState`, one per sample); the runner's
 persistent batch (worker/input_batch.py) keeps each sample's sampling state (parameters,
 generator, penalty counts). Text lives in the front end (`engine/output_processor.py`).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.core.request import Sequence
+from pagedllm.core.request import SequenceState
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
-    seqs: list[Sequence] = field(default_factory=list)
+    seqs: list[SequenceState] = field(default_factory=list)
     priority: int = 0  # the request's scheduling priority (lower = earlier)
     # Prompt logprobs: how many positions were reported (None: not asked for).
     num_prompt_logprobs: int | None = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from pagedllm.core.request import Sequence
+from pagedllm.core.request import SequenceState
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchRequest
 from pagedllm.engine.core_messages import EngineCoreRequest
@@ -54,16 +54,16 @@ class SequenceMaker:
 
     def new_beam(
         self, state: RequestState, cache_salt: str | None, output_token_ids: list[int]
-    ) -> Sequence:
+    ) -> SequenceState:
         """A beam: no sampling row (beam search chooses its tokens itself)."""
         return self.make(state, 0, cache_salt, output_token_ids)
 
     def make(
         self, state: RequestState, index: int, cache_salt: str | None,
         output_token_ids: list[int] = (), seq_id: int | None = None,
-    ) -> Sequence:
+    ) -> SequenceState:
         lora = state.lora_request
-        return Sequence(
+        return SequenceState(
             seq_id=next(self._ids) if seq_id is None else seq_id,
             request_id=state.request_id,
             prompt_token_ids=state.prompt_token_ids,
@@ -76,7 +76,7 @@ class SequenceMaker:
             lora_key=None if lora is None else lora_cache_key(lora),
         )
 
-    def new_sample(self, state: RequestState, cache_salt: str | None) -> Sequence:
+    def new_sample(self, state: RequestState, cache_salt: str | None) -> SequenceState:
         """Sample 0 of a sampled request; its row goes to the runner with the next step, with
         the seq ids its n > 1 forks will have."""
         params = state.params
@@ -90,7 +90,7 @@ class SequenceMaker:
             fork_seq_ids=list(state.fork_seq_ids)))
         return seq
 
-    def fork_sample(self, state: RequestState, parent: Sequence, idx: int) -> Sequence:
+    def fork_sample(self, state: RequestState, parent: SequenceState, idx: int) -> SequenceState:
         """Sample `idx` of an n > 1 request, made at the first sample with the seq id the
         runner's fork row has: it shares the parent's blocks (ref counts raised; copy-on-write
         before it writes a shared block)."""
@@ -103,7 +103,7 @@ class SequenceMaker:
         state.seqs.append(child)
         return child
 
-    def fork_beam(self, state: RequestState, parent: Sequence) -> Sequence:
+    def fork_beam(self, state: RequestState, parent: SequenceState) -> SequenceState:
         """A beam chosen twice: the copy shares every block of its parent (CoW on write)."""
         child = self.new_beam(state, parent.cache_salt, parent.output_token_ids)
         self.scheduler.fork_sequence(parent, child)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.core.request import Sequence, SequenceStatus
+from pagedllm.core.request import SequenceState, SequenceStatus
 from pagedllm.layers.sampler import SamplerOutput
 from pagedllm.engine.core_messages import PromptLogprobEntry, TokenLogprob
 
@@ -30,7 +30,7 @@ class SequenceUpdater:
     # ---- appending a token ----------------------------------------------------------------
 
     def append_token(
-        self, state: "RequestState", seq: Sequence, out: SamplerOutput, row: int
+        self, state: "RequestState", seq: SequenceState, out: SamplerOutput, row: int
     ) -> tuple[int, TokenLogprob | None, SequenceStatus | None, int | None]:
         """Append row `row`'s token to `seq`: (token, its logprob entry or None, the finished
         status if it stops now, the stop token id that stopped it). Stop strings are the front

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.core.request import Sequence
+from pagedllm.core.request import SequenceState
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.core.step_plan import StepPlan
 from pagedllm.engine.request_state import RequestState
@@ -36,7 +36,7 @@ class Speculation:
         self.backoff = SpecBackoff()  # proposals that keep missing pause
         self.step_cost = StepCostModel()  # what a draft token costs here: sets the back-off's bar
 
-    def follows(self, seq: Sequence) -> bool:
+    def follows(self, seq: SequenceState) -> bool:
         """Whether `seq` may get proposals: not a beam; a constrained sample (grammar,
         allowed_token_ids, bad_words) only from proposers whose tokens are known before the
         step, so that they are checked against the constraint (not a draft model's)."""
@@ -45,7 +45,7 @@ class Speculation:
             return False
         return state.constraint is None or not self.has_draft_model
 
-    def propose(self, running: list[Sequence], step: int) -> None:
+    def propose(self, running: list[SequenceState], step: int) -> None:
         """Draft tokens for the running sequences about to decode, unless the batch is at
         `disable_by_batch_size`. Beams and constrained samples (grammars, allowed / bad
         words: their masks are per position) decode one token at a time."""

@@ -137,7 +137,7 @@ def add_quantize_parser(sub) -> None:
 
 
 def run_quantize(args: argparse.Namespace) -> int:
-    from pagedllm.quantizer import quantize_model
+    from pagedllm.quantization.algorithms.checkpoint_writer import quantize_model
 
     path = quantize_model(args.model, args.out, method=args.method, bits=args.bits, group_size=args.group_size,
                           fmt=args.format, sym=args.sym, act_order=args.act_order,

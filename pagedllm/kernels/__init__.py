@@ -7,10 +7,10 @@
   `linear`), every projection on CPU in float32;
 - `int_gemm.c`: the same product against integer weights kept packed (GPTQ / AWQ /
   compressed-tensors / GGUF, and float weights that are exactly 4-bit / 8-bit blocks,
-  layers/block_formats.py), exact float32 arithmetic or int8 activations with VNNI
-  (layers/quantization/int_kernel.py);
+  pagedllm/quantization/formats/exact_block_encoding.py), exact float32 arithmetic or int8 activations with VNNI
+  (quantization/int_kernel.py);
 - `gguf_gemm.c`: the same product against llama.cpp's GGUF blocks read in place (every K-quant,
-  legacy and IQ4 type; layers/quantization/gguf_kernel.py);
+  legacy and IQ4 type; quantization/gguf_kernel.py);
 - `fused_ops.c`: residual add + RMSNorm, SiLU-and-mul, rotary embedding in place, one call each
   (layers/norm.py, activation.py, rotary.py);
 - `decode_step.c`: one decode step of a Llama-family decoder in one call, running the kernels

@@ -300,7 +300,7 @@ _PTR, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
 def decode_attention_kernel(variant: str | None = None):
     """The `paged_decode_attention` C function (built and loaded once), or None. Its first
-    argument is the cache's element kind (layers/kv_cache_format.KERNEL_KIND)."""
+    argument is the cache's element kind (layers/kv_cache_dtype.KERNEL_KIND)."""
     return _kernel_function(
         "paged_decode_attention.c",
         "paged_decode_attention",

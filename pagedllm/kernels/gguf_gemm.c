@@ -752,7 +752,7 @@ static void int8_row_fast(int type, const uint8_t *row, int64_t nb, const int8_t
 #endif
 
 /* Whether this build's int8 path has a vector kernel for `type` (else the generic one, slower
- * than the exact path: the layers route such parts to the exact path, layers/quantization/gguf_kernel.py). */
+ * than the exact path: the layers route such parts to the exact path, quantization/gguf_kernel.py). */
 int gguf_int8_vectorized(int type) { return FAST_INT8 && (type == T_Q4_K || type == T_Q6_K); }
 
 int gguf_gemm_int8(int type, const float *x, const uint8_t *w, float *y, uint8_t *scratch, int64_t M,

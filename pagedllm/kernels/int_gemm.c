@@ -2,7 +2,7 @@
  * along K, w = d * q + m per (group, output column): GPTQ / AWQ / compressed-tensors weights
  * (m = -d * zero) and GGUF's Q4_0 / Q4_1 / Q8_0 blocks (groups of 32) all have this form.
  *
- * Two arithmetic paths over the same packed weights (layers/quantization/int_kernel.py):
+ * Two arithmetic paths over the same packed weights (quantization/int_kernel.py):
  * - exact: each weight is unpacked to float32 in registers (d * q + m, exact in float32 when d is
  *   a float16 / bfloat16 value and m = -d * zero or a float16 value) and multiplied by float32
  *   activations: the same products as dequantize-then-matmul, only summed in another order.

@@ -7,7 +7,7 @@
  *   KV_I8    a header of one float32 scale per KV head (padded to 16 bytes), then int8 codes
  *            [block_size][num_kv_heads][head_dim]; value = code * scale, symmetric absmax:
  *            scale = max |x| / 127 over the block's tokens of that head
- * layers/kv_cache_format.py is the same layout in Python (sizes, views, the torch path).
+ * layers/kv_cache_dtype.py is the same layout in Python (sizes, views, the torch path).
  *
  * Incremental int8 writes (decode appends one token to a partly filled block): a write that
  * starts at offset 0 of a block starts it afresh (scale from the new tokens alone); one at offset

@@ -1,6 +1,6 @@
 """What a linear layer tells the C decode step (kernels/decode_step.c) about its product.
 
-A layer's method (layers/quantization/base.LinearMethod.decode_step_parts) describes the product
+A layer's method (quantization/base.LinearMethod.decode_step_parts) describes the product
 it would run eagerly at a row bucket as a list of `StepPart`s — which C function, on which
 weight, with which parameters — or None where that product is not one of the C kernels' (a
 bucket where torch's op was kept, a form the step does not call, LoRA). The step then makes
@@ -43,7 +43,7 @@ class StepPart(NamedTuple):
 
 
 def int_weight_parts(w, compute: str, bucket: int) -> list[StepPart] | None:
-    """The part of an int_gemm.c weight (layers/quantization/int_kernel.PackedIntWeight) at `bucket`:
+    """The part of an int_gemm.c weight (quantization/int_kernel.PackedIntWeight) at `bucket`:
     its chosen path there (`compute` when no choice was made), None where torch's op is kept."""
     path = compute if w.paths is None else w.paths[bucket]
     if path not in ("exact", "int8"):
@@ -55,7 +55,7 @@ def int_weight_parts(w, compute: str, bucket: int) -> list[StepPart] | None:
 def gguf_parts(parts, compute: str) -> list[StepPart]:
     """The parts of a layer read in place from a GGUF file's blocks (gguf_kernel.GGUFTensor list),
     each on the path `gguf_kernel.gguf_linear` takes for it."""
-    from pagedllm.layers.quantization.gguf_kernel import part_compute
+    from pagedllm.quantization.kernels.gguf_kernel import part_compute
 
     return [StepPart(OP_GGUF_INT8 if part_compute(p.type_name, compute) == "int8" else OP_GGUF_EXACT, p.data,
                      p.shape[0], p.shape[1], gguf_type=p.type_id) for p in parts]

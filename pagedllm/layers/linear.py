@@ -4,12 +4,12 @@
 input (q/k/v, gate/up) into one matrix product; the checkpoint's separate matrices are copied into
 row slices of the fused weight at load time.
 
-A layer's weights belong to its *method* (vLLM's shape, layers/quantization/base.LinearMethod):
-a quantized checkpoint's method (layers/quantization/), or `FloatLinearMethod` for float weights.
+A layer's weights belong to its *method* (vLLM's shape, quantization/base.LinearMethod):
+a quantized checkpoint's method (quantization/), or `FloatLinearMethod` for float weights.
 On CPU in float32, `FloatLinearMethod` runs hand-written C kernels against a form of the weight
 prepared once after loading (`prepare_weight`) and kept on the layer (`layer.prepared`):
 - when the weight is exactly a grid of 4-bit or 8-bit blocks (a float folder exported from a
-  GGUF file is; layers/block_formats.py checks it bit for bit), kernels/int_gemm.c's exact path
+  GGUF file is; pagedllm/quantization/formats/exact_block_encoding.py checks it bit for bit), kernels/int_gemm.c's exact path
   on that compact form (0.75-1.2 bytes a weight instead of 4; the very same float32 products);
 - otherwise kernels/packed_gemm.c on a copy packed into 32-column panels, which beats MKL
   2.6x at 1 row, 2.3x at 20, 1.6x at 64 and 1.1-1.2x at 512-2048 (benchmarks/NOTES.md).
@@ -43,10 +43,10 @@ from pagedllm.distributed import parallel_state
 from pagedllm.distributed.sharding import LinearShard
 from pagedllm.kernels import int_gemm_kernel, packed_gemm_kernel
 from pagedllm.layers import kernel_choice
-from pagedllm.layers.block_formats import FORMAT_Q8S, find_block_encoding
+from pagedllm.quantization.formats.exact_block_encoding import FORMAT_Q8S, find_block_encoding
 from pagedllm.layers.decode_step_parts import OP_PACKED_F32, StepPart, int_weight_parts
-from pagedllm.layers.quantization.base import LinearMethod, Slices, logical_weight_slices
-from pagedllm.layers.quantization.int_kernel import PackedIntWeight, _int_matmul, pack_int_weight
+from pagedllm.quantization.formats.base import LinearMethod, Slices, logical_weight_slices
+from pagedllm.quantization.kernels.int_kernel import PackedIntWeight, _int_matmul, pack_int_weight
 
 USE_BLOCK_WEIGHTS = envs.PAGEDLLM_BLOCK_WEIGHTS  # read once
 _kernel = packed_gemm_kernel
@@ -209,7 +209,7 @@ class FloatLinearMethod(LinearMethod):
 
 
 class Linear(nn.Module):
-    """The layer's tensors belong to its method: `quant_method` (layers/quantization/) for a
+    """The layer's tensors belong to its method: `quant_method` (quantization/) for a
     quantized checkpoint (None: float), else a `FloatLinearMethod`; its forward is the method's
     `apply`. The bias stays a float parameter of the layer."""
 
@@ -362,11 +362,11 @@ class VocabEmbedding(nn.Module):
 
     @torch.no_grad()
     def load_blocks(self, blocks) -> None:
-        """Load a GGUF table given as the file's blocks (layers/quantization/gguf_kernel.GGUFTensor,
+        """Load a GGUF table given as the file's blocks (quantization/gguf_kernel.GGUFTensor,
         or model/gguf_loader.GGUFBlockWeight): Q4_0 / Q4_1 / Q8_0 repacked for int_gemm.c, every
         other type kept as it is in the file (gguf_gemm.c); rows are widened on lookup."""
-        from pagedllm.layers.quantization.gguf import pack_for_int_gemm, pack_gguf_blocks, warn_widened, widened
-        from pagedllm.layers.quantization.gguf_kernel import GGUFTensor, kernel_takes
+        from pagedllm.quantization.formats.gguf import pack_for_int_gemm, pack_gguf_blocks, warn_widened, widened
+        from pagedllm.quantization.kernels.gguf_kernel import GGUFTensor, kernel_takes
 
         if tuple(blocks.shape) != tuple(self.weight.shape):
             raise ValueError(f"Shape mismatch loading the embedding: checkpoint has {tuple(blocks.shape)}, "
@@ -393,14 +393,14 @@ class VocabEmbedding(nn.Module):
     def choose_logit_paths(self, compute: str) -> None:
         """Once, by the model after loading (the tied head's compute is known there): the packed
         table's per-batch paths as an LM head (layers/kernel_choice.py)."""
-        from pagedllm.layers.quantization.int_kernel import with_choice
+        from pagedllm.quantization.kernels.int_kernel import with_choice
 
         if self.int_weight is not None:
             self.int_weight = with_choice(self.int_weight, compute)
 
     def packed_logits(self, hidden: torch.Tensor, compute: str) -> torch.Tensor:
-        from pagedllm.layers.quantization.gguf_kernel import gguf_linear
-        from pagedllm.layers.quantization.int_kernel import int_linear
+        from pagedllm.quantization.kernels.gguf_kernel import gguf_linear
+        from pagedllm.quantization.kernels.int_kernel import int_linear
 
         flat = hidden.reshape(-1, hidden.shape[-1]).float()
         if self.gguf_weight is not None:
@@ -421,11 +421,11 @@ class VocabEmbedding(nn.Module):
 
     def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.int_weight is not None:
-            from pagedllm.layers.quantization.int_kernel import int_weight_rows
+            from pagedllm.quantization.kernels.int_kernel import int_weight_rows
 
             return int_weight_rows(self.int_weight, input_ids)
         if self.gguf_weight is not None:
-            from pagedllm.layers.quantization.gguf_kernel import gguf_rows
+            from pagedllm.quantization.kernels.gguf_kernel import gguf_rows
 
             return gguf_rows(self.gguf_weight, input_ids)
         return F.embedding(input_ids, self.weight)

@@ -18,7 +18,7 @@ Float32 inputs multiply in IEEE float32 (no TF32); float16 / bfloat16 inputs use
 cores with a float32 accumulator. Triton is optional: this module imports without it
 (`HAS_TRITON` False; the functions raise). With `TRITON_INTERPRET=1` the kernels run in
 Triton's interpreter on CPU tensors (the tests), jitted per mode as in
-layers/quantization/triton_int_gemm.py.
+quantization/triton_int_gemm.py.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from pagedllm.layers.quantization.gguf_kernel import TYPES, GGUFTensor
+from pagedllm.quantization.kernels.gguf_kernel import TYPES, GGUFTensor
 from pagedllm.model.gguf_index import read_gguf_index
 
 logger = logging.getLogger(__name__)
@@ -298,7 +298,7 @@ def iter_gguf_weights(path: str, hf_config: Any, keep_blocks: bool = False, slic
     values, or with `keep_blocks` a `GGUFTensor` for each matrix of a quantized or 16-bit type
     (`KEPT_TYPES`): the file's own bytes, a view of the memory-mapped file unless its rows are
     reordered (Q/K) or cut (tensor parallelism), so the model takes the file's size. The linear
-    layers, the embedding and the LM head read them in place (layers/quantization/gguf_kernel.py).
+    layers, the embedding and the LM head read them in place (quantization/gguf_kernel.py).
 
     `slices_of(name, shape) -> cuts` (a tensor-parallel model's `checkpoint_slices`): yield only
     this rank's part of each tensor, cut from the memory-mapped file before it is converted

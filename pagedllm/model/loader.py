@@ -14,7 +14,7 @@ from torch import nn
 
 from pagedllm import envs
 from pagedllm.distributed.parallel_state import TensorParallelGroup
-from pagedllm.layers.quantization import get_quantization_config
+from pagedllm.quantization import get_quantization_config
 from pagedllm.model.gguf_loader import iter_gguf_weights, resolve_gguf_path
 from pagedllm.model.registry import get_model_class
 
@@ -78,7 +78,7 @@ def load_model(
     dequantized to `dtype`; otherwise `model_path` is a transformers folder of safetensors.
     `model_path` may also be the path of a `.gguf` file itself.
     A folder whose config.json has a `quantization_config` (GPTQ, AWQ, compressed-tensors) gets
-    quantized linear layers (layers/quantization/); `quantization` (the user's knob), when
+    quantized linear layers (quantization/); `quantization` (the user's knob), when
     given, must name the same method (ValueError otherwise); `quant_compute` picks their CPU
     arithmetic (exact / int8 / auto).
     `tp` (a tensor-parallel group of more than one rank): the model of this rank's shard, and
@@ -97,7 +97,7 @@ def load_model(
     model = model_cls(hf_config, dtype=dtype, device=device, **kwargs)
     slices_of = model.checkpoint_slices if "tp" in kwargs else None
     if gguf_path is not None:
-        # Q4_0 / Q4_1 / Q8_0 matrices stay packed (layers/quantization/gguf.py); with
+        # Q4_0 / Q4_1 / Q8_0 matrices stay packed (quantization/gguf.py); with
         # PAGEDLLM_GGUF_BLOCKS=0 they are dequantized to float32 as before (for A/B checks).
         keep = envs.PAGEDLLM_GGUF_BLOCKS
         weights = iter_gguf_weights(gguf_path, hf_config, keep_blocks=keep, slices_of=slices_of)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Sequence, SequenceStatus
+from pagedllm.core.request import SequenceState, SequenceStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.step_planner import plan_of
 from pagedllm.model.decoder_embedders import HEADLESS_OF
@@ -73,11 +73,11 @@ class DecoderPoolingRunner:
         self.runner = ModelRunner(self.model, cfg, num_blocks, block_size, dtype, device, max_model_len=max_model_len)
         self.num_blocks = num_blocks
         self._seq_ids = iter(range(1 << 62))
-        self._seqs: dict[str, Sequence] = {}
+        self._seqs: dict[str, SequenceState] = {}
         self._rows: dict[int, list[torch.Tensor]] = {}  # mean pooling: rows of earlier chunks
 
     def add(self, work: PoolingWork) -> None:
-        seq = Sequence(seq_id=next(self._seq_ids), request_id=work.request_id,
+        seq = SequenceState(seq_id=next(self._seq_ids), request_id=work.request_id,
                        prompt_token_ids=list(work.token_ids),
                        arrival_time=work.arrival_time or time.time(),
                        skip_prefix_cache=not self.use_prefix_cache)

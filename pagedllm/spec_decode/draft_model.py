@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from pagedllm.core.request import Sequence
+from pagedllm.core.request import SequenceState
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.proposer import Proposer
 
@@ -48,10 +48,10 @@ class DraftModelProposer(Proposer):
         self.draft_max_model_len = draft_max_model_len
         self.max_catchup_tokens = max_catchup_tokens
         # Which sequences the draft follows (the core's rule: no beams, no constrained samples).
-        self.follows: Callable[[Sequence], bool] = lambda seq: True
+        self.follows: Callable[[SequenceState], bool] = lambda seq: True
         self._active = False  # this step speculates (set by propose)
 
-    def propose(self, running: Iterable[tuple[Sequence, Any]]) -> int:
+    def propose(self, running: Iterable[tuple[SequenceState, Any]]) -> int:
         self._active = True
         n = 0
         for seq, params in running:

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedllm.core.request import Sequence
+from pagedllm.core.request import SequenceState
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.ngram import propose_ngram
 
@@ -22,7 +22,7 @@ class Proposer:
 
     config: SpeculativeConfig
 
-    def propose(self, running: Iterable[tuple[Sequence, Any]]) -> int:
+    def propose(self, running: Iterable[tuple[SequenceState, Any]]) -> int:
         raise NotImplementedError
 
     def draft_inputs(self, scheduled: list[Any]) -> dict[int, tuple[int, list[int]]]:
@@ -36,10 +36,10 @@ class Proposer:
     def after_step(self, scheduled: list[Any], plan: Any, num_accepted: dict[int, int]) -> None:
         return None
 
-    def on_finished(self, seq: Sequence) -> None:
+    def on_finished(self, seq: SequenceState) -> None:
         return None
 
-    def max_draft_len(self, seq: Sequence, params: Any) -> int:
+    def max_draft_len(self, seq: SequenceState, params: Any) -> int:
         """The most draft tokens `seq` may get: `num_speculative_tokens`, never past max_tokens
         (one token is always sampled after the drafts) or max_model_len."""
         return min(self.config.num_speculative_tokens, params.max_tokens - seq.num_output_tokens - 1,
@@ -79,7 +79,7 @@ class NgramProposer(Proposer):
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
 
-    def propose(self, running: Iterable[tuple[Sequence, Any]]) -> int:
+    def propose(self, running: Iterable[tuple[SequenceState, Any]]) -> int:
         """Set `spec_token_ids` of each (sequence, its sampling params) about to decode; the
         number of sequences given a proposal. A proposal never runs past max_tokens (one token
         is always sampled after the drafts) or max_model_len."""

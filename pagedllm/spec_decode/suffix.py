@@ -29,7 +29,7 @@ from collections.abc import Hashable, Iterable, Sequence as SequenceT
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.core.request import Sequence
+from pagedllm.core.request import SequenceState
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.proposer import Proposer
 
@@ -482,7 +482,7 @@ class SuffixProposer(Proposer):
         """Sequences with per-sequence state (a local tree)."""
         return len(self._synced)
 
-    def propose(self, running: Iterable[tuple[Sequence, Any]]) -> int:
+    def propose(self, running: Iterable[tuple[SequenceState, Any]]) -> int:
         """Bring each (sequence, its sampling params) up to date in the cache and set its
         `spec_token_ids` (at most `max_draft_len`); the number given a proposal."""
         cfg = self.config
@@ -514,7 +514,7 @@ class SuffixProposer(Proposer):
                     self.num_local_drafts += 1
         return n
 
-    def on_finished(self, seq: Sequence) -> None:
+    def on_finished(self, seq: SequenceState) -> None:
         """`seq` ended (finished, stopped, aborted): its output so far is in the global tree
         (cached until evicted); its local tree goes."""
         synced = self._synced.pop(seq.seq_id, None)

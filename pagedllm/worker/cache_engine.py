@@ -1,7 +1,7 @@
 """The KV cache tensors: per layer one zero-initialised tensor `[2, num_blocks, block_size,
 kv_heads, head_dim]` (index 0: keys, 1: values) of the cache's dtype (float32, bfloat16), or
 for int8 `[2, num_blocks, block_bytes]` raw blocks that carry their own scales
-(layers/kv_cache_format.py): the copies and swaps below move whole blocks, scales included.
+(layers/kv_cache_dtype.py): the copies and swaps below move whole blocks, scales included.
 
 Why one allocation per layer and not one for all layers: a compiled decode graph takes every
 layer's cache as an input that its attention op mutates in place, and inductor can only do that
@@ -18,7 +18,7 @@ import mmap
 
 import torch
 
-from pagedllm.layers import kv_cache_format
+from pagedllm.layers import kv_cache_dtype
 
 
 class CacheEngine:
@@ -48,7 +48,7 @@ class CacheEngine:
         # Zeros, not empty: padded reads of unused slots are masked out, but a NaN in garbage
         # memory would still poison `softmax @ V` (0 * NaN = NaN).
         # Zero int8 blocks are all-zero scales and codes: value 0, like the float caches.
-        shape = kv_cache_format.layer_shape(dtype, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = kv_cache_dtype.layer_shape(dtype, num_blocks, block_size, num_kv_heads, head_dim)
         if layer_slots is not None and len(layer_slots) != num_layers:
             raise ValueError(f"layer_slots names {len(layer_slots)} layers, the model has {num_layers}")
         slots = layer_slots if layer_slots is not None else list(range(num_layers))
@@ -105,7 +105,7 @@ class CacheEngine:
     ) -> int:
         """2 (K and V) x layers x (block_size x kv_heads x head_dim x bytes per element + int8's
         scale per KV head, padded to 16 bytes)."""
-        return 2 * num_layers * kv_cache_format.block_bytes(dtype, block_size, num_kv_heads, head_dim)
+        return 2 * num_layers * kv_cache_dtype.block_bytes(dtype, block_size, num_kv_heads, head_dim)
 
     @property
     def total_bytes(self) -> int:

@@ -41,7 +41,7 @@ from pagedllm.layers.decode_step_parts import (
     OP_PACKED_F32,
     StepPart,
 )
-from pagedllm.layers.kv_cache_format import KERNEL_KIND, split_kv_cache
+from pagedllm.layers.kv_cache_dtype import KERNEL_KIND, split_kv_cache
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 

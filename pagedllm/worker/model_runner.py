@@ -105,7 +105,7 @@ class ModelRunner:
         kv_cache_groups: KVCacheGroups | None = None,
         cpu_decode_step: bool = True,
     ) -> None:
-        """`kv_cache_dtype`: the cache's storage dtype (layers/kv_cache_format.py); None: `dtype`.
+        """`kv_cache_dtype`: the cache's storage dtype (layers/kv_cache_dtype.py); None: `dtype`.
         `cuda_graph_sizes`: the decode buckets to capture (GPU, a capture-safe attention backend).
         `kv_cache_groups`: a hybrid KV cache's groups (docs/hybrid_kv_cache.md): a block table
         per group, one cache tensor per slot shared by the groups' layers. `cpu_decode_step`:

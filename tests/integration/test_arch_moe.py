@@ -216,7 +216,7 @@ def _gptq_folder(name: str, path: Path, out: Path) -> Path:
     """A GPTQ int4 (groups of 32) folder of the tiny checkpoint: `pagedllm quantize` for the
     Qwen names; Mixtral's `w1 / w3 / w2` experts are not among its projections, so its
     checkpoint is packed here with the quantizer's own functions, under the Hub's names."""
-    from pagedllm.quantizer import quantization_config, quantize_model, quantize_tensors
+    from pagedllm.quantization.algorithms.checkpoint_writer import quantization_config, quantize_model, quantize_tensors
 
     if name != "mixtral":
         return quantize_model(str(path), str(out), fmt="gptq", bits=4, group_size=32)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.quantization.gguf_kernel import kernel_takes
+from pagedllm.quantization.kernels.gguf_kernel import kernel_takes
 from pagedllm.model.loader import weight_memory
 from tests.integration.prompts import PROMPTS
 from tests.integration.test_engine_parity import hf_greedy

@@ -213,7 +213,7 @@ def test_every_gguf_type_kept_in_its_blocks_matches_transformers(tmp_path, qtype
     """Every matrix of the file in `qtype` (embedding and untied head too): each stays in the
     file's blocks (no float weight anywhere), and the logits of a 37-token prefill (the panel
     path) and of single-token decodes equal transformers' on the same values."""
-    from pagedllm.layers.quantization.gguf_kernel import kernel_takes
+    from pagedllm.quantization.kernels.gguf_kernel import kernel_takes
 
     if not kernel_takes(qtype, 256):
         pytest.skip("gguf_gemm.c cannot be built here")

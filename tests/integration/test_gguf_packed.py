@@ -1,4 +1,4 @@
-"""The default model's GGUF Q4_1 / Q8_0 matrices kept packed (layers/quantization/gguf.py).
+"""The default model's GGUF Q4_1 / Q8_0 matrices kept packed (quantization/gguf.py).
 
 - no float32 copy stays: the projections and the (tied) embedding hold only int_gemm.c's form;
 - the exact path's greedy output equals the previous path's (weights dequantized to float32 at
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.quantization.int_kernel import int_gemm_isa
+from pagedllm.quantization.kernels.int_kernel import int_gemm_isa
 from tests.integration.prompts import PROMPTS
 
 pytestmark = [

@@ -30,7 +30,7 @@ def measuring(monkeypatch, tmp_path, smollm2_gguf):
     monkeypatch.setattr(kernel_choice, "_used", {})
     monkeypatch.setattr(kernel_choice, "_choices", {})
     monkeypatch.setattr(kernel_choice, "_noisy", False)
-    from pagedllm.layers.quantization import int_kernel
+    from pagedllm.quantization.kernels import int_kernel
 
     monkeypatch.setattr(int_kernel, "_float_copy_bytes", 0)  # the process-wide copy budget, afresh
     return cache
@@ -46,7 +46,7 @@ def _greedy_equals_hf(llm, hf_model) -> None:
 
 
 def test_the_default_keeps_packed_kernels_without_float_copies(measuring, smollm2_gguf, hf_smollm2):
-    from pagedllm.layers.quantization import int_kernel
+    from pagedllm.quantization.kernels import int_kernel
 
     llm = LLM(smollm2_gguf, kv_cache_space=0.25, max_model_len=512)
     used = kernel_choice.used()

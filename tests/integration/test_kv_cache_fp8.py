@@ -23,7 +23,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.parallel_state import TensorParallelGroup
-from pagedllm.layers import kv_cache_format as F
+from pagedllm.layers import kv_cache_dtype as F
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.loader import iter_safetensors_weights
 from tests.integration.model_fixtures import TINY_VOCAB, make_hf_model, save_checkpoint, tiny_config

@@ -191,7 +191,7 @@ def test_adapters_over_a_quantized_base_equal_peft_over_its_dequantized_weights(
     checkpoint dequantizes to, each adapter and the base mixed in one batch."""
     from peft import PeftModel
 
-    from pagedllm.quantizer import quantize_model
+    from pagedllm.quantization.algorithms.checkpoint_writer import quantize_model
     from tests.integration.test_quantized_checkpoints import reference_model
 
     out = quantize_model(str(tiny.base), str(tmp_path / fmt), fmt=fmt, bits=4, group_size=32)

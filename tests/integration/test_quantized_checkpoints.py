@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.cli import main as cli_main
-from pagedllm.quantizer import quantize_model
+from pagedllm.quantization.algorithms.checkpoint_writer import quantize_model
 from tests.integration.model_fixtures import save_tiny_llama
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
@@ -229,7 +229,7 @@ def test_w8a8_int_quantized_loads_and_runs_int8(tiny_llama, tmp_path):
     float product of its own (dequantized) weights."""
     from safetensors.torch import load_file
 
-    from pagedllm.layers.quantization.compressed_tensors import CompressedTensorsW8A8Method
+    from pagedllm.quantization.formats.compressed_tensors import CompressedTensorsW8A8Method
 
     out = quantize_model(str(tiny_llama), str(tmp_path / "w8a8"), bits=8, group_size=-1,
                          fmt="compressed-tensors", activations="int8")

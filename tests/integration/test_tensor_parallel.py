@@ -223,7 +223,7 @@ def test_smollm2_three_ranks_equal_one(smollm2_gguf, smollm2_llm):
 
 
 def test_gptq_two_ranks_equal_one(tiny, tmp_path):
-    from pagedllm.quantizer import quantize_model
+    from pagedllm.quantization.algorithms.checkpoint_writer import quantize_model
 
     folder = str(quantize_model(tiny("llama"), str(tmp_path / "gptq"), fmt="gptq", bits=4, group_size=32))
     expected = greedy(LLM(folder, kv_cache_space=0.05, block_size=8))

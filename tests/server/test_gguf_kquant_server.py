@@ -8,7 +8,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from pagedllm.layers.quantization.gguf_kernel import kernel_takes
+from pagedllm.quantization.kernels.gguf_kernel import kernel_takes
 from tests.server.conftest import serving
 
 pytestmark = [pytest.mark.slow,

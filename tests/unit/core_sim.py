@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.core.kv_cache_groups import KVCacheGroups
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Sequence, SequenceStatus
+from pagedllm.core.request import SequenceState, SequenceStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.worker.block_table import BlockTable
 
@@ -123,8 +123,8 @@ class SimRequest:
     max_tokens: int
     arrival_step: int
     priority: int = 0  # the "priority" policy's key (lower = earlier)
-    seqs: list[Sequence] = field(default_factory=list)  # every sequence ever made
-    beams: list[Sequence] = field(default_factory=list)  # the running beams (beam search)
+    seqs: list[SequenceState] = field(default_factory=list)  # every sequence ever made
+    beams: list[SequenceState] = field(default_factory=list)  # the running beams (beam search)
     pending: set[int] = field(default_factory=set)  # beams whose row is in (BeamSearchRequest)
     num_generated: int = 0  # beam steps taken
     forked: bool = False
@@ -196,8 +196,8 @@ class CoreSim:
         self.requests[rid] = req
         return req
 
-    def _new_seq(self, req: SimRequest, prompt, output, index: int, salt=None) -> Sequence:
-        seq = Sequence(seq_id=next(self._ids), request_id=req.request_id,
+    def _new_seq(self, req: SimRequest, prompt, output, index: int, salt=None) -> SequenceState:
+        seq = SequenceState(seq_id=next(self._ids), request_id=req.request_id,
                        prompt_token_ids=list(prompt), arrival_time=float(req.arrival_step),
                        index=index, cache_salt=salt, output_token_ids=list(output),
                        priority=req.priority)
@@ -241,7 +241,7 @@ class CoreSim:
         self.store.check(self.sched)
         return out
 
-    def _on_row(self, req: SimRequest, seq: Sequence) -> None:
+    def _on_row(self, req: SimRequest, seq: SequenceState) -> None:
         rng = self.rng
         if req.kind == "beam":
             req.pending.add(seq.seq_id)
@@ -273,7 +273,7 @@ class CoreSim:
         req.pending.clear()
         req.num_generated += 1
         done = req.num_generated >= req.max_tokens or rng.random() < self.stop_prob
-        chosen: list[Sequence] = []
+        chosen: list[SequenceState] = []
         kept: set[int] = set()
         if not done:
             for _ in range(req.width):

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from pagedllm.core.request import Sequence, SequenceStatus
+from pagedllm.core.request import SequenceState, SequenceStatus
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchRequest
 from pagedllm.sampling_params import BeamSearchParams
 
@@ -96,7 +96,7 @@ def test_ignore_eos_never_finishes_early():
 
 def test_advance_forks_before_appending_and_drops_unchosen():
     params = BeamSearchParams(beam_width=2, max_tokens=10)
-    seqs = [Sequence(seq_id=i, request_id="r", prompt_token_ids=[5], arrival_time=0.0,
+    seqs = [SequenceState(seq_id=i, request_id="r", prompt_token_ids=[5], arrival_time=0.0,
                      output_token_ids=list(t)) for i, t in enumerate(([1, 0], [0, 0]))]
     for s in seqs:
         s.status = SequenceStatus.RUNNING
@@ -107,7 +107,7 @@ def test_advance_forks_before_appending_and_drops_unchosen():
     forked, dropped = [], []
 
     def fork(parent):
-        child = Sequence(seq_id=9, request_id="r", prompt_token_ids=[5], arrival_time=0.0,
+        child = SequenceState(seq_id=9, request_id="r", prompt_token_ids=[5], arrival_time=0.0,
                          output_token_ids=list(parent.output_token_ids))
         forked.append((parent.seq_id, list(parent.output_token_ids)))
         return child

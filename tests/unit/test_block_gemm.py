@@ -1,4 +1,4 @@
-"""Exact block encodings of float32 weights (layers/block_formats.py) and the GEMM that uses
+"""Exact block encodings of float32 weights (pagedllm/quantization/formats/exact_block_encoding.py) and the GEMM that uses
 them (kernels/int_gemm.c's exact path via `layers.linear.linear`)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers import linear as linear_mod
-from pagedllm.layers.block_formats import FORMAT_Q4A, FORMAT_Q8S, find_block_encoding
+from pagedllm.quantization.formats.exact_block_encoding import FORMAT_Q4A, FORMAT_Q8S, find_block_encoding
 from pagedllm.layers.linear import linear, prepare_weight
-from pagedllm.layers.quantization.int_kernel import unpack_int_weight
+from pagedllm.quantization.kernels.int_kernel import unpack_int_weight
 from pagedllm.model.gguf_loader import dequantize_tensor
 
 needs_kernel = pytest.mark.skipif(linear_mod._block_kernel() is None, reason="no C compiler: F.linear only")

@@ -16,7 +16,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from pagedllm.kernels import build as kernel_build  # noqa: E402
-from pagedllm.layers.quantization.gguf_kernel import (  # noqa: E402
+from pagedllm.quantization.kernels.gguf_kernel import (  # noqa: E402
     TYPES,
     GGUFTensor,
     gguf_linear,
@@ -119,7 +119,7 @@ def test_int8_rows_do_not_depend_on_their_neighbours(type_name):
 
 
 def test_layers_take_int8_only_where_it_is_vectorized():
-    from pagedllm.layers.quantization.gguf_kernel import part_compute
+    from pagedllm.quantization.kernels.gguf_kernel import part_compute
 
     vectorized = kernel_build.gguf_gemm_kernel().int8_vectorized(TYPES["Q4_K"])
     assert part_compute("Q4_K", "int8") == ("int8" if vectorized else "exact")
@@ -136,7 +136,7 @@ def test_without_the_kernel_every_type_still_widens_to_gguf_py_values():
 
     code = (
         "import numpy as np, torch\n"
-        "from pagedllm.layers.quantization.gguf_kernel import GGUFTensor, kernel_takes\n"
+        "from pagedllm.quantization.kernels.gguf_kernel import GGUFTensor, kernel_takes\n"
         "from tests.gguf_random import ALL_TYPES, dequantized, random_tensor\n"
         "assert not kernel_takes('Q4_K', 256)\n"
         "for t in ALL_TYPES:\n"

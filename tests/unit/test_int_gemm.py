@@ -23,7 +23,7 @@ import sys
 import pytest
 import torch
 
-from pagedllm.layers.quantization.int_kernel import (
+from pagedllm.quantization.kernels.int_kernel import (
     int_gemm_isa,
     int_matmul,
     kernel_supports,
@@ -127,7 +127,7 @@ def test_bad_arguments_are_value_errors():
 _CHILD = """
 import json, sys, torch
 from tests.unit import test_int_gemm as t
-from pagedllm.layers.quantization.int_kernel import int_gemm_isa
+from pagedllm.quantization.kernels.int_kernel import int_gemm_isa
 worst = {"exact": 0.0, "int8_vs_ref": 0.0, "int8_vs_float": 0.0}
 for bits in (4, 8):
     for kind in ("zero", "min"):

@@ -32,7 +32,7 @@ def fresh(monkeypatch, tmp_path):
 @pytest.fixture
 def int4_weight():
     """A packed 4-bit [40, 64] weight in groups of 32, and the generator that made it."""
-    from pagedllm.layers.quantization import int_kernel
+    from pagedllm.quantization.kernels import int_kernel
 
     if int_kernel.int_gemm_kernel() is None:
         pytest.skip("no C compiler")
@@ -125,7 +125,7 @@ def test_a_float_layer_runs_torch_where_torch_won(fresh, monkeypatch):
 
 
 def test_an_int_layer_keeps_no_float_copy_unless_torch_is_asked_for(fresh, monkeypatch, int4_weight):
-    from pagedllm.layers.quantization import int_kernel
+    from pagedllm.quantization.kernels import int_kernel
 
     w, _ = int4_weight
     monkeypatch.setattr(int_kernel, "_float_copy_bytes", 0)
@@ -204,7 +204,7 @@ def test_a_float_layer_rechecks_a_torch_bucket_on_real_calls(fresh, monkeypatch)
 
 
 def test_an_int_layer_keeps_the_float_weight_only_where_torch_won(fresh, monkeypatch, int4_weight):
-    from pagedllm.layers.quantization import int_kernel
+    from pagedllm.quantization.kernels import int_kernel
 
     w, g = int4_weight
     monkeypatch.setattr(kc, "_choose", lambda *a, **k: ("exact",) * 5)

@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.kernels import build as kernel_build
-from pagedllm.layers import kv_cache_format as F
+from pagedllm.layers import kv_cache_dtype as F
 from pagedllm.worker.cache_engine import CacheEngine
 
 I8, BF16 = torch.int8, torch.bfloat16

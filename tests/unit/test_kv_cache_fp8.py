@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.layers import kv_cache_format as F
+from pagedllm.layers import kv_cache_dtype as F
 from pagedllm.layers.attention import Attention, AttentionMetadata
 from pagedllm.layers.backends import decode_op, prefill_op
 from pagedllm.layers.backends.decode_op import decode_attention_c, decode_attention_torch

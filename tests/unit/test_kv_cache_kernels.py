@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.layers import kv_cache_format as F
+from pagedllm.layers import kv_cache_dtype as F
 from pagedllm.layers.backends import decode_op, prefill_op
 from pagedllm.layers.backends.decode_op import decode_attention_c, decode_attention_torch
 from pagedllm.layers.backends.prefill_op import prefill_attention_c

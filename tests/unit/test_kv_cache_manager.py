@@ -5,14 +5,14 @@ import random
 import pytest
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Sequence
+from pagedllm.core.request import SequenceState
 
 _next_id = iter(range(10**9))
 
 
-def make_seq(prompt, output=(), salt=None) -> Sequence:
+def make_seq(prompt, output=(), salt=None) -> SequenceState:
     sid = next(_next_id)
-    return Sequence(
+    return SequenceState(
         seq_id=sid,
         request_id=f"r{sid}",
         prompt_token_ids=list(prompt),
@@ -22,7 +22,7 @@ def make_seq(prompt, output=(), salt=None) -> Sequence:
     )
 
 
-def run(kv: KVCacheManager, seq: Sequence, num_new: int | None = None) -> list[int]:
+def run(kv: KVCacheManager, seq: SequenceState, num_new: int | None = None) -> list[int]:
     """Allocate (with prefix lookup for a fresh seq), mark computed, cache; returns block ids."""
     hits, num_hit = kv.get_computed_blocks(seq) if seq.num_computed_tokens == 0 else ([], 0)
     if num_new is None:
@@ -301,7 +301,7 @@ class FakeKV:
         self.kv = kv
         self.slots = {i: [None] * kv.block_size for i in range(kv.num_blocks)}
 
-    def step(self, seq: Sequence, start: int, end: int) -> None:
+    def step(self, seq: SequenceState, start: int, end: int) -> None:
         for src, dst in self.kv.take_pending_copies():  # copies happen before the forward
             self.slots[dst] = list(self.slots[src])
         B = self.kv.block_size
@@ -330,7 +330,7 @@ def test_randomized_block_table_operations(seed):
     store = FakeKV(kv)
     max_len = kv.num_blocks * B  # a sequence never outgrows the pool alone
     prefixes = [[rng.randrange(3) for _ in range(rng.randint(1, max_len // 3))] for _ in range(3)]
-    active: list[Sequence] = []
+    active: list[SequenceState] = []
 
     for _ in range(400):
         op = rng.random()

@@ -4,16 +4,16 @@ every block table, through prefix hits, forks, copy-on-write, preemption and fin
 import random
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Sequence, SequenceStatus
+from pagedllm.core.request import SequenceState, SequenceStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.kv_stats import KVCacheStatsTracker
 
 _ids = iter(range(10**9))
 
 
-def seq(prompt, request_id=None) -> Sequence:
+def seq(prompt, request_id=None) -> SequenceState:
     sid = next(_ids)
-    return Sequence(seq_id=sid, request_id=request_id or f"r{sid}", prompt_token_ids=list(prompt),
+    return SequenceState(seq_id=sid, request_id=request_id or f"r{sid}", prompt_token_ids=list(prompt),
                     arrival_time=float(sid))
 
 

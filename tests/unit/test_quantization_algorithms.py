@@ -1,4 +1,4 @@
-"""The calibrated quantization methods on small random matrices (pagedllm/quantization_algorithms):
+"""The calibrated quantization methods on small random matrices (pagedllm/quantization/algorithms/):
 GPTQ against round to nearest on its own objective, act-order's g_idx, AWQ's scale and clip
 searches, AWQ's scale folding (the float model must not change), the calibration Llama layer
 against transformers, and the calibration windows / shipped texts."""
@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.quantization_algorithms import awq
-from pagedllm.quantization_algorithms.block import BlockShape, Rope, attention_core, layer_weights, linear, mlp_act, rms_norm
-from pagedllm.quantization_algorithms.calibration import CALIBRATION, HELDOUT, shipped_text, token_windows
-from pagedllm.quantization_algorithms.gptq import accumulate_hessian, gptq_quantize, hessian_order
-from pagedllm.quantization_algorithms.grid import fake_quantize, rtn_quantize
-from pagedllm.quantization_algorithms.pipeline import Grid, awq_model
+from pagedllm.quantization.algorithms import awq
+from pagedllm.quantization.algorithms.block import BlockShape, Rope, attention_core, layer_weights, linear, mlp_act, rms_norm
+from pagedllm.quantization.algorithms.calibration import CALIBRATION, HELDOUT, shipped_text, token_windows
+from pagedllm.quantization.algorithms.gptq import accumulate_hessian, gptq_quantize, hessian_order
+from pagedllm.quantization.algorithms.grid import fake_quantize, rtn_quantize
+from pagedllm.quantization.algorithms.pipeline import Grid, awq_model
 
 
 def correlated_inputs(n: int, k: int, seed: int, draw: int = 0) -> torch.Tensor:

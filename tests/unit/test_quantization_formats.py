@@ -1,4 +1,4 @@
-"""Quantized checkpoint formats (layers/quantization/): packing against formulas written here,
+"""Quantized checkpoint formats (quantization/): packing against formulas written here,
 and each format's linear layer against a plain-torch dequantize-then-matmul reference.
 
 The references below are deliberately written from the formats' descriptions, not from
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from pagedllm.layers.linear import Linear, MergedLinear
-from pagedllm.layers.quantization import get_quantization_config
-from pagedllm.layers.quantization.awq import AWQConfig
-from pagedllm.layers.quantization.compressed_tensors import CompressedTensorsConfig
-from pagedllm.layers.quantization.gptq import GPTQConfig
-from pagedllm.layers.quantization.packing import pack_awq, pack_int32, unpack_awq, unpack_int32
+from pagedllm.quantization import get_quantization_config
+from pagedllm.quantization.formats.awq import AWQConfig
+from pagedllm.quantization.formats.compressed_tensors import CompressedTensorsConfig
+from pagedllm.quantization.formats.gptq import GPTQConfig
+from pagedllm.quantization.formats.packing import pack_awq, pack_int32, unpack_awq, unpack_int32
 
 AWQ_NIBBLE_TO_COLUMN = [0, 2, 4, 6, 1, 3, 5, 7]
 REL = 1e-5
@@ -279,7 +279,7 @@ def test_bfloat16_activations_and_bias():
 def test_portable_path_without_the_kernel(monkeypatch):
     """Where int_gemm.c does not take the layer (no compiler, GPU, odd group sizes) the layer
     keeps the canonical tensors and dequantizes per call: same values."""
-    import pagedllm.layers.quantization.base as base
+    import pagedllm.quantization.formats.base as base
 
     monkeypatch.setattr(base, "kernel_supports", lambda *a: False)
     k, n, gs = 64, 32, 32

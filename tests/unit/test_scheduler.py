@@ -6,7 +6,7 @@ import random
 import pytest
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Sequence, SequenceStatus
+from pagedllm.core.request import SequenceState, SequenceStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tests.unit.core_sim import FakeStore
 
@@ -19,7 +19,7 @@ def make_scheduler(num_blocks=64, block_size=16, caching=True, **config):
 
 
 class Seqs:
-    """Sequence factory: increasing ids and arrival times, distinct prompts unless given."""
+    """SequenceState factory: increasing ids and arrival times, distinct prompts unless given."""
 
     def __init__(self) -> None:
         self.next_id = 0
@@ -29,7 +29,7 @@ class Seqs:
         self.next_id += 1
         if prompt is None:
             prompt = [1000 * (sid + 1) + i for i in range(prompt_len)]
-        return Sequence(
+        return SequenceState(
             seq_id=sid,
             request_id=request_id or f"req-{sid}",
             prompt_token_ids=list(prompt),
@@ -307,7 +307,7 @@ def test_randomized_simulation_drains(seed):
     runner = FakeStore(kv)
     new = Seqs()
     shared_prefix = [rng.randrange(5) for _ in range(2 * B)]
-    all_seqs: list[Sequence] = []
+    all_seqs: list[SequenceState] = []
     info: dict[int, dict] = collections.defaultdict(dict)  # the test's own per-sequence notes
     max_len = num_blocks * B  # the engine's add_request check: fits alone in the pool
     preemptions_seen = copies_seen = 0

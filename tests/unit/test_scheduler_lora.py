@@ -2,7 +2,7 @@
 cache never serves blocks computed under one adapter to another (or to the base model)."""
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Sequence, SequenceStatus
+from pagedllm.core.request import SequenceState, SequenceStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 
 
@@ -11,8 +11,8 @@ def make(max_loras: int, num_blocks: int = 64, max_num_seqs: int = 8) -> tuple[S
     return Scheduler(SchedulerConfig(max_loras=max_loras, max_num_seqs=max_num_seqs), kv), kv
 
 
-def seq(sid: int, lora: int, prompt: list[int] | None = None) -> Sequence:
-    s = Sequence(seq_id=sid, request_id=f"r{sid}", prompt_token_ids=prompt or [100 * (sid + 1) + i for i in range(8)],
+def seq(sid: int, lora: int, prompt: list[int] | None = None) -> SequenceState:
+    s = SequenceState(seq_id=sid, request_id=f"r{sid}", prompt_token_ids=prompt or [100 * (sid + 1) + i for i in range(8)],
                  arrival_time=float(sid))
     s.lora_int_id = lora
     s.lora_key = f"{lora}:adapter{lora}" if lora else None
@@ -48,7 +48,7 @@ def test_running_adapters_never_exceed_max_loras_under_random_load():
 
     rng = random.Random(0)
     sched, kv = make(max_loras=2, num_blocks=24, max_num_seqs=6)
-    live: list[Sequence] = []
+    live: list[SequenceState] = []
     sid = 0
     for step in range(300):
         if rng.random() < 0.5 and len(live) < 12:

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Sequence, SequenceStatus
+from pagedllm.core.request import SequenceState, SequenceStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, check_priority
 from tests.unit.test_scheduler import finish_step
 
@@ -19,8 +19,8 @@ def make(policy: str, num_blocks: int = 64, block_size: int = 4, **config) -> Sc
     return Scheduler(SchedulerConfig(policy=policy, **config), kv)
 
 
-def seq(sid: int, prompt_len: int, priority: int = 0, arrival: float | None = None) -> Sequence:
-    return Sequence(seq_id=sid, request_id=f"r{sid}",
+def seq(sid: int, prompt_len: int, priority: int = 0, arrival: float | None = None) -> SequenceState:
+    return SequenceState(seq_id=sid, request_id=f"r{sid}",
                     prompt_token_ids=[100 * (sid + 1) + i for i in range(prompt_len)],
                     arrival_time=float(sid if arrival is None else arrival), priority=priority)
 

@@ -5,15 +5,15 @@ import random
 
 from pagedllm.core.block_pool import hash_block_tokens
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Sequence, SequenceStatus
+from pagedllm.core.request import SequenceState, SequenceStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 
 _ids = iter(range(10**9))
 
 
-def seq(prompt, output=(), request_id=None, salt=None) -> Sequence:
+def seq(prompt, output=(), request_id=None, salt=None) -> SequenceState:
     sid = next(_ids)
-    return Sequence(seq_id=sid, request_id=request_id or f"r{sid}", prompt_token_ids=list(prompt),
+    return SequenceState(seq_id=sid, request_id=request_id or f"r{sid}", prompt_token_ids=list(prompt),
                     arrival_time=float(sid), output_token_ids=list(output), cache_salt=salt)
 
 
@@ -126,7 +126,7 @@ def test_multi_turn_hits_the_generated_blocks():
 def test_shared_block_counter_matches_ref_counts():
     rng = random.Random(0)
     kv = KVCacheManager(num_blocks=24, block_size=2)
-    live: list[Sequence] = []
+    live: list[SequenceState] = []
     for _ in range(500):
         r = rng.random()
         if r < 0.3 or not live:

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from pagedllm.core.request import Sequence
+from pagedllm.core.request import SequenceState
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.proposer import BUILT_METHODS, make_proposer
@@ -305,8 +305,8 @@ CFG = SpeculativeConfig.from_value({"method": "suffix", "num_speculative_tokens"
                                     "suffix_decoding_max_cached_requests": 2})
 
 
-def _seq(seq_id: int, prompt: list[int], output: list[int], rid: str = "r") -> Sequence:
-    return Sequence(seq_id=seq_id, request_id=rid, prompt_token_ids=prompt, arrival_time=0.0,
+def _seq(seq_id: int, prompt: list[int], output: list[int], rid: str = "r") -> SequenceState:
+    return SequenceState(seq_id=seq_id, request_id=rid, prompt_token_ids=prompt, arrival_time=0.0,
                     output_token_ids=list(output))
 
 

@@ -7,15 +7,15 @@ import random
 import pytest
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Sequence, SequenceStatus
+from pagedllm.core.request import SequenceState, SequenceStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tests.unit.core_sim import FakeStore
 
 RUNNING, WAITING, SWAPPED = SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.SWAPPED
 
 
-def seq(seq_id, prompt, request_id=None, output=(), arrival=None, index=0) -> Sequence:
-    return Sequence(
+def seq(seq_id, prompt, request_id=None, output=(), arrival=None, index=0) -> SequenceState:
+    return SequenceState(
         seq_id=seq_id,
         request_id=request_id or f"r{seq_id}",
         prompt_token_ids=list(prompt),
@@ -330,7 +330,7 @@ def simulate(seed: int) -> dict[str, int]:
                                       max_model_len=64, preemption_mode=mode), kv)
     store = FakeStore(kv)
     ids = iter(range(10**6))
-    all_seqs: list[Sequence] = []
+    all_seqs: list[SequenceState] = []
     info: dict[int, dict] = collections.defaultdict(dict)  # the test's own per-sequence notes
     shared = [rng.randrange(4) for _ in range(2 * B)]
     seen = {"swap_out": 0, "swap_in": 0, "preempted": 0}

@@ -15,9 +15,9 @@ from pagedllm.core.step_plan import SequenceStep, StepPlan, decode_from_rank0, e
 from pagedllm.engine.step_planner import plan_of
 from pagedllm.executor.multiproc import check_tensor_parallel_devices
 from pagedllm.layers.linear import Linear
-from pagedllm.layers.quantization.awq import AWQConfig
-from pagedllm.layers.quantization.compressed_tensors import CompressedTensorsConfig
-from pagedllm.layers.quantization.gptq import GPTQConfig
+from pagedllm.quantization.formats.awq import AWQConfig
+from pagedllm.quantization.formats.compressed_tensors import CompressedTensorsConfig
+from pagedllm.quantization.formats.gptq import GPTQConfig
 from pagedllm.model.llama import LlamaForCausalLM
 from tests.integration.model_fixtures import tiny_config
 
@@ -33,15 +33,15 @@ def test_the_step_message_forwards_the_schedulers_deltas():
     """A real scheduler's steps (admission, a fork, copy-on-write, an abort) through the message
     to a worker's BlockTable: its rows equal the scheduler's tables at every step."""
     from pagedllm.core.kv_cache_manager import KVCacheManager
-    from pagedllm.core.request import Sequence
+    from pagedllm.core.request import SequenceState
     from pagedllm.core.scheduler import Scheduler, SchedulerConfig
     from pagedllm.worker.block_table import BlockTable
 
     kv = KVCacheManager(num_blocks=16, block_size=4)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv)
     worker = BlockTable(2, num_rows=1)
-    a = Sequence(seq_id=0, request_id="a", prompt_token_ids=list(range(10, 16)), arrival_time=0.0)
-    b = Sequence(seq_id=1, request_id="b", prompt_token_ids=list(range(50, 53)), arrival_time=1.0)
+    a = SequenceState(seq_id=0, request_id="a", prompt_token_ids=list(range(10, 16)), arrival_time=0.0)
+    b = SequenceState(seq_id=1, request_id="b", prompt_token_ids=list(range(50, 53)), arrival_time=1.0)
     sched.add_sequence(a)
     sched.add_sequence(b)
     for step in range(8):
@@ -61,7 +61,7 @@ def test_the_step_message_forwards_the_schedulers_deltas():
             if s.sample:
                 s.seq.append_token(7)
         if step == 1:  # a fork: the child's first write copies the shared last block
-            child = Sequence(seq_id=2, request_id="a", prompt_token_ids=a.prompt_token_ids,
+            child = SequenceState(seq_id=2, request_id="a", prompt_token_ids=a.prompt_token_ids,
                              arrival_time=0.0, index=1)
             for t in a.output_token_ids:
                 child.append_token(t)
@@ -75,11 +75,11 @@ def test_the_step_message_carries_draft_tokens():
     """Speculative decoding: a worker's runner projects a logits row per draft token like rank
     0's (the vocab-parallel gather needs the same rows on every rank), so the drafts travel."""
     from pagedllm.core.kv_cache_manager import KVCacheManager
-    from pagedllm.core.request import Sequence
+    from pagedllm.core.request import SequenceState
     from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), KVCacheManager(num_blocks=16, block_size=4))
-    a = Sequence(seq_id=0, request_id="a", prompt_token_ids=list(range(10, 16)), arrival_time=0.0)
+    a = SequenceState(seq_id=0, request_id="a", prompt_token_ids=list(range(10, 16)), arrival_time=0.0)
     sched.add_sequence(a)
     sched.update_after_step(sched.schedule())
     a.append_token(7)

@@ -1,4 +1,4 @@
-"""The Triton dequantize-fused int4 / int8 matmul (layers/quantization/triton_int_gemm.py) against
+"""The Triton dequantize-fused int4 / int8 matmul (quantization/triton_int_gemm.py) against
 plain-torch dequantize-then-matmul (packing.dequantize).
 
 Without a GPU the kernel runs in Triton's interpreter (`TRITON_INTERPRET=1`, set per test with
@@ -25,8 +25,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pagedllm.layers.quantization import triton_int_gemm as tig
-from pagedllm.layers.quantization.packing import dequantize, pack_int32
+from pagedllm.quantization.kernels import triton_int_gemm as tig
+from pagedllm.quantization.formats.packing import dequantize, pack_int32
 from tests.unit.triton_checks import assert_needs_triton_without_it, compile_to_cubin, needs_ptxas
 
 needs_triton = pytest.mark.skipif(not tig.HAS_TRITON, reason="triton is not installed (pip install triton): "
@@ -182,7 +182,7 @@ def test_layer_glue(interpret):
 def test_cpu_apply_never_uses_triton(monkeypatch):
     """CPU tensors take the portable path: the Triton module is not even consulted."""
     from pagedllm.layers.linear import Linear
-    from pagedllm.layers.quantization.gptq import GPTQConfig
+    from pagedllm.quantization.formats.gptq import GPTQConfig
 
     monkeypatch.setattr(tig, "apply_packed_int", lambda *a: pytest.fail("Triton path taken on CPU"))
     cfg = GPTQConfig.from_config({"bits": 8, "group_size": -1, "sym": True, "checkpoint_format": "gptq_v2"})
@@ -235,7 +235,7 @@ def test_imports_without_triton():
     """With triton unimportable the module still imports; the function says what is missing and
     the layer hook declines (the caller keeps the torch path)."""
     assert_needs_triton_without_it(
-        "pagedllm.layers.quantization.triton_int_gemm", "t.int_gemm_triton(None, None, None, None, 4, -1)",
+        "pagedllm.quantization.kernels.triton_int_gemm", "t.int_gemm_triton(None, None, None, None, 4, -1)",
         checks="import torch\nassert t.apply_packed_int(None, None, torch.zeros(1), None) is None\n")
 
 
@@ -263,7 +263,7 @@ def test_compiled_kernel_on_cuda(monkeypatch, M, bits, gs, act_order, x_dtype):
 def test_cuda_layer_dispatches_to_triton(monkeypatch):
     """A quantized layer on CUDA runs the kernel (not the portable path) and equals that path."""
     from pagedllm.layers.linear import Linear
-    from pagedllm.layers.quantization.gptq import GPTQConfig
+    from pagedllm.quantization.formats.gptq import GPTQConfig
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     K, N, gs = 512, 256, 128

@@ -1,6 +1,6 @@
 """The engine dashboard: `GET /dashboard` (a static page) and its one data endpoint.
 
-`GET /v1/internal/engine_state` answers every engine core's snapshot (engine/engine_state.py),
+`GET /v1/internal/engine_state` answers every engine core's snapshot (engine/dashboard_snapshot.py),
 each made by the core between two steps through the existing utility call, so the engine pays
 nothing while nobody watches. Snapshots are shared for `MIN_INTERVAL_S`: however many pages
 poll, each core makes at most four a second. The endpoint is read-only (GET only) and sits
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse, Response
 
-from pagedllm.engine.engine_state import add_request_timings
+from pagedllm.engine.dashboard_snapshot import add_request_timings
 from pagedllm.entrypoints.openai.errors import OpenAIError
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ eager. The eager path calls the same function (`paged_decode_attention_eager`) d
 the dispatcher's ~35 us per call, so both paths run one implementation.
 
 On CPU with float32 queries the attention runs in the C kernel (kernels/paged_decode_attention.c),
-which reads K/V in place from their blocks, float32, bfloat16 or int8 (layers/kv_cache_format.py);
+which reads K/V in place from their blocks, float32, bfloat16 or int8 (layers/kv_cache_dtype.py);
 otherwise (float16 and fp8 caches, other model dtypes, GPU, no compiler) the torch path gathers
 the used blocks (converted or dequantized) and calls SDPA with an additive mask. An fp8 cache's
 per-layer scales (`k_scale`, `v_scale` [Hk]) are optional tensor arguments of the op, so a
@@ -34,7 +34,7 @@ from pagedllm.layers.backends.paged_ops import (
     softcap_kernel,
     write_to_kv_cache,
 )
-from pagedllm.layers.kv_cache_format import KERNEL_KIND, KVHalf, split_kv_cache
+from pagedllm.layers.kv_cache_dtype import KERNEL_KIND, KVHalf, split_kv_cache
 
 # `paged_decode_attention_softcap`: the kernel build.py binds, plus the soft cap (0: none); the C
 # decode step (worker/cpu_decode_step.py) calls the same function.

@@ -11,7 +11,7 @@ import torch
 
 from pagedllm.kernels.build import build_library
 from pagedllm.layers.activation import soft_cap
-from pagedllm.layers.kv_cache_format import KVHalf, gather_blocks, write_rows
+from pagedllm.layers.kv_cache_dtype import KVHalf, gather_blocks, write_rows
 
 __all__ = ["decode_mask", "gather_blocks", "prefill_mask", "softcap_attention", "softcap_kernel", "write_to_kv_cache"]
 
@@ -24,7 +24,7 @@ def write_to_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Store `key/value [T, Hk, D]` at the flat slots `slot_mapping [T]` of the paged caches
-    (converted to the cache's element type, fp8 halves with their scales: layers/kv_cache_format.py)."""
+    (converted to the cache's element type, fp8 halves with their scales: layers/kv_cache_dtype.py)."""
     write_rows(key_cache, key, slot_mapping)
     write_rows(value_cache, value, slot_mapping)
 

@@ -3,7 +3,7 @@
 query over its sequence's context read in place from the blocks (bottom-right aligned causal
 mask, optional sliding window). No Python loop over the sequences, no gather of cached context.
 
-The cache may hold float32, bfloat16 or int8 (layers/kv_cache_format.py): the kernel converts
+The cache may hold float32, bfloat16 or int8 (layers/kv_cache_dtype.py): the kernel converts
 as it loads, and its queries attend to the cache's values, their own new rows included.
 float16 and fp8 caches are not the kernel's (no element kind for them): it declines them.
 
@@ -24,7 +24,7 @@ import torch
 
 from pagedllm.kernels import prefill_attention_kernel
 from pagedllm.layers.backends.paged_ops import softcap_kernel
-from pagedllm.layers.kv_cache_format import KERNEL_KIND, KVHalf
+from pagedllm.layers.kv_cache_dtype import KERNEL_KIND, KVHalf
 
 if TYPE_CHECKING:
     from pagedllm.layers.attention import AttentionMetadata

@@ -5,7 +5,7 @@ operator (layers/backends/decode_op.py), which writes their K/V and attends over
 place (a C kernel on CPU float32; a gather + SDPA torch path elsewhere).
 
 The cache's element type (float32, bfloat16, float16, int8, fp8 with the layer's per-KV-head
-`k_scale` / `v_scale`: layers/kv_cache_format.py) is read and written by both paths (the C
+`k_scale` / `v_scale`: layers/kv_cache_dtype.py) is read and written by both paths (the C
 kernels decline float16 and fp8, which then take the torch path); every query attends to the
 cache's values, never to fresher ones, so that a prompt computed whole or in chunks sees the
 same numbers.
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from pagedllm.layers.backends.decode_op import paged_decode_attention_eager
 from pagedllm.layers.backends.paged_ops import gather_blocks, prefill_mask, softcap_attention, write_to_kv_cache
 from pagedllm.layers.backends.prefill_op import prefill_attention_c
-from pagedllm.layers.kv_cache_format import KVHalf, split_kv_cache
+from pagedllm.layers.kv_cache_dtype import KVHalf, split_kv_cache
 
 if TYPE_CHECKING:
     from pagedllm.layers.attention import AttentionMetadata

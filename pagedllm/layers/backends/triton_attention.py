@@ -1,6 +1,6 @@
 """Triton paged attention for the CUDA path: the KV-cache write, decode (flash-decoding) and
 varlen prefill over the paged cache (`[num_blocks, block_size, kv_heads, head_dim]` per half,
-layers/kv_cache_format.py), in float32 / bfloat16 / float16 or fp8 (e4m3fn, e5m2) with a
+layers/kv_cache_dtype.py), in float32 / bfloat16 / float16 or fp8 (e4m3fn, e5m2) with a
 float32 scale per KV head.
 
 Kernel design (all accumulate in float32; the output is in the query's dtype):
@@ -50,7 +50,7 @@ divisible by 16): run every captured shape once before capturing, as graph runne
 
 Triton is optional (`HAS_TRITON`); nothing imports this module on CPU inference. With
 `TRITON_INTERPRET=1` when a kernel is first called, it runs in Triton's interpreter on CPU
-tensors (the tests); kernels are jitted per mode, as layers/quantization/triton_int_gemm.py
+tensors (the tests); kernels are jitted per mode, as quantization/triton_int_gemm.py
 does, and so is the key sweep decode and prefill share (the device function `_attend_keys`,
 which each mode's kernels call as their own: `_kernels`). The kernels use core builtins only
 (`tl.reduce` with the standard combine functions, not `tl.max` / `tl.sum` / `tl.zeros`:

@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from pagedllm.quantization_algorithms import awq
-from pagedllm.quantization_algorithms.block import (
+from pagedllm.quantization.algorithms import awq
+from pagedllm.quantization.algorithms.block import (
     BlockShape, Rope, attention_core, full_name, layer_weights, linear, mlp, mlp_act, rms_norm, self_attn)
-from pagedllm.quantization_algorithms.gptq import QuantizedWeight, accumulate_hessian, gptq_quantize
-from pagedllm.quantization_algorithms.grid import fake_quantize
+from pagedllm.quantization.algorithms.gptq import QuantizedWeight, accumulate_hessian, gptq_quantize
+from pagedllm.quantization.algorithms.grid import fake_quantize
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.quantization_algorithms.grid import dequantize_codes, group_params, quantize_codes
+from pagedllm.quantization.algorithms.grid import dequantize_codes, group_params, quantize_codes
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """`pagedllm quantize`: write a quantized checkpoint folder (GPTQ, AWQ or compressed-tensors
 layout) from a float model, so that tests and benchmarks own their quantized fixtures.
 
-Methods (`pagedllm/quantization_algorithms/`):
+Methods (`pagedllm/quantization/algorithms/`):
 - `rtn`: round to nearest per group of `group_size` input columns and output row (asymmetric
   min/max or symmetric absmax, the scale rounded to float16 before the codes are chosen, so the
   written checkpoint dequantizes exactly to what was intended). With `act_order` (GPTQ format)
@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from pagedllm.layers.quantization.packing import pack_awq, pack_int32
-from pagedllm.quantization_algorithms.gptq import QuantizedWeight
-from pagedllm.quantization_algorithms.grid import rtn_quantize
+from pagedllm.quantization.formats.packing import pack_awq, pack_int32
+from pagedllm.quantization.algorithms.gptq import QuantizedWeight
+from pagedllm.quantization.algorithms.grid import rtn_quantize
 
 __all__ = ["quantize_model", "quantize_tensors", "rtn_quantize", "METHODS", "FORMATS"]
 
@@ -241,8 +241,8 @@ def quantize_model(model: str | None, out: str, method: str = "rtn", bits: int =
     if method == "rtn":
         results = rtn_weights(projections, bits, group_size, sym, act_order, min_zero)
     else:
-        from pagedllm.quantization_algorithms import pipeline
-        from pagedllm.quantization_algorithms.calibration import calibration_samples, read_text
+        from pagedllm.quantization.algorithms import pipeline
+        from pagedllm.quantization.algorithms.calibration import calibration_samples, read_text
 
         t0 = time.perf_counter()
         samples = calibration_samples(tokenizer(), read_text(calibration), num_samples, seq_len)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.layers.quantization.int_kernel import (
+from pagedllm.quantization.kernels.int_kernel import (
     PackedIntWeight,
     int_linear,
     kernel_supports,
@@ -42,7 +42,7 @@ from pagedllm.layers.quantization.int_kernel import (
     with_choice,
 )
 from pagedllm.layers.decode_step_parts import int_weight_parts
-from pagedllm.layers.quantization.packing import dequantize
+from pagedllm.quantization.formats.packing import dequantize
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -377,7 +377,7 @@ class PackedIntLinearMethod(LinearMethod):
 
     def apply(self, layer, x, bias) -> torch.Tensor:
         if x.is_cuda:  # the Triton dequantize-fused matmul (triton_int_gemm.py), where Triton is installed
-            from pagedllm.layers.quantization.triton_int_gemm import apply_packed_int
+            from pagedllm.quantization.kernels.triton_int_gemm import apply_packed_int
             if (out := apply_packed_int(self, layer, x, bias)) is not None:
                 return out
         if layer.perm is not None:

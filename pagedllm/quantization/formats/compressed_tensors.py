@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from pagedllm.layers.quantization.base import PackedIntLinearMethod, QuantizationConfig, TensorSpec
-from pagedllm.layers.quantization.gptq import act_order_permutation
-from pagedllm.layers.quantization.packing import pack_int32, unpack_int32
+from pagedllm.quantization.formats.base import PackedIntLinearMethod, QuantizationConfig, TensorSpec
+from pagedllm.quantization.formats.gptq import act_order_permutation
+from pagedllm.quantization.formats.packing import pack_int32, unpack_int32
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

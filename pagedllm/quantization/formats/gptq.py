@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
-from pagedllm.layers.quantization.base import (
+from pagedllm.quantization.formats.base import (
     PackedIntLinearMethod,
     QuantizationConfig,
     TensorSpec,
     config_int,
 )
-from pagedllm.layers.quantization.packing import pack_int32, unpack_int32
+from pagedllm.quantization.formats.packing import pack_int32, unpack_int32
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INT_DTYPES = (torch.int32,)

@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from pagedllm.layers.quantization.base import (
+from pagedllm.quantization.formats.base import (
     PackedIntLinearMethod,
     QuantizationConfig,
     TensorSpec,
     config_int,
 )
-from pagedllm.layers.quantization.packing import pack_int32, unpack_awq
+from pagedllm.quantization.formats.packing import pack_int32, unpack_awq
 
 
 class AWQLinearMethod(PackedIntLinearMethod):

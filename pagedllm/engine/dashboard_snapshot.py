@@ -23,7 +23,7 @@ from pagedllm.core.kv_snapshot import (
 )
 
 if TYPE_CHECKING:
-    from pagedllm.core.request import Sequence
+    from pagedllm.core.request import SequenceState
     from pagedllm.engine.core import EngineCore
     from pagedllm.engine.output_processor import OutputProcessor
 
@@ -51,7 +51,7 @@ def memory_config(core: "EngineCore") -> dict[str, Any]:
     }
 
 
-def _request_state(seqs: list["Sequence"]) -> str:
+def _request_state(seqs: list["SequenceState"]) -> str:
     statuses = {s.status.value for s in seqs}
     for name in ("running", "swapped", "waiting"):
         if name in statuses:
@@ -66,7 +66,7 @@ def core_engine_state(core: "EngineCore") -> dict[str, Any]:
     states, groups = block_states(kv)
     host = host_block_states(kv)
     queues: dict[str, list[str]] = {"running": [], "waiting": [], "swapped": []}
-    seqs_of: dict[str, list[Sequence]] = {}
+    seqs_of: dict[str, list[SequenceState]] = {}
     for name, seqs in (("running", sched.running), ("waiting", sched.waiting),
                        ("swapped", [s for g in sched.swapped for s in g])):
         for seq in seqs:

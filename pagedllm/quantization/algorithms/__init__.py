@@ -1,4 +1,4 @@
-"""The quantization algorithms behind `pagedllm quantize` (pagedllm/quantizer.py writes the
+"""The quantization algorithms behind `pagedllm quantize` (pagedllm/quantization/algorithms/checkpoint_writer.py writes the
 checkpoint formats):
 
 - `grid.py`: the integer grid every method ends on (per group of input columns and output row:

@@ -78,7 +78,7 @@ def kernel_takes(type_name: str, cols: int) -> bool:
 
 
 def gguf_isa() -> str | None:
-    from pagedllm.layers.quantization.int_kernel import ISA_NAMES
+    from pagedllm.quantization.kernels.int_kernel import ISA_NAMES
 
     kernel = gguf_gemm_kernel()
     return None if kernel is None else ISA_NAMES.get(kernel.isa(), "unknown")

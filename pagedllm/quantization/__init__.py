@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.layers.quantization.awq import AWQConfig
-from pagedllm.layers.quantization.base import LinearMethod, PackedIntLinearMethod, QuantizationConfig
-from pagedllm.layers.quantization.compressed_tensors import CompressedTensorsConfig
-from pagedllm.layers.quantization.gguf import GGUFConfig
-from pagedllm.layers.quantization.gptq import GPTQConfig
+from pagedllm.quantization.formats.awq import AWQConfig
+from pagedllm.quantization.formats.base import LinearMethod, PackedIntLinearMethod, QuantizationConfig
+from pagedllm.quantization.formats.compressed_tensors import CompressedTensorsConfig
+from pagedllm.quantization.formats.gguf import GGUFConfig
+from pagedllm.quantization.formats.gptq import GPTQConfig
 
 QUANTIZATION_CONFIGS: dict[str, type[QuantizationConfig]] = {
     "gptq": GPTQConfig,

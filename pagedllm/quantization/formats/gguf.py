@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from pagedllm.layers.decode_step_parts import gguf_parts, int_weight_parts
-from pagedllm.layers.quantization.base import LinearMethod, QuantizationConfig, Slices, logical_weight_slices
-from pagedllm.layers.quantization.gguf_kernel import GGUFTensor, gguf_linear, kernel_takes
-from pagedllm.layers.quantization.int_kernel import (
+from pagedllm.quantization.formats.base import LinearMethod, QuantizationConfig, Slices, logical_weight_slices
+from pagedllm.quantization.kernels.gguf_kernel import GGUFTensor, gguf_linear, kernel_takes
+from pagedllm.quantization.kernels.int_kernel import (
     PackedIntWeight,
     int_linear,
     kernel_supports,

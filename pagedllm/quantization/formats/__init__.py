@@ -1,0 +1,1 @@
+"""Quantization formats (see pagedllm/quantization/__init__.py)."""

@@ -1,0 +1,1 @@
+"""Quantization kernels (see pagedllm/quantization/__init__.py)."""
