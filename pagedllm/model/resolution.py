@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
 
 Runner = Literal["generate", "pooling"]
+GGUF_POOLING = "GGUF embedding models are not supported; use the model's safetensors folder or Hub id."
 
 
 @dataclass(frozen=True)
@@ -105,19 +106,18 @@ def choose_architecture(archs: list[str], requested: str, is_gguf: bool) -> Arch
 
 def _pooling_only(arch: str, requested: str, is_gguf: bool, is_encoder: bool) -> ArchitectureChoice:
     if requested == "generate":
-        reason = "an encoder" if is_encoder else "a decoder without an LM head"
-        raise ValueError(f"{arch} is {reason}: it runs only as a pooling model (runner='pooling'), it cannot "
+        reason = "is an encoder" if is_encoder else "has no LM head"
+        raise ValueError(f"{arch} {reason}: it runs only as a pooling model (runner='pooling'), it cannot "
                          f"generate; the generate runner supports {registry.supported_architectures()['generate']}.")
     if is_gguf:
-        raise ValueError(f"{arch} from a GGUF file: GGUF embedding models are not supported; use the "
-                         "model's safetensors folder or Hub id.")
+        raise ValueError(f"{arch} from a GGUF file: {GGUF_POOLING}")
     return ArchitectureChoice(arch, "pooling", is_encoder)
 
 
 def model_resolution(config: EngineConfig, source: ModelSource | None = None) -> ModelResolution:
     """Resolve `config`'s model (files, transformers config, architecture, runner); `source`
     when the caller resolved the files already."""
-    source = source if source is not None else resolve_model_source(config)
+    source = _source(config, source)
     hf_config = load_hf_config(source)
     archs = registry.architecture_names(getattr(hf_config, "architectures", None),
                                         getattr(hf_config, "model_type", None))
@@ -129,14 +129,19 @@ def serving_runner(config: EngineConfig) -> Runner:
     """The runner `pagedllm serve` starts, without importing transformers: a folder's
     config.json is read as JSON; a GGUF file (its architecture is in the file, which only the
     engine core parses) generates, and its core checks the architecture."""
-    source = resolve_model_source(config)
+    source = _source(config)
     if source.is_gguf:
-        if config.requested_runner == "pooling":
-            raise ValueError(f"{source.gguf_file}: GGUF embedding models are not supported; use the "
-                             "model's safetensors folder or Hub id.")
         return "generate"
     with open(os.path.join(source.path, "config.json"), encoding="utf-8") as f:
         raw = json.load(f)
     archs = raw.get("architectures")
     names = registry.architecture_names(archs if isinstance(archs, list) else None, raw.get("model_type"))
     return choose_architecture(names, config.requested_runner, False).runner
+
+
+def _source(config: EngineConfig, source: ModelSource | None = None) -> ModelSource:
+    """The model's files; a GGUF asked to pool is refused before its metadata is parsed."""
+    source = source if source is not None else resolve_model_source(config)
+    if source.is_gguf and config.requested_runner == "pooling":
+        raise ValueError(f"{source.gguf_file}: {GGUF_POOLING}")
+    return source

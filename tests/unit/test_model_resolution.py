@@ -93,7 +93,7 @@ def test_choose_architecture(archs, requested, expected):
 @pytest.mark.parametrize("archs,requested,is_gguf,message", [
     (["BertModel"], "generate", False, r"BertModel is an encoder: it runs only as a pooling model.*generate runner "
                                        r"supports \['LlamaForCausalLM'"),
-    (["LlamaModel"], "generate", False, r"LlamaModel is a decoder without an LM head.*cannot generate"),
+    (["LlamaModel"], "generate", False, r"LlamaModel has no LM head: it runs only as a pooling model.*cannot generate"),
     (["Phi3ForCausalLM"], "pooling", False, r"Phi3ForCausalLM runs only as a generation model.*pooling runner "
                                             r"supports \['BertModel'"),
     (["LlamaForCausalLM"], "pooling", True, r"GGUF embedding models are not supported"),
