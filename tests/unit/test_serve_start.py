@@ -30,3 +30,12 @@ def test_the_serving_runner_reads_architectures_from_config_json(tmp_path):
         (tmp_path / "config.json").write_text(
             '{"architectures": %s, "model_type": "x"}' % str(archs).replace("'", '"'))
         assert serving_runner(EngineConfig(model=str(tmp_path))) == runner
+
+
+def test_the_serving_runner_imports_nothing_heavy(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["Qwen3Model"], "model_type": "qwen3"}')
+    code = ("import sys\nfrom pagedllm.config import EngineConfig\nfrom pagedllm.model.resolution import serving_runner\n"
+            f"print(serving_runner(EngineConfig(model={str(tmp_path)!r})), "
+            "sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "pooling []"
