@@ -17,7 +17,7 @@ from pagedllm.engine.core_messages import PromptLogprobEntry, TokenLogprob
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from pagedllm.core.scheduler import ScheduledSequence
+    from pagedllm.core.scheduler_output import ScheduledSequence
     from pagedllm.engine.request_state import RequestState
     from pagedllm.layers.sampler import Sampler
 
