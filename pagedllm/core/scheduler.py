@@ -47,6 +47,10 @@ still finishes, but an endless stream of more urgent requests can starve a lower
 one, as in vLLM.) The engine's watchdog
 (`LLMEngine.step`) turns any breach of this argument into a `SchedulerStallError` instead of a
 silent spin.
+
+Here: the step loop (`schedule`, `update_after_step`), forks and finishing. The queue order is
+in core/scheduler_queues.py, admission in core/scheduler_admission.py, preemption (swap,
+recompute) and the swap-in in core/scheduler_preemption.py.
 """
 from __future__ import annotations
 
