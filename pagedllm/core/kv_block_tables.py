@@ -44,6 +44,7 @@ class KVBlockTables:
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
     def get_block_ids(self, seq_id: int, group: int = 0) -> list[int]:
         return [b.block_id for b in self.tables[group].get(seq_id, ())]
 

@@ -116,6 +116,7 @@ class KVCacheManager(KVPrefixCache, KVCacheSwap, KVCacheInvariants):
     @property
     def num_free_host_blocks(self) -> int:
         return self.host_pool.num_free_blocks if self.host_pool else 0
+
     @property
     def num_usable_blocks(self) -> int:
         """Blocks sequences can hold: all but the null block."""
@@ -268,6 +269,7 @@ class KVCacheManager(KVPrefixCache, KVCacheSwap, KVCacheInvariants):
     def max_blocks_per_sequence(self, num_tokens: int) -> int:
         """Pool blocks one decoding sequence of `num_tokens` holds at most, over all groups."""
         return sum(g.max_live_blocks(num_tokens, self.block_size) for g in self.groups)
+
     def fork(self, parent: SequenceState, child: SequenceState) -> None:
         """Share all of the parent's blocks with the child (copy-on-write on first write)."""
         if any(child.seq_id in t for t in self.tables):

@@ -16,6 +16,7 @@ from pagedllm.core.request import SequenceState
 # Prefix hits: one list of blocks (one group), or one list per group (hybrid).
 PrefixHits = list
 
+
 class KVPrefixCache(KVBlockTables):
     """Look up, publish and check prefix-cache blocks."""
 

@@ -209,6 +209,7 @@ class Scheduler(SchedulerAdmission, SchedulerPreemption):
     def _take_finished(self) -> list[int]:
         out, self._finished_ids = self._finished_ids, []
         return out
+
     def update_after_step(self, output: SchedulerOutput,
                           num_accepted: dict[int, int] | None = None) -> None:
         """Mark this step's tokens computed and publish blocks they filled to the prefix cache.

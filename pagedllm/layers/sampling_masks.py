@@ -12,6 +12,7 @@ import torch
 
 _NEG_INF = float("-inf")
 
+
 def apply_token_bitmask(
     logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None
 ) -> None:

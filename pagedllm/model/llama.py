@@ -207,6 +207,7 @@ class LlamaModel(nn.Module):
         self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         self.rotary_emb = RotaryEmbedding.from_config(config, device=device)
 
+
 class LlamaForCausalLM(LlamaCheckpointLoading, nn.Module):
     """Causal LM over flattened tokens and a paged KV cache (Llama, Mistral, Qwen2; other
     architectures subclass it and set `model_cls`)."""

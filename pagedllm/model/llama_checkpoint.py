@@ -67,6 +67,7 @@ def quant_method_for(quant_config: QuantizationConfig | None, prefix: str) -> Li
     shards = [f"{parent}.{n}" for n in _SHARD_NAMES.get(leaf, [leaf])]
     return quant_config.get_linear_method(prefix, shards)
 
+
 class LlamaCheckpointLoading:
     """`load_weights` and `checkpoint_slices` of `LlamaForCausalLM` (an nn.Module, which sets
     these attributes in its __init__)."""

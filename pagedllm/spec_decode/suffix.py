@@ -155,4 +155,5 @@ class SuffixProposer(Proposer):
         if synced is not None:
             self.cache.stop(seq.seq_id, seq.token_ids_slice(synced, seq.num_tokens))
 
+
 __all__ = ["SuffixCache", "SuffixProposer"]

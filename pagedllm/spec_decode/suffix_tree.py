@@ -380,4 +380,5 @@ def _walk(root: _Node) -> Iterable[_Node]:
         if node.children:
             stack.extend(node.children.values())
 
+
 __all__ = ["Draft", "SuffixTree"]

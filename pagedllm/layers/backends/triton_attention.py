@@ -74,6 +74,7 @@ def _write_launch(key, value, key_cache, value_cache, slot_mapping, fp8, ks, vs)
     ), dict(HEAD_DIM=head_dim, PAGE=block_size, BLOCK_H=_next_pow2(num_kv_heads), BLOCK_D=_next_pow2(head_dim),
             FP8=fp8, FP8_MAX=_FP8_MAX.get(key_cache.dtype, 0.0)), dict(num_warps=4, num_stages=1))
 
+
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            sliding_window: int | None = None, k_scale: torch.Tensor | None = None,

@@ -20,6 +20,7 @@ _FP8_MAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.float8_e
 _CACHE_DTYPES = (*_FLOAT_DTYPES, *_FP8_MAX)
 _LOG2E = 1.4426950408889634
 
+
 def _need_triton(name: str) -> None:
     if not HAS_TRITON:
         raise RuntimeError(f"{name} needs the triton package (pip install triton); it is not installed, and "

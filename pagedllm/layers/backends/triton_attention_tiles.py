@@ -16,6 +16,7 @@ _DEFAULT_SMS = 16  # off CUDA (the interpreter): a small fixed "device" for the 
 _MIN_SPLIT_TOKENS = 256  # fewer keys per split than this do not pay for the reduce pass
 _MAX_SPLITS = 64
 
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
