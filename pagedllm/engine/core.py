@@ -24,7 +24,9 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_groups import hybrid_kv_cache_groups
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import SequenceStatus
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, check_priority
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_config import SchedulerConfig, check_priority
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.core.step_plan import StepPlan
 from pagedllm.engine.beam_search import beam_completions
 from pagedllm.engine.core_stats import CoreCounters

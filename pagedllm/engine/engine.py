@@ -42,7 +42,7 @@ def prepare_request(
 ) -> tuple[str | None, EngineCoreRequest]:
     """Tokenize and check a request (a ValueError names what is wrong): the prompt's text and
     the core's request. The one front-end rule, offline and in the server."""
-    from pagedllm.core.scheduler import check_priority
+    from pagedllm.core.scheduler_config import check_priority
 
     check_priority(priority, inputs.scheduling_policy)
     if lora_request is not None and not isinstance(lora_request, LoRARequest):

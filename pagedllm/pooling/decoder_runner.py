@@ -14,7 +14,8 @@ import torch
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import SequenceState, SequenceStatus
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_config import SchedulerConfig
 from pagedllm.engine.step_planner import plan_of
 from pagedllm.pooling.poolers import pool
 from pagedllm.pooling.work import PoolingWork

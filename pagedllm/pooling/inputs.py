@@ -10,7 +10,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler import check_request_fits_pool
+from pagedllm.core.scheduler_config import check_request_fits_pool
 from pagedllm.pooling.params import PoolingParams
 from pagedllm.pooling.pooler_config import PoolerConfig, load_pooler_config
 from pagedllm.pooling.poolers import check_dimensions, embedding_dimensions
