@@ -30,7 +30,8 @@ _LOGIT_BIAS_MAX = 100.0
 # Beam scores divide by length ** length_penalty: beyond this, any real length over- or
 # underflows a float (transformers sets no bound; typical values are 0.5-2).
 _LENGTH_PENALTY_MAX = 50.0
-_TOP_K_MAX = 2**31 - 1  # the server's bound too (protocol.py); larger is "all" anyway
+# The server's bound too (entrypoints/openai/sampling_request.py); larger is "all" anyway.
+_TOP_K_MAX = 2**31 - 1
 
 
 def _check_length_penalty(value: float) -> None:

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from pagedllm.entrypoints.openai.protocol_base import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 

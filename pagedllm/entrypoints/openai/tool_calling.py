@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.entrypoints.openai.errors import OpenAIError
-from pagedllm.entrypoints.openai.protocol import (
+from pagedllm.entrypoints.openai.chat_protocol import (
     ChatCompletionNamedToolChoiceParam,
     ChatCompletionRequest,
     FunctionCall,
