@@ -23,7 +23,8 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.lora.request import LoRARequest
 from pagedllm.model_source import resolve_tokenizer_source
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.beam_search_params import BeamSearchParams
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import load_tokenizer
 
 __all__ = ["LLMEngine", "PromptType", "prepare_request"]

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_outputs_params import StructuredOutputsParams
 from pagedllm.structured_output.compiler_process import DEFAULT_TIMEOUT_S, CompilerProcess
 
 if TYPE_CHECKING:

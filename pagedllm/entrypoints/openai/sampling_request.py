@@ -16,7 +16,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from pagedllm.entrypoints.openai.protocol_base import OpenAIBaseModel, StreamOptions
-from pagedllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+from pagedllm.sampling_params import RequestOutputKind
+from pagedllm.structured_outputs_params import StructuredOutputsParams
 
 # torch.Generator seeds are 64-bit; vLLM bounds them the same way.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1

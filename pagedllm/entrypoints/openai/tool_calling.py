@@ -86,7 +86,7 @@ class ToolPlan:
                 "response_format / structured_outputs (both constrain the output).", 400,
                 param="tool_choice")
         try:
-            from pagedllm.sampling_params import StructuredOutputsParams
+            from pagedllm.structured_outputs_params import StructuredOutputsParams
         except ImportError:
             raise OpenAIError(
                 "tool_choice 'required' and named functions need structured outputs, which this "
