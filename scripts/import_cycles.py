@@ -16,10 +16,10 @@ Every `import` / `from ... import` naming a pagedllm module is sorted by where i
   them to the graph to show the circles they would close if written at the top.
 
 `from a.b import c` is an edge to the module `a.b.c` when that is a module, else to `a.b`.
-The parent packages an import runs implicitly (`pagedllm/__init__.py` for every module) are
-not edges: pagedllm's `__init__` files import nothing eagerly, and counting them would make
-every package a circle with its children. `importlib.import_module("...")` strings are not
-followed.
+Importing `a.b.c` first runs the packages `a` and `a.b` (their `__init__.py`), so the edge also
+reaches those of them that are not packages of the importing module itself (those already ran:
+a package's `__init__` importing its own modules, which import their siblings, is no circle).
+`importlib.import_module("...")` strings are not followed.
 
     python scripts/import_cycles.py            # circles of module-level imports; exit 1 if any
     python scripts/import_cycles.py --local    # ... counting function-local imports as well
@@ -172,13 +172,23 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def import_graph(edges: list[ImportEdge], kinds: set[str]) -> dict[str, set[str]]:
-    """{module: modules it imports} over the internal edges of the given kinds."""
+    """{module: modules its imports run} over the internal edges of the given kinds."""
     graph: dict[str, set[str]] = {}
     for edge in edges:
         graph.setdefault(edge.source, set())
-        if edge.internal and edge.kind in kinds and edge.target != edge.source:
-            graph[edge.source].add(edge.target)
+        if not edge.internal or edge.kind not in kinds:
+            continue
+        ran_already = set(_packages_of(edge.source)) | {edge.source}
+        for target in [*_packages_of(edge.target), edge.target]:
+            if target not in ran_already:
+                graph[edge.source].add(target)
     return graph
+
+
+def _packages_of(module: str) -> list[str]:
+    """The packages importing `module` runs first: `a`, `a.b` for `a.b.c`."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
 def circles(kinds: set[str] = frozenset({MODULE_LEVEL}), root: Path = ROOT) -> list[list[str]]:

@@ -43,7 +43,7 @@ from pagedllm.layers.linear import (
     prepare_weight,
 )
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.quantization import LinearMethod, QuantizationConfig
+from pagedllm.quantization.formats.base import LinearMethod, QuantizationConfig
 from pagedllm.layers.rotary import RotaryEmbedding, head_dim_of, rotate_qkv
 
 KVCache = torch.Tensor  # one layer's cache: [2 (keys, values), num_blocks, block_size, Hk, D]

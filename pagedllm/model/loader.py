@@ -14,7 +14,7 @@ from torch import nn
 
 from pagedllm import envs
 from pagedllm.distributed.parallel_state import TensorParallelGroup
-from pagedllm.quantization import get_quantization_config
+from pagedllm.quantization.config_detection import get_quantization_config
 from pagedllm.model.gguf_loader import iter_gguf_weights, resolve_gguf_path
 from pagedllm.model.registry import get_model_class
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from pagedllm.kernels import gguf_gemm_kernel
+from pagedllm.quantization.formats.gguf_block_decoding import dequantize_tensor
 from pagedllm.layers.eager_in_graphs import eager_in_graphs
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,6 @@ class GGUFTensor(NamedTuple):
         if kernel_takes(self.type_name, self.shape[1]):
             return gguf_rows(self, None)
         from gguf import GGMLQuantizationType
-
-        from pagedllm.model.gguf_loader import dequantize_tensor  # torch for Q4_0 / Q4_1 / Q8_0, else gguf-py
 
         data = self.data.numpy()
         if self.type_name in ("F32", "F16"):
