@@ -16,7 +16,8 @@ import torch
 
 from pagedllm.core.step_plan import StepPlan
 from pagedllm.distributed import cpu_binding, parallel_state
-from pagedllm.layers.backends import select_attn_backend, set_attn_backend
+from pagedllm.layers.attention import set_attn_backend
+from pagedllm.layers.backends import select_attn_backend
 from pagedllm.model.loader import load_model
 from pagedllm.worker.draft_runner import DraftModelRunner
 from pagedllm.worker.memory_sizing import MemoryProfile
