@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import traceback
 import weakref
 from typing import Any
 
 from pagedllm import envs
+from pagedllm.executor.channel import connect
 from pagedllm.executor.multiproc import MultiprocExecutor, _Proc
+from pagedllm.executor.worker_proc import run_worker
 from pagedllm.worker.worker import WorkerConfig
 
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
@@ -61,11 +64,6 @@ class _WorkerActor:
 
     def run(self, address: tuple[str, int], authkey: bytes, rank: int) -> None:
         """executor/worker_proc.main's loop, in this actor: connect, stages, steps."""
-        import traceback
-
-        from pagedllm.executor.channel import connect
-        from pagedllm.executor.worker_proc import run_worker
-
         conn = connect(address, authkey)
         try:
             conn.send(("hello", rank, os.getpid()))

@@ -22,9 +22,15 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pagedllm.executor.channel import connect
+
 AUTHKEY_ENV = "PAGEDLLM_TP_AUTHKEY"
+
+
 def run_worker(conn: Connection, rank: int, config: Any, init_method: str, binding: Any) -> None:
     """Start-up stages (each reported to rank 0), then the step loop until "shutdown"."""
+    # lazy: torch loads (1-2 s) only after this process has said hello to rank 0 and watches
+    # its parent, so a start-up that fails early is reported at once
     from pagedllm.core.step_plan import decode_from_rank0
     from pagedllm.worker.worker import Worker
 
@@ -62,8 +68,6 @@ def _watch_parent(parent: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from pagedllm.executor.channel import connect
-
     host, port, rank = argv[0], int(argv[1]), int(argv[2])
     logging.basicConfig(level=logging.INFO, format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s")
     authkey = bytes.fromhex(os.environ.pop(AUTHKEY_ENV))

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.hub import parse_model_id
 from pagedllm.lora.adapter import LoRAAdapter, LoRALayerWeights
 from pagedllm.lora.model_spec import LoRAModelSpec
 from pagedllm.lora.peft_config import PEFTLoRAConfig
@@ -97,7 +98,6 @@ def resolve_adapter_dir(path: str, name: str = "") -> Path:
         return folder
     if folder.exists():
         raise ValueError(f"{what}: {path} is a file; give the adapter's folder (with {ADAPTER_CONFIG})")
-    from pagedllm.hub import parse_model_id
 
     hub_id = parse_model_id(path)
     if hub_id is None or hub_id.quant_tag is not None:

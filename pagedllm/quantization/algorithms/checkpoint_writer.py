@@ -32,9 +32,15 @@ from typing import Any
 
 import torch
 
+from pagedllm.model.gguf_loader import iter_gguf_weights
+from pagedllm.model.loader import iter_safetensors_weights
+from pagedllm.model_source import load_hf_config, resolve_model
+from pagedllm.quantization.algorithms import pipeline
+from pagedllm.quantization.algorithms.calibration import calibration_samples, read_text
 from pagedllm.quantization.formats.packing import pack_awq, pack_int32
 from pagedllm.quantization.algorithms.gptq import QuantizedWeight
 from pagedllm.quantization.algorithms.grid import rtn_quantize
+from pagedllm.tokenizer import load_tokenizer
 
 __all__ = ["quantize_model", "quantize_tensors", "rtn_quantize", "METHODS", "FORMATS"]
 
@@ -156,11 +162,6 @@ def quantization_config(fmt: str, bits: int, group_size: int, sym: bool, act_ord
 def _source(model: str | None):
     """(config, weight iterator, a function that writes the tokenizer files into a folder,
     a function that loads the tokenizer)."""
-    from pagedllm.model.gguf_loader import iter_gguf_weights
-    from pagedllm.model.loader import iter_safetensors_weights
-    from pagedllm.model_source import load_hf_config, resolve_model
-    from pagedllm.tokenizer import load_tokenizer
-
     src = resolve_model(model)
     hf_config = load_hf_config(src)
     if src.is_gguf:
@@ -241,9 +242,6 @@ def quantize_model(model: str | None, out: str, method: str = "rtn", bits: int =
     if method == "rtn":
         results = rtn_weights(projections, bits, group_size, sym, act_order, min_zero)
     else:
-        from pagedllm.quantization.algorithms import pipeline
-        from pagedllm.quantization.algorithms.calibration import calibration_samples, read_text
-
         t0 = time.perf_counter()
         samples = calibration_samples(tokenizer(), read_text(calibration), num_samples, seq_len)
         grid = pipeline.Grid(bits, group_size, sym, min_zero)

@@ -21,6 +21,7 @@ import torch
 from pagedllm.kernels import gguf_gemm_kernel
 from pagedllm.quantization.formats.gguf_block_decoding import dequantize_tensor
 from pagedllm.layers.eager_in_graphs import eager_in_graphs
+from pagedllm.quantization.kernels.int_kernel import ISA_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +78,6 @@ def kernel_takes(type_name: str, cols: int) -> bool:
 
 
 def gguf_isa() -> str | None:
-    from pagedllm.quantization.kernels.int_kernel import ISA_NAMES
-
     kernel = gguf_gemm_kernel()
     return None if kernel is None else ISA_NAMES.get(kernel.isa(), "unknown")
 
