@@ -203,9 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         "--type-checking", action="store_true", help="count `if TYPE_CHECKING:` imports too"
     )
     parser.add_argument("--list-local", action="store_true", help="list function-local imports")
+    parser.add_argument("--root", type=Path, default=ROOT, help="the checkout to read (default: this one)")
     args = parser.parse_args(argv)
 
-    edges = import_edges(module_names())
+    edges = import_edges(module_names(args.root), args.root)
     kinds = {MODULE_LEVEL}
     if args.local:
         kinds.add(LOCAL)

@@ -26,6 +26,8 @@ import traceback
 import weakref
 from typing import Any
 
+import torch
+
 from pagedllm import envs
 from pagedllm.executor.channel import connect
 from pagedllm.executor.multiproc import MultiprocExecutor, _Proc
@@ -43,7 +45,7 @@ def _placement() -> tuple[float, str]:
 
 def _import_ray():
     try:
-        import ray
+        import ray  # lazy: ray is optional (pagedllm[ray])
     except ImportError:
         raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'pagedllm[ray]'") from None
     return ray
@@ -53,12 +55,10 @@ class _WorkerActor:
     """The body of a Ray actor: one rank, until rank 0 says stop or its link closes."""
 
     def __init__(self, num_threads: int) -> None:
-        import torch
-
         torch.set_num_threads(max(1, num_threads))
 
     def node_ip(self) -> str:
-        import ray
+        import ray  # lazy: ray is optional (pagedllm[ray])
 
         return ray.util.get_node_ip_address()
 
@@ -136,6 +136,7 @@ class RayExecutor(MultiprocExecutor):
 
     def _launch(self, config: WorkerConfig) -> None:
         ray = self._ray
+        # lazy: ray is optional (pagedllm[ray])
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -171,6 +172,7 @@ class RayExecutor(MultiprocExecutor):
 
 def _remove_placement_group(pg) -> None:
     try:
+        # lazy: ray is optional (pagedllm[ray])
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(pg)

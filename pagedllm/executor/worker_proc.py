@@ -22,18 +22,15 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pagedllm.core.step_plan import decode_from_rank0
 from pagedllm.executor.channel import connect
+from pagedllm.worker.worker import Worker
 
 AUTHKEY_ENV = "PAGEDLLM_TP_AUTHKEY"
 
 
 def run_worker(conn: Connection, rank: int, config: Any, init_method: str, binding: Any) -> None:
     """Start-up stages (each reported to rank 0), then the step loop until "shutdown"."""
-    # lazy: torch loads (1-2 s) only after this process has said hello to rank 0 and watches
-    # its parent, so a start-up that fails early is reported at once
-    from pagedllm.core.step_plan import decode_from_rank0
-    from pagedllm.worker.worker import Worker
-
     worker = Worker(config, rank)
     if binding is not None:
         worker.bind_cpu(binding)

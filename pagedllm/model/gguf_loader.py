@@ -25,6 +25,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 import numpy as np
 import torch
 
@@ -70,8 +71,7 @@ _PERMUTED_ARCHITECTURES = {"llama"}
 
 
 def supported_tensor_types() -> set[Any]:
-    from gguf import GGMLQuantizationType as T
-
+    T = GGMLQuantizationType
     return {
         T.F32, T.F16, T.BF16,
         T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
@@ -173,8 +173,6 @@ def cut_gguf_data(data: np.ndarray, tensor_type: Any, shape: tuple[int, ...], cu
     anything is dequantized: rows (dim 0) are whole in every type; columns (dim 1) are cut along
     whole quantization blocks. Returns the cut data, its shape, and the cuts left to apply to
     the values (a column cut inside a block, which is done after dequantizing those rows)."""
-    from gguf import GGML_QUANT_SIZES
-
     shape = list(shape)
     left: Cuts = []
     for dim, start, length in cuts:

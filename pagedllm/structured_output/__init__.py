@@ -45,6 +45,7 @@ _XGR_LOCATION = re.compile(r"^\s*\[[\d:.]+\]\s+\S+:\d+:\s*")
 
 def _xgrammar():
     try:
+        # lazy: xgrammar is optional (pagedllm[structured]) and slow to import (2 s)
         import xgrammar
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ValueError(

@@ -37,7 +37,7 @@ SYSTEM = ("You are a helpful assistant who explains how operating systems manage
 
 def draw_snapshot(ax: Any, snap: dict[str, Any], title: str, cols: int = 16) -> None:
     """One panel: the pool grid, then one row per sequence's block table."""
-    from matplotlib.patches import Rectangle
+    from matplotlib.patches import Rectangle  # lazy: matplotlib is optional, needed only to draw
 
     n = snap["config"]["num_blocks"]
     states = rle_decode(snap["blocks"]["rle"])
@@ -69,10 +69,10 @@ def draw_snapshot(ax: Any, snap: dict[str, Any], title: str, cols: int = 16) -> 
 
 
 def render(panels: list[tuple[str, dict[str, Any]]], out: str) -> None:
-    import matplotlib
+    import matplotlib  # lazy: matplotlib is optional, needed only to draw
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib is optional, needed only to draw
     from matplotlib.patches import Patch
 
     fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.4), squeeze=False)

@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
+from transformers import GenerationConfig
 
 from pagedllm.model.gguf_loader import iter_gguf_weights
 from pagedllm.model.loader import iter_safetensors_weights
@@ -220,7 +222,6 @@ def quantize_model(model: str | None, out: str, method: str = "rtn", bits: int =
     out_path = Path(out)
     if out_path.exists() and any(out_path.iterdir()):
         raise ValueError(f"--out {out!r} exists and is not empty")
-    from safetensors.torch import save_file
 
     hf_config, weights, write_tokenizer, tokenizer = _source(model)
     if getattr(hf_config, "quantization_config", None) is not None:
@@ -271,8 +272,6 @@ def quantize_model(model: str | None, out: str, method: str = "rtn", bits: int =
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         write_tokenizer(tmp)
         if not (tmp / "generation_config.json").exists():
-            from transformers import GenerationConfig
-
             GenerationConfig.from_model_config(hf_config).save_pretrained(tmp)
         if out_path.exists():
             out_path.rmdir()

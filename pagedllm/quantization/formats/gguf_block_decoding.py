@@ -11,6 +11,8 @@ from __future__ import annotations
 import warnings
 from typing import Any, NamedTuple
 
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 import numpy as np
 import torch
 
@@ -27,9 +29,7 @@ def dequantize_tensor(data: np.ndarray, tensor_type: Any) -> torch.Tensor:
     Q4_0, Q4_1, Q8_0 dequantized to float32 in torch (bit-identical to `gguf.quants.dequantize`,
     several times faster); other quantized types through `gguf.quants.dequantize`. The result's
     last dimension is the row; callers reshape."""
-    from gguf import GGMLQuantizationType as T
-    from gguf.quants import dequantize
-
+    T = GGMLQuantizationType
     if tensor_type in (T.F32, T.F16):
         return tensor_view(data)
     if tensor_type == T.BF16:
@@ -83,8 +83,7 @@ class GGUFBlockWeight(NamedTuple):
 def gguf_blocks(data: np.ndarray, tensor_type: Any, shape: tuple[int, ...]) -> GGUFBlockWeight | None:
     """The blocks of a 2-D Q4_0 / Q4_1 / Q8_0 tensor of `shape` (rows, row length), unpacked
     for kernels/int_gemm.c's repacking; None for other types and shapes."""
-    from gguf import GGMLQuantizationType as T
-
+    T = GGMLQuantizationType
     if tensor_type not in (T.Q4_0, T.Q4_1, T.Q8_0) or len(shape) != 2 or shape[1] % 32:
         return None
     n, k = shape

@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 import torch
+from gguf import GGMLQuantizationType
 
 from pagedllm.quantization.formats.gguf_block_decoding import gguf_blocks
 from pagedllm.quantization.kernels.gguf_kernel import GGUFTensor
@@ -39,8 +40,6 @@ def as_gguf_tensor(t: Any) -> GGUFTensor:
 
 def int_gemm_blocks(t: GGUFTensor) -> Any:
     """A Q4_0 / Q4_1 / Q8_0 GGUFTensor unpacked for int_gemm.c's repacking."""
-    from gguf import GGMLQuantizationType
-
     return gguf_blocks(t.data.numpy(), GGMLQuantizationType[t.type_name], t.shape)
 
 

@@ -17,6 +17,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from pagedllm.kernels import gguf_gemm_kernel
 from pagedllm.quantization.formats.gguf_block_decoding import dequantize_tensor
@@ -60,7 +61,6 @@ class GGUFTensor(NamedTuple):
         """The float32 values (what the exact path multiplies by)."""
         if kernel_takes(self.type_name, self.shape[1]):
             return gguf_rows(self, None)
-        from gguf import GGMLQuantizationType
 
         data = self.data.numpy()
         if self.type_name in ("F32", "F16"):
