@@ -28,7 +28,7 @@ import torch
 def _layer_weights(llm_model) -> dict[str, torch.Tensor]:
     """{checkpoint module name: float32 W [out, in]} of every quantized projection."""
     from pagedllm.layers.linear import Linear
-    from pagedllm.model.llama import _SHARD_NAMES
+    from pagedllm.model.llama_checkpoint import _SHARD_NAMES
 
     out = {}
     for name, m in llm_model.named_modules():

@@ -35,7 +35,7 @@ SUPPORTED_ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SUPPORTED_QUANT_COMPUTE = ("auto", "exact", "int8")
 # Where tensor-parallel ranks 1..N-1 run: worker processes on this machine, or Ray actors.
 SUPPORTED_EXECUTOR_BACKENDS = ("mp", "ray")
-# vLLM's --scheduling-policy (core/scheduler.py)
+# vLLM's --scheduling-policy (core/scheduler_config.py)
 SUPPORTED_SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's --runner and its older --task spelling (docs/pooling.md)
 SUPPORTED_RUNNERS = ("auto", "generate", "pooling")

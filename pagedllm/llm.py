@@ -55,17 +55,18 @@ class LLM(PoolingAPI):
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        from pagedllm.pooling.runner_choice import is_pooling_config
+        from pagedllm.model.resolution import model_resolution
 
         config = EngineConfig.from_kwargs(model=model, **kwargs)
         self.pooling_engine = None
         self.llm_engine = None
-        if is_pooling_config(config):
+        resolution = model_resolution(config)  # once: the engine below takes it as is
+        if resolution.is_pooling:
             from pagedllm.pooling.engine import PoolingEngine
 
-            self.pooling_engine = PoolingEngine(config)
+            self.pooling_engine = PoolingEngine(config, resolution)
         else:
-            self.llm_engine = LLMEngine(config)
+            self.llm_engine = LLMEngine(config, resolution)
         self._request_counter = itertools.count()
 
     def _generation(self) -> LLMEngine:

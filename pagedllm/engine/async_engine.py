@@ -43,7 +43,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.core.scheduler import check_request_fits_pool
+from pagedllm.core.scheduler_config import check_request_fits_pool
 from pagedllm.core.kv_cache_groups import hybrid_groups_of_windows
 from pagedllm.engine.stat_logger import PeriodicStatLogger
 from pagedllm.engine.stats_history import StatsHistory

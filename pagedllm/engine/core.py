@@ -24,7 +24,9 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_groups import hybrid_kv_cache_groups
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import SequenceStatus
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, check_priority
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_config import SchedulerConfig, check_priority
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.core.step_plan import StepPlan
 from pagedllm.engine.beam_search import beam_completions
 from pagedllm.engine.core_stats import CoreCounters
@@ -63,8 +65,8 @@ from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.executor import create_executor
 from pagedllm.layers.rotary import long_context_threshold
-from pagedllm.model_source import (ModelSource, load_hf_config, resolve_model_source,
-                                   resolve_tokenizer_source)
+from pagedllm.model.resolution import ModelResolution, model_resolution
+from pagedllm.model_source import ModelSource, resolve_tokenizer_source
 from pagedllm.tokenizer import load_tokenizer
 from pagedllm.worker.device import resolve_device, resolve_dtype
 from pagedllm.worker.model_runner import ModelRunnerOutput
@@ -77,20 +79,20 @@ class EngineCore:
 
     stall_steps = STALL_STEPS  # the watchdog's threshold (engine/errors.py)
 
-    def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
+    def __init__(self, config: EngineConfig, engine_index: int = 0, resolution: ModelResolution | None = None):
         self.config = config
         self.engine_index = engine_index
         t0 = time.perf_counter()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        self.source: ModelSource = resolve_model_source(config)
-        names = config.served_model_names
-        self.model_name = names[0] if names else self.source.name
+        self.resolution = (resolution or model_resolution(config)).expect("generate")  # before any load
+        self.source: ModelSource = self.resolution.source
+        self.model_name = (config.served_model_names or [self.source.name])[0]
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        self.hf_config = load_hf_config(self.source)
+        self.hf_config = self.resolution.hf_config
         self.vocab_size = int(self.hf_config.vocab_size)
         spec = SpeculativeConfig.from_value(config.speculative_config)
         self.draft = (draft_model_config(config, self.hf_config, spec)

@@ -21,10 +21,11 @@ from pagedllm.engine.generation_defaults import load_generation_defaults
 from pagedllm.engine.kv_stats import KVCacheStats
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.lora.request import LoRARequest
+from pagedllm.model.resolution import ModelResolution
 from pagedllm.model_source import resolve_tokenizer_source
 from pagedllm.outputs import RequestOutput
 from pagedllm.beam_search_params import BeamSearchParams
-from pagedllm.core.scheduler import check_priority
+from pagedllm.core.scheduler_config import check_priority
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import load_tokenizer
 
@@ -70,14 +71,14 @@ def prepare_request(
 class LLMEngine:
     """The engine surface: add_request / step / abort_request / has_unfinished_requests."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, resolution: ModelResolution | None = None) -> None:
         if config.data_parallel_size != 1:
             raise ValueError(
                 f"data_parallel_size={config.data_parallel_size} applies to the server "
                 "(`pagedllm serve --data-parallel-size N`); the offline LLM runs one engine core."
             )
         self.config = config
-        self.core = EngineCore(config)
+        self.core = EngineCore(config, resolution=resolution)
         core = self.core
         tok_source = resolve_tokenizer_source(config, core.source)
         self.tokenizer = load_tokenizer(tok_source.path, tok_source.gguf_file)

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.core.request import SequenceState, SequenceStatus
-from pagedllm.layers.sampler import SamplerOutput, compute_prompt_logprobs
+from pagedllm.layers.sampling_logprobs import SamplerOutput, compute_prompt_logprobs
 from pagedllm.engine.core_messages import PromptLogprobEntry, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from pagedllm.core.scheduler import ScheduledSequence
+    from pagedllm.core.scheduler_output import ScheduledSequence
     from pagedllm.engine.request_state import RequestState
     from pagedllm.layers.sampler import Sampler
 

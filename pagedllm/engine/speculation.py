@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.core.request import SequenceState
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.core.step_plan import StepPlan
 from pagedllm.engine.request_state import RequestState
 from pagedllm.spec_decode.backoff import DEFAULT_MIN_RATE, SpecBackoff

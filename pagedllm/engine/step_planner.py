@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.core.scheduler import ScheduledSequence, SchedulerOutput
+from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.core.step_plan import SequenceStep, StepPlan
 from pagedllm.engine.request_state import RequestState
 from pagedllm.lora.core_registry import CoreLoRAs

@@ -4,7 +4,7 @@ The adapter loader needs only names and full (unsharded) sizes, not a built mode
 describes itself with a `LoRAModelSpec`: per projection (q/k/v/o/gate/up/down, the names every
 Llama-family checkpoint and PEFT adapter use) its input / output features, which of pagedllm's
 fused layers computes it (`qkv_proj` slices 0-2, `o_proj`, `gate_up_proj` slices 0-1,
-`down_proj`: model/llama.py's `_STACKED_PARAMS`) and how tensor parallelism splits it.
+`down_proj`: model/llama_checkpoint.py's `_STACKED_PARAMS`) and how tensor parallelism splits it.
 Phi-3's checkpoint (so its adapters) fuses q/k/v and gate/up: `checkpoint_modules` maps such a
 fused name to the projections whose rows it stacks.
 

@@ -20,7 +20,8 @@ from torch import nn
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.layers.moe import MoeCheckpointMixin, MoeSpec, SparseMoeBlock
 from pagedllm.quantization.formats.base import QuantizationConfig
-from pagedllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, _checkpoint_name
+from pagedllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from pagedllm.model.llama_checkpoint import _checkpoint_name
 
 _HUB_TO_OURS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _OURS_TO_HUB = {v: k for k, v in _HUB_TO_OURS.items()}

@@ -14,22 +14,11 @@ import torch
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import SequenceState, SequenceStatus
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_config import SchedulerConfig
 from pagedllm.engine.step_planner import plan_of
-from pagedllm.model.decoder_embedders import HEADLESS_OF
 from pagedllm.pooling.poolers import pool
 from pagedllm.pooling.work import PoolingWork
-
-
-def decoder_architecture(hf_config: Any) -> str | None:
-    """The headless architecture to load for a decoder config, None if it is no decoder this
-    runner serves."""
-    for arch in getattr(hf_config, "architectures", None) or []:
-        if arch in HEADLESS_OF.values():
-            return arch
-        if arch in HEADLESS_OF:
-            return HEADLESS_OF[arch]
-    return None
 
 
 def decoder_num_blocks(config: Any, hf_config: Any, dtype: torch.dtype) -> int:
@@ -54,7 +43,6 @@ class DecoderPoolingRunner:
 
         cfg = copy.copy(hf_config)
         cfg.architectures = [arch]
-        cfg.pagedllm_pooling = True  # a headless architecture is loaded for pooling only
         self.model = load_model(source.path, source.gguf_file, cfg, dtype, device,
                                 quantization=config.quantization, quant_compute=config.quant_compute)
         self.hidden_size = int(hf_config.hidden_size)

@@ -11,29 +11,9 @@ from typing import Any
 
 import torch
 
+from pagedllm.model.registry import ENCODER_CLASSIFY_ARCHS
 from pagedllm.pooling.poolers import pool
 from pagedllm.pooling.work import PoolingWork
-
-EMBED_ARCHS = ("BertModel", "RobertaModel", "XLMRobertaModel")
-CLASSIFY_ARCHS = ("BertForSequenceClassification", "RobertaForSequenceClassification",
-                  "XLMRobertaForSequenceClassification")
-# Encoders recognised and refused by name (transformers has them; pagedllm does not test them).
-REFUSED_ARCHS = {
-    "ModernBertModel": "ModernBERT is not supported yet (its alternating local/global attention is untested here)",
-    "ModernBertForSequenceClassification": "ModernBERT is not supported yet",
-    "BertForMaskedLM": "masked-LM heads are not a pooling task",
-}
-
-
-def encoder_architecture(hf_config: Any) -> str | None:
-    """The supported encoder architecture a config names, None if it names none; refused
-    encoders raise a ValueError naming them."""
-    for arch in getattr(hf_config, "architectures", None) or []:
-        if arch in REFUSED_ARCHS:
-            raise ValueError(f"{arch}: {REFUSED_ARCHS[arch]}.")
-        if arch in EMBED_ARCHS or arch in CLASSIFY_ARCHS:
-            return arch
-    return None
 
 
 class EncoderRunner:
@@ -44,7 +24,7 @@ class EncoderRunner:
                  pooling_type: str, max_num_batched_tokens: int, max_num_seqs: int) -> None:
         from transformers import AutoModel, AutoModelForSequenceClassification
 
-        self.is_classifier = arch in CLASSIFY_ARCHS
+        self.is_classifier = arch in ENCODER_CLASSIFY_ARCHS
         cls = AutoModelForSequenceClassification if self.is_classifier else AutoModel
         self.model = cls.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
         self.device = device

@@ -15,6 +15,7 @@ from typing import Iterable
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.model.resolution import ModelResolution
 from pagedllm.pooling.inputs import PoolingInputs, PoolingPrompt, PromptError
 from pagedllm.pooling.outputs import PoolingOutput, PoolingRequestOutput
 from pagedllm.pooling.params import PoolingParams
@@ -33,14 +34,14 @@ class _Pending:
 class PoolingEngine(PoolingInputs):
     """add_request / step / abort_request / has_unfinished_requests, as `LLMEngine`."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, resolution: ModelResolution | None = None) -> None:
         from pagedllm.pooling.decoder_runner import DecoderPoolingRunner
         from pagedllm.pooling.encoder_runner import EncoderRunner
 
         t0 = time.perf_counter()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        super().__init__(config)
+        super().__init__(config, resolution)
         if self.is_encoder:
             self.runner = EncoderRunner(self.source.path, self.hf_config, self.architecture, self.dtype, self.device,
                                         self.pooler.pooling_type,

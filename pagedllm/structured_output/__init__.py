@@ -3,7 +3,7 @@ one packed bitmask per step for the batch's constrained rows.
 
 Three constraints share one mechanism, a packed int32 bitmask row per sampling row (bit t of a
 row set = token t allowed), applied to the logits by the sampler in one batched op
-(`layers/sampler.apply_token_bitmask`):
+(`layers/sampling_masks.apply_token_bitmask`):
 
 * `structured_outputs` (json / regex / choice / grammar / json_object / structural_tag): the
   request's grammar is compiled once (xgrammar's `GrammarCompiler`, whose cache makes equal

@@ -20,7 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.layers.sampler import PenaltyCounts, SamplerOutput, SamplingMetadata, make_generator
+from pagedllm.layers.sampler import SamplingMetadata
+from pagedllm.layers.sampling_draw import make_generator
+from pagedllm.layers.sampling_logprobs import SamplerOutput
+from pagedllm.layers.sampling_penalties import PenaltyCounts
 from pagedllm.sampling_params import _SAMPLING_EPS, SamplingParams
 
 

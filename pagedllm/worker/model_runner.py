@@ -45,7 +45,8 @@ from pagedllm.core.kv_cache_groups import KVCacheGroups
 from pagedllm.core.step_plan import SequenceStep, StepPlan
 from pagedllm.spec_decode.verify import rows_to_keep
 from pagedllm.layers.attention import Attention, AttentionMetadata
-from pagedllm.layers.sampler import Sampler, SamplerOutput
+from pagedllm.layers.sampler import Sampler
+from pagedllm.layers.sampling_logprobs import SamplerOutput
 from pagedllm.layers.rotary import head_dim_of
 from pagedllm.worker.block_table import BlockTable
 from pagedllm.worker.cache_engine import CacheEngine

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import Gemma2Config, Gemma3TextConfig
 
-from pagedllm.layers.backends import triton_attention
+from pagedllm.layers.backends import triton_attention_kernels
 from pagedllm.model import get_model_class, load_model
 from pagedllm.model.gemma2 import Gemma2ForCausalLM
 from pagedllm.model.gemma3 import Gemma3ForCausalLM
@@ -199,7 +199,7 @@ def test_unsupported_variants_are_refused():
         Gemma2ForCausalLM(config)
 
 
-@pytest.mark.skipif(not triton_attention.HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(not triton_attention_kernels.HAS_TRITON, reason="triton is not installed")
 def test_triton_backend_matches_transformers(tiny, monkeypatch):
     """The Triton backend (its SOFTCAP kernels; Triton's interpreter on CPU) through the engine,
     chunked prefill then decode: transformers' tokens."""

@@ -11,12 +11,12 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.attention import Attention
-from pagedllm.layers.backends import triton_attention
+from pagedllm.layers.backends import triton_attention_kernels
 from tests.integration.test_tiny_models import _save_tiny, _tokenizer
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not triton_attention.HAS_TRITON, reason="triton is not installed"),
+    pytest.mark.skipif(not triton_attention_kernels.HAS_TRITON, reason="triton is not installed"),
 ]
 
 PREFIX = "A shared system prompt that is long enough to fill more than two blocks of eight tokens. "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import SamplingParams
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.engine.errors import SchedulerStallError
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 from pagedllm.core.kv_cache_groups import KVCacheGroups
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import SequenceState, SequenceStatus
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_config import SchedulerConfig
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.worker.block_table import BlockTable
 
 SWAPPED = SequenceStatus.SWAPPED

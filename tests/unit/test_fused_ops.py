@@ -77,7 +77,7 @@ def test_kernel_declines_other_dtypes_and_layouts():
 @needs_kernel
 @pytest.mark.parametrize("rows,vocab", [(1, 1), (1, 49152), (3, 17), (300, 1000)])
 def test_argmax_rows_equals_torch_first_maximum(rows, vocab):
-    from pagedllm.layers.sampler import argmax_rows
+    from pagedllm.layers.sampling_draw import argmax_rows
 
     g = torch.Generator().manual_seed(rows * vocab)
     x = torch.randint(-5, 5, (rows, vocab), generator=g).float()  # many equal maxima: the first wins
@@ -89,7 +89,7 @@ def test_argmax_rows_equals_torch_first_maximum(rows, vocab):
 
 @needs_kernel
 def test_argmax_rows_nan_and_infinities_as_torch_max():
-    from pagedllm.layers.sampler import argmax_rows
+    from pagedllm.layers.sampling_draw import argmax_rows
 
     x = torch.tensor([[1.0, float("nan"), 5.0, float("nan")],
                       [float("-inf")] * 4,
@@ -102,7 +102,7 @@ def test_argmax_rows_nan_and_infinities_as_torch_max():
 @pytest.mark.parametrize("vocab", [16, 40, 1000])
 @pytest.mark.parametrize("where", ["first", "middle", "tail"])
 def test_argmax_rows_nan_anywhere_in_a_long_row(vocab, where):
-    from pagedllm.layers.sampler import argmax_rows
+    from pagedllm.layers.sampling_draw import argmax_rows
 
     g = torch.Generator().manual_seed(vocab)
     x = torch.randn(2, vocab, generator=g)

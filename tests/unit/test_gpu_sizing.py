@@ -116,9 +116,9 @@ def test_attention_backend_choice(monkeypatch):
     assert select_attn_backend("auto", torch.device("cuda"), torch.int8) is TorchPagedAttentionBackend
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         select_attn_backend("flashinfer", cpu, torch.float32)
-    from pagedllm.layers.backends import triton_attention
+    from pagedllm.layers.backends import triton_attention_kernels
 
-    if not triton_attention.HAS_TRITON:
+    if not triton_attention_kernels.HAS_TRITON:
         with pytest.raises(ValueError, match="needs the triton package"):
             select_attn_backend("triton", cpu, torch.float32)
         return

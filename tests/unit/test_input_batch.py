@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from pagedllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow, apply_penalties
+from pagedllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
+from pagedllm.layers.sampling_penalties import apply_penalties
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import InputBatch, SamplingRowSpec, sample_batch, sample_seed
 

@@ -5,7 +5,8 @@ import random
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import SequenceState, SequenceStatus
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_config import SchedulerConfig
 from pagedllm.engine.kv_stats import KVCacheStatsTracker
 
 _ids = iter(range(10**9))

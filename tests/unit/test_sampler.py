@@ -5,16 +5,10 @@ import math
 import pytest
 import torch
 
-from pagedllm.layers.sampler import (
-    Sampler,
-    SamplingMetadata,
-    SamplingRow,
-    apply_min_p,
-    apply_penalties,
-    apply_top_k_top_p,
-    compute_prompt_logprobs,
-    make_generator,
-)
+from pagedllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
+from pagedllm.layers.sampling_draw import apply_min_p, apply_top_k_top_p, make_generator
+from pagedllm.layers.sampling_logprobs import compute_prompt_logprobs
+from pagedllm.layers.sampling_penalties import apply_penalties
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
 
@@ -409,7 +403,7 @@ def test_exponential_race_uses_the_row_generator():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_argmax_rows_is_argmax_ties_infinities_and_nan_included(dtype):
-    from pagedllm.layers.sampler import argmax_rows
+    from pagedllm.layers.sampling_draw import argmax_rows
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 3000, generator=g).to(dtype)
@@ -425,7 +419,7 @@ def test_min_p_comes_before_top_p_as_in_vllm():
     """p = (0.4, 0.3, 40 tokens of 0.0075). vLLM's order: min-p 0.1 drops the small ones, the
     rest renormalised is (0.57, 0.43), top-p 0.5 keeps token 0 alone. The other order (top-p
     first) would keep tokens 0 and 1."""
-    from pagedllm.layers.sampler import random_sample
+    from pagedllm.layers.sampling_draw import random_sample
 
     probs = torch.tensor([0.4, 0.3] + [0.3 / 40] * 40)
     logits = probs.log().repeat(200, 1)
@@ -445,7 +439,7 @@ def test_kept_penalty_counts_equal_counts_rebuilt_every_step():
     """A sequence's PenaltyCounts, updated with each step's new tokens, give the same logits
     as counting its whole lists again, step after step (ids outside the vocabulary ignored,
     a shorter output list, as after a reset, starts the counts over)."""
-    from pagedllm.layers.sampler import PenaltyCounts
+    from pagedllm.layers.sampling_penalties import PenaltyCounts
 
     rng = torch.Generator().manual_seed(3)
     V = 50

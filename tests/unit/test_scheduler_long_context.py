@@ -4,7 +4,7 @@ past it, and blocks of the two regimes never match in the prefix cache."""
 
 import pytest
 
-from pagedllm.core.scheduler import SchedulerConfig
+from pagedllm.core.scheduler_config import SchedulerConfig
 from tests.unit.test_scheduler import Seqs, finish_step, make_scheduler, plan
 
 

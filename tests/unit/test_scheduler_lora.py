@@ -3,7 +3,8 @@ cache never serves blocks computed under one adapter to another (or to the base 
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import SequenceState, SequenceStatus
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_config import SchedulerConfig
 
 
 def make(max_loras: int, num_blocks: int = 64, max_num_seqs: int = 8) -> tuple[Scheduler, KVCacheManager]:

@@ -10,7 +10,8 @@ import pytest
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import SequenceState, SequenceStatus
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig, check_priority
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_config import SchedulerConfig, check_priority
 from tests.unit.test_scheduler import finish_step
 
 

@@ -6,7 +6,8 @@ import random
 from pagedllm.core.block_pool import hash_block_tokens
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import SequenceState, SequenceStatus
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_config import SchedulerConfig
 
 _ids = iter(range(10**9))
 

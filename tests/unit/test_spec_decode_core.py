@@ -90,7 +90,8 @@ def test_a_sample_swapped_out_after_its_drafts_got_slots_keeps_only_its_tokens_b
     block and swaps the pair out in the same step. The drafts will not run: their block goes
     back before the swap (else the swapped table outgrows the sequence)."""
     from pagedllm.core.kv_cache_manager import KVCacheManager
-    from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+    from pagedllm.core.scheduler import Scheduler
+    from pagedllm.core.scheduler_config import SchedulerConfig
 
     kv = KVCacheManager(5, 4, enable_caching=False, num_host_blocks=16)
     sched = Scheduler(SchedulerConfig(preemption_mode="swap", max_num_batched_tokens=32), kv)

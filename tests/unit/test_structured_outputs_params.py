@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pagedllm.engine.core_messages import EngineCoreRequest, decode_request, encode
-from pagedllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow, apply_token_bitmask
+from pagedllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
+from pagedllm.layers.sampling_masks import apply_token_bitmask
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_outputs_params import StructuredOutputsParams
 from pagedllm.structured_output import (
@@ -174,14 +175,14 @@ def test_apply_token_bitmask_rows_only():
 
 
 def test_apply_token_bitmask_torch_and_xgrammar_agree(monkeypatch):
-    import pagedllm.layers.sampler as sampler_mod
+    import pagedllm.layers.sampling_masks as masks_mod
 
     torch.manual_seed(1)
     logits = torch.randn(5, 100)
     bitmask = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32)
     fast = logits.clone()
     apply_token_bitmask(fast, bitmask, rows=[0, 2, 4])
-    monkeypatch.setattr(sampler_mod, "_XGR_APPLY", [None])  # the torch op
+    monkeypatch.setattr(masks_mod, "_XGR_APPLY", [None])  # the torch op
     slow = logits.clone()
     apply_token_bitmask(slow, bitmask, rows=[0, 2, 4])
     assert torch.equal(fast, slow)
@@ -190,10 +191,10 @@ def test_apply_token_bitmask_torch_and_xgrammar_agree(monkeypatch):
 
 @pytest.mark.parametrize("torch_path", [False, True])
 def test_apply_token_bitmask_padded_vocab_is_masked(monkeypatch, torch_path):
-    import pagedllm.layers.sampler as sampler_mod
+    import pagedllm.layers.sampling_masks as masks_mod
 
     if torch_path:
-        monkeypatch.setattr(sampler_mod, "_XGR_APPLY", [None])
+        monkeypatch.setattr(masks_mod, "_XGR_APPLY", [None])
     logits = torch.zeros(1, 40)
     apply_token_bitmask(logits, torch.full((1, 1), -1, dtype=torch.int32))  # covers 32 ids
     assert torch.isfinite(logits[0, :32]).all() and torch.isinf(logits[0, 32:]).all()

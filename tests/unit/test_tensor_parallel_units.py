@@ -34,7 +34,8 @@ def test_the_step_message_forwards_the_schedulers_deltas():
     to a worker's BlockTable: its rows equal the scheduler's tables at every step."""
     from pagedllm.core.kv_cache_manager import KVCacheManager
     from pagedllm.core.request import SequenceState
-    from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+    from pagedllm.core.scheduler import Scheduler
+    from pagedllm.core.scheduler_config import SchedulerConfig
     from pagedllm.worker.block_table import BlockTable
 
     kv = KVCacheManager(num_blocks=16, block_size=4)
@@ -76,7 +77,8 @@ def test_the_step_message_carries_draft_tokens():
     0's (the vocab-parallel gather needs the same rows on every rank), so the drafts travel."""
     from pagedllm.core.kv_cache_manager import KVCacheManager
     from pagedllm.core.request import SequenceState
-    from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+    from pagedllm.core.scheduler import Scheduler
+    from pagedllm.core.scheduler_config import SchedulerConfig
 
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), KVCacheManager(num_blocks=16, block_size=4))
     a = SequenceState(seq_id=0, request_id="a", prompt_token_ids=list(range(10, 16)), arrival_time=0.0)

@@ -29,9 +29,12 @@ import pytest
 import torch
 
 from pagedllm.layers.backends import triton_attention as ta
+from pagedllm.layers.backends import triton_attention_checks as ta_checks
+from pagedllm.layers.backends import triton_attention_kernels as ta_kernels
+from pagedllm.layers.backends import triton_attention_tiles as ta_tiles
 from tests.unit.triton_checks import assert_needs_triton_without_it, compile_to_cubin, needs_ptxas
 
-needs_triton = pytest.mark.skipif(not ta.HAS_TRITON, reason="triton is not installed (pip install triton): the "
+needs_triton = pytest.mark.skipif(not ta_kernels.HAS_TRITON, reason="triton is not installed (pip install triton): the "
                                   "kernels cannot run, not even in Triton's CPU interpreter")
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -192,7 +195,7 @@ def test_decode_splits_agree(mode):
     reference and each other to float32 rounding."""
     cache = Cache(60, 16, 1, 64, torch.float32, seed=5)
     ctx = [800, 1, 95]
-    assert ta.default_num_splits(3, 1, 52, 16, torch.device("cpu")) == 3
+    assert ta_tiles.default_num_splits(3, 1, 52, 16, torch.device("cpu")) == 3
     outs = {}
     for n in (None, 1, 2, 7):
         outs[n], ref = run_decode(cache, ctx, 4, torch.float32, seed=6, num_splits=n, width=52)
@@ -322,7 +325,7 @@ def test_prefill_mask_boundaries(mode, window):
     """Key steps are unmasked only when every query of the tile sees all of them: contexts swept
     across the step boundary where the step is exactly inside (context 2 * step + 2 with the
     window step + 2), one token short of it on either side (causal, window) and beyond."""
-    step = ta._prefill_config(3, 64, 3, torch.float32, (9, 0))["BLOCK_N"]
+    step = ta_tiles._prefill_config(3, 64, 3, torch.float32, (9, 0))["BLOCK_N"]
     window = step + 2 if window else None
     ctx_lens = list(range(2 * step - 2, 2 * step + 6))
     cache = Cache(len(ctx_lens) * (-(-ctx_lens[-1] // 16)) + 1, 16, 3, 64, torch.float32, seed=17)
@@ -508,13 +511,13 @@ def test_wrappers_read_no_device_values(monkeypatch):
 
 @needs_triton
 def test_default_num_splits_from_shapes(monkeypatch):
-    monkeypatch.setattr(ta, "_num_sms", lambda device: 132)  # an H200
+    monkeypatch.setattr(ta_tiles, "_num_sms", lambda device: 132)  # an H200
     cpu = torch.device("cpu")
-    assert ta.default_num_splits(1, 3, 256, 16, cpu) == 16  # one long sequence: splits by length (4096 / 256)
-    assert ta.default_num_splits(8, 8, 2048, 16, cpu) == 5  # 64 programs: ~2 waves over 132 SMs
-    assert ta.default_num_splits(64, 8, 2048, 16, cpu) == 1  # the batch alone fills the GPU
-    assert ta.default_num_splits(2, 3, 8, 16, cpu) == 1  # 128 slots: too short to split
-    assert ta.default_num_splits(1, 1, 100000, 16, cpu) == 64  # capped
+    assert ta_tiles.default_num_splits(1, 3, 256, 16, cpu) == 16  # one long sequence: splits by length (4096 / 256)
+    assert ta_tiles.default_num_splits(8, 8, 2048, 16, cpu) == 5  # 64 programs: ~2 waves over 132 SMs
+    assert ta_tiles.default_num_splits(64, 8, 2048, 16, cpu) == 1  # the batch alone fills the GPU
+    assert ta_tiles.default_num_splits(2, 3, 8, 16, cpu) == 1  # 128 slots: too short to split
+    assert ta_tiles.default_num_splits(1, 1, 100000, 16, cpu) == 64  # capped
 
 
 @pytest.mark.parametrize("call,match", [
@@ -561,7 +564,7 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
 def test_e4m3_refused_before_sm89(monkeypatch):
     """Triton has no fp8e4nv type before compute capability 8.9: a clear error, not a compile one."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(ta, "_capability", lambda device: (8, 0))
+    monkeypatch.setattr(ta_checks, "_capability", lambda device: (8, 0))
     kc = torch.zeros(4, 16, 3, 64, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="float8_e4m3fn KV cache needs a GPU of compute capability >= 8.9"):
         ta.paged_decode_attention(torch.zeros(2, 9, 64), kc, kc, torch.zeros(2, 4, dtype=torch.int32),
@@ -571,9 +574,10 @@ def test_e4m3_refused_before_sm89(monkeypatch):
 
 @pytest.mark.slow  # seconds (a subprocess / a compile): not in the quick `not slow` run
 def test_imports_without_triton():
-    """With triton unimportable the module still imports, and its functions say what is missing."""
-    assert_needs_triton_without_it("pagedllm.layers.backends.triton_attention",
-                                   "t.paged_decode_attention(None, None, None, None, None, 1.0)")
+    """With triton unimportable the modules still import, and the wrappers say what is missing."""
+    assert_needs_triton_without_it("pagedllm.layers.backends.triton_attention_kernels",
+                                   "from pagedllm.layers.backends import triton_attention as ta; "
+                                   "ta.paged_decode_attention(None, None, None, None, None, 1.0)")
 
 
 # ---- CUDA graphs (GPU only) ------------------------------------------------------------------------
@@ -670,7 +674,7 @@ def _compile(launch, capability, tmp_path):
     from triton.compiler import ASTSource
     from triton.runtime.jit import native_specialize_impl
 
-    fn = ta._kernels()[launch.kernel]
+    fn = ta_kernels._kernels()[launch.kernel]
     signature, constexprs, attrs = {}, dict(launch.constexprs), {}
     for i, (name, arg) in enumerate(zip(fn.arg_names, launch.args)):
         ty, attr = native_specialize_impl(CUDABackend, arg, False, True, True)

@@ -409,6 +409,7 @@ def _run_server(args: argparse.Namespace, started: ServeStart | None) -> int:
     from pagedllm.engine.core_client import EngineCoreStartError
     from pagedllm.entrypoints.arg_utils import (engine_config_from_args, server_extras_from_args,
                                                 validate_server_args)
+    from pagedllm.model.resolution import serving_runner
 
     try:
         validate_server_args(args)
@@ -423,6 +424,7 @@ def _run_server(args: argparse.Namespace, started: ServeStart | None) -> int:
                                      DEFAULT_RENDER_TIMEOUT_S))
         config = engine_config_from_args(args)
         lora_modules, tool_config = server_extras_from_args(args)
+        runner = started.runner if started is not None else serving_runner(config)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -434,9 +436,7 @@ def _run_server(args: argparse.Namespace, started: ServeStart | None) -> int:
         except OSError as exc:
             print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
             return 2
-    from pagedllm.pooling.runner_choice import is_pooling_config
-
-    if is_pooling_config(config):
+    if runner == "pooling":
         from pagedllm.entrypoints.openai.pooling_server import serve_pooling
 
         return serve_pooling(args, config, sock, limits, _http_options(args, limits, templates))

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from pagedllm.core.scheduler import check_priority
+from pagedllm.core.scheduler_config import check_priority
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol_base import PromptTokenUsageInfo, UsageInfo, random_uuid
 from pagedllm.outputs import RequestOutput

@@ -25,9 +25,9 @@ def get_attn_backend() -> type:
 
 
 def _triton_installed() -> bool:
-    from pagedllm.layers.backends import triton_attention  # lazy: imports triton (optional, slow)
+    from pagedllm.layers.backends import triton_attention_kernels  # lazy: imports triton (optional, slow)
 
-    return triton_attention.HAS_TRITON
+    return triton_attention_kernels.HAS_TRITON
 
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada, Hopper: Triton's fp8 conversions need sm_89+
