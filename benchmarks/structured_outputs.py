@@ -82,7 +82,7 @@ def main() -> None:
 
     from pagedllm import LLM, SamplingParams
     from pagedllm.model_source import default_model_path
-    from pagedllm.sampling_params import StructuredOutputsParams
+    from pagedllm.structured_outputs_params import StructuredOutputsParams
 
     llm = LLM(args.model or str(default_model_path()), kv_cache_space=args.kv_cache_space)
     reqs = load_workload(args.workload, llm.llm_engine.hf_config.vocab_size)

@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "pagedllm.llm",
     "SamplingParams": "pagedllm.sampling_params",
-    "BeamSearchParams": "pagedllm.sampling_params",
+    "BeamSearchParams": "pagedllm.beam_search_params",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
     "LLMEngine": "pagedllm.engine.engine",
@@ -27,12 +27,13 @@ _LAZY = {
 __all__ = [*_LAZY, "__version__"]
 
 if TYPE_CHECKING:
+    from pagedllm.beam_search_params import BeamSearchParams
     from pagedllm.config import EngineConfig
     from pagedllm.engine.engine import LLMEngine
     from pagedllm.llm import LLM
     from pagedllm.lora.request import LoRARequest
     from pagedllm.outputs import CompletionOutput, RequestOutput
-    from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+    from pagedllm.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:

@@ -7,8 +7,11 @@ vLLM names them, so that a user's vLLM command line carries over.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
+
+from pagedllm.engine.generation_defaults import check_generation_config
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUPPORTED_DEVICES = ("auto", "cpu", "cuda")
@@ -148,7 +151,7 @@ class EngineConfig:
             if implied != self.runner:
                 raise ValueError(f"task={self.task!r} asks for the {implied} runner, but runner={self.runner!r}.")
         if self.pooler_config is not None:
-            from pagedllm.pooling.pooler_config import parse_override
+            from pagedllm.pooling.pooler_config import parse_override  # lazy: imports torch
 
             parse_override(self.pooler_config)
         if self.dtype not in SUPPORTED_DTYPES:
@@ -228,7 +231,6 @@ class EngineConfig:
         if self.scheduling_policy not in SUPPORTED_SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of "
                              f"{list(SUPPORTED_SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}.")
-        from pagedllm.engine.generation_defaults import check_generation_config
 
         check_generation_config(self.generation_config)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) \
@@ -244,8 +246,6 @@ class EngineConfig:
 
     def _validate_model_source(self) -> None:
         """What can be checked before looking at disk or the Hub (model_source.py does the rest)."""
-        import os
-
         for name in ("model", "tokenizer", "revision", "tokenizer_revision", "download_dir", "gguf_file"):
             value = getattr(self, name)
             if isinstance(value, os.PathLike):

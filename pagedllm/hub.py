@@ -58,6 +58,7 @@ class HubSnapshot:
 def parse_model_id(model: str) -> HubModelId | None:
     """`org/name` or `org/name:TAG` as a HubModelId; None when `model` cannot be a Hub id (a
     path such as `./x`, `/x`, `~/x`, `a/b/c`), so that the caller reports a missing path."""
+    # lazy: huggingface_hub (0.2 s) stays out of the CLI's start-up
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
@@ -76,12 +77,14 @@ def parse_model_id(model: str) -> HubModelId | None:
 def hub_cache_dir(download_dir: str | os.PathLike | None) -> str:
     """The cache folder snapshot_download uses: `download_dir`, else huggingface_hub's own
     (`HF_HUB_CACHE`, default `$HF_HOME/hub`), read from its constants at call time."""
+    # lazy: huggingface_hub (0.2 s) stays out of the CLI's start-up
     from huggingface_hub import constants
 
     return str(Path(download_dir if download_dir is not None else constants.HF_HUB_CACHE).expanduser().resolve())
 
 
 def _repo_cache_folder(repo_id: str, cache: str) -> str:
+    # lazy: huggingface_hub (0.2 s) stays out of the CLI's start-up
     from huggingface_hub.file_download import repo_folder_name
 
     return os.path.join(cache, repo_folder_name(repo_id=repo_id, repo_type="model"))
@@ -90,6 +93,7 @@ def _repo_cache_folder(repo_id: str, cache: str) -> str:
 @contextlib.contextmanager
 def hub_errors(repo_id: str, revision: str, cache: str) -> Iterator[None]:
     """huggingface_hub's errors as ValueErrors saying what happened and what to do."""
+    # lazy: huggingface_hub (0.2 s) stays out of the CLI's start-up
     from huggingface_hub import constants
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -144,9 +148,10 @@ def hub_errors(repo_id: str, revision: str, cache: str) -> Iterator[None]:
 
 def _transport_errors() -> tuple[type[BaseException], ...]:
     """The connection errors huggingface_hub lets through from its HTTP client."""
+    # lazy: huggingface_hub (0.2 s) stays out of the CLI's start-up
     from huggingface_hub.errors import OfflineModeIsEnabled
 
-    try:
+    try:  # lazy, and which one exists depends on huggingface_hub's version
         import httpx2
 
         return (OfflineModeIsEnabled, httpx2.TransportError)
@@ -172,6 +177,7 @@ def _repo_files(api, repo_id: str, revision, cache: str) -> tuple[list[str], boo
     cached tree listing (a commit never changes), else the Hub's (`model_info`: one request
     that fails fast, where a tree listing retries for 23 s), else, offline or with the Hub
     unreachable or down, what the cached snapshot holds."""
+    # lazy: huggingface_hub (0.2 s) stays out of the CLI's start-up
     from huggingface_hub import get_cached_repo_tree, snapshot_download
     from huggingface_hub.errors import CachedRepoTreeNotFoundError, HfHubHTTPError
 
@@ -278,6 +284,7 @@ def _choose_files(repo_id: str, files: list[str], gguf_file: str | None, quant_t
 def _shards_from_index(repo_id: str, revision, cache: str) -> list[str]:
     """The safetensors files the shard index names (a repo may hold others, e.g. Mistral's
     `consolidated.safetensors`: the same weights again, which would double the download)."""
+    # lazy: huggingface_hub (0.2 s) stays out of the CLI's start-up
     from huggingface_hub import hf_hub_download
 
     index = hf_hub_download(repo_id, SAFETENSORS_INDEX, revision=revision, cache_dir=cache)
@@ -292,6 +299,7 @@ def _shards_from_index(repo_id: str, revision, cache: str) -> list[str]:
 def _partial_snapshot(repo_id: str, revision: str, commit: str, cache: str, files: list[str],
                       patterns: list[str]) -> ValueError:
     """The error for a cached commit that lacks files this load needs, naming them."""
+    # lazy: huggingface_hub (0.2 s) stays out of the CLI's start-up
     from huggingface_hub import constants
     from huggingface_hub.utils import filter_repo_objects
 
@@ -317,6 +325,7 @@ def resolve_hub_model(repo_id: str, *, revision: str | None = None, download_dir
     `weights=False` fetches the tokenizer side only (`tokenizer=` an id). The revision is
     resolved to one commit first, and every file is taken at that commit, so a push to the
     repo meanwhile cannot mix two versions."""
+    # lazy: huggingface_hub (0.2 s) stays out of the CLI's start-up
     from huggingface_hub import HfApi, constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from pagedllm.kernels.status import kernel_status
+
 if TYPE_CHECKING:
     from pagedllm.engine.core_messages import CoreStats
     from pagedllm.engine.output_processor import RequestStepStats
@@ -219,8 +221,6 @@ class EngineMetrics:
                                 registry=reg)
         self._lora_labels: list[tuple[str, ...] | None] = [None for _ in engines]
         if kernel_info is None:
-            from pagedllm.kernels.status import kernel_status
-
             kernel_info = kernel_status().info_labels()
         Info("pagedllm:kernel", "Which compute kernels run: the active C kernels (the rest run plain "
              "torch) and the CPU features they are built for.", ["model_name"],

@@ -193,7 +193,7 @@ def load_hf_config(source: ModelSource):
     Deriving it from a GGUF parses the whole file (seconds), so the result is cached as a
     config.json under `$PAGEDLLM_CACHE_DIR/configs`, keyed by the file's name, size and mtime.
     """
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: transformers (2 s) stays out of the CLI's start-up
 
     if not source.is_gguf:
         return AutoConfig.from_pretrained(source.path)

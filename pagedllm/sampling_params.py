@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import copy
 import enum
-import json as _json
 import logging
-import math
 from dataclasses import dataclass, field
-from numbers import Integral, Real
 from typing import Any
+
+from pagedllm.beam_search_params import BeamSearchParams
+from pagedllm.structured_outputs_params import StructuredOutputsParams
+from pagedllm.value_checks import as_float, check_int, check_length_penalty, is_int
+
+# Public API: `from pagedllm.sampling_params import SamplingParams, BeamSearchParams` (vLLM's
+# module layout); StructuredOutputsParams travels in SamplingParams.structured_outputs.
+__all__ = ["BeamSearchParams", "RequestOutputKind", "SamplingParams", "SamplingType",
+           "StructuredOutputsParams"]
 
 logger = logging.getLogger(__name__)
 
@@ -27,16 +33,8 @@ _MAX_TEMP = 1e-2  # smallest non-zero temperature used (avoids inf/nan in logits
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # vLLM's bounds: torch.long
 # OpenAI's documented range for a logit bias; vLLM clamps to it (a larger one gives inf/nan)
 _LOGIT_BIAS_MAX = 100.0
-# Beam scores divide by length ** length_penalty: beyond this, any real length over- or
-# underflows a float (transformers sets no bound; typical values are 0.5-2).
-_LENGTH_PENALTY_MAX = 50.0
-_TOP_K_MAX = 2**31 - 1  # the server's bound too (protocol.py); larger is "all" anyway
-
-
-def _check_length_penalty(value: float) -> None:
-    if not -_LENGTH_PENALTY_MAX <= value <= _LENGTH_PENALTY_MAX:
-        raise ValueError(f"length_penalty must be in [-{_LENGTH_PENALTY_MAX:g}, "
-                         f"{_LENGTH_PENALTY_MAX:g}], got {value}.")
+# The server's bound too (entrypoints/openai/sampling_request.py); larger is "all" anyway.
+_TOP_K_MAX = 2**31 - 1
 
 
 class SamplingType(enum.IntEnum):
@@ -53,156 +51,6 @@ class RequestOutputKind(enum.Enum):
     # Return nothing until the request has finished.
     FINAL_ONLY = 2
 
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, Integral) and not isinstance(x, bool)
-
-
-def _is_real(x: Any) -> bool:
-    return isinstance(x, Real) and not isinstance(x, bool)
-
-
-def _check_int(name: str, value: Any, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not _is_int(value):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__}: {value!r}.")
-
-
-def _as_float(name: str, value: Any) -> float:
-    if not _is_real(value):
-        raise ValueError(f"{name} must be a float, got {type(value).__name__}: {value!r}.")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value}.")
-    return value
-
-
-# A JSON schema's nesting (objects and arrays) at most this deep: xgrammar's schema parse is
-# about cubic in the depth (400 levels: 3.9 s, 900: 35 s on this project's CPU), real schemas
-# are a few levels deep.
-MAX_SCHEMA_DEPTH = 128
-
-
-def _nesting_depth(value: Any) -> int:
-    """How deeply objects and arrays nest in `value` (iterative: no recursion limit)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children = item.values()
-        elif isinstance(item, (list, tuple)):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
-
-
-@dataclass
-class StructuredOutputsParams:
-    """One output constraint for a request (vLLM's `StructuredOutputsParams`, its names).
-
-    Exactly one of `json` (a JSON schema, as a dict or a JSON string), `regex`, `choice` (the
-    output is one of these strings), `grammar` (EBNF / GBNF, root rule `root`), `json_object`
-    (any JSON object) or `structural_tag` (xgrammar's structural tag, a dict or JSON string) is
-    set; anything else is a ValueError here. `disable_any_whitespace`: JSON modes follow one
-    fixed layout (`{"a": 1, "b": 2}`) instead of allowing any whitespace between tokens, which
-    small models may fill with newlines. The engine compiles the
-    constraint with xgrammar (`pagedllm.structured_output`; `pip install pagedllm[structured]`).
-    """
-
-    json: dict[str, Any] | str | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    structural_tag: dict[str, Any] | str | None = None
-    disable_any_whitespace: bool = False
-
-    _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-
-    def __post_init__(self) -> None:
-        if self.json_object is False:
-            self.json_object = None
-        given = [k for k in self._KINDS if getattr(self, k) is not None]
-        if len(given) != 1:
-            raise ValueError(
-                "structured_outputs must set exactly one of json, regex, choice, grammar, "
-                f"json_object, structural_tag; got {given or 'none'}."
-            )
-        if self.json is not None:
-            if isinstance(self.json, str):
-                try:
-                    parsed = _json.loads(self.json)
-                except ValueError as exc:
-                    raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
-                except RecursionError:  # json's C parser stops at Python's recursion limit
-                    raise ValueError("structured_outputs.json is nested too deeply.") from None
-                if not isinstance(parsed, (dict, bool)):
-                    raise ValueError("structured_outputs.json must be a JSON schema object.")
-            elif not isinstance(self.json, dict):
-                raise ValueError(
-                    "structured_outputs.json must be a JSON schema (dict or JSON string), got "
-                    f"{type(self.json).__name__}."
-                )
-            else:
-                parsed = self.json
-            depth = _nesting_depth(parsed)
-            if depth > MAX_SCHEMA_DEPTH:
-                raise ValueError(
-                    f"structured_outputs.json is nested too deeply: {depth} levels of objects "
-                    f"and arrays, at most {MAX_SCHEMA_DEPTH} (xgrammar's parse time grows with "
-                    "the cube of the depth)."
-                )
-        for name in ("regex", "grammar"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"structured_outputs.{name} must be a non-empty string.")
-        if self.choice is not None:
-            if (
-                not isinstance(self.choice, (list, tuple))
-                or not self.choice
-                or not all(isinstance(c, str) and c for c in self.choice)
-            ):
-                raise ValueError(
-                    "structured_outputs.choice must be a non-empty list of non-empty strings, "
-                    f"got {self.choice!r}."
-                )
-            self.choice = list(self.choice)
-        if self.json_object is not None and self.json_object is not True:
-            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}.")
-        if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
-            raise ValueError("structured_outputs.structural_tag must be a dict or a JSON string.")
-        if not isinstance(self.disable_any_whitespace, bool):
-            raise ValueError("structured_outputs.disable_any_whitespace must be a bool.")
-
-    @property
-    def kind(self) -> str:
-        """Which constraint is set: one of `_KINDS`."""
-        return next(k for k in self._KINDS if getattr(self, k) is not None)
-
-    def cache_key(self) -> tuple[str, str, bool]:
-        """(kind, canonical text, whitespace flag): equal constraints compile once."""
-        value = getattr(self, self.kind)
-        if isinstance(value, (dict, list)):
-            value = _json.dumps(value, sort_keys=True)
-        return self.kind, str(value), self.disable_any_whitespace
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StructuredOutputsParams:
-        """From a request's `structured_outputs` object; an unknown key is refused by name."""
-        if not isinstance(data, dict):
-            raise ValueError(f"structured_outputs must be an object, got {type(data).__name__}.")
-        known = set(cls._KINDS) | {"disable_any_whitespace"}
-        unknown = sorted(k for k, v in data.items() if k not in known and v is not None)
-        if unknown:
-            raise ValueError(
-                f"structured_outputs field(s) {unknown} are not supported (supported: "
-                f"{sorted(known)})."
-            )
-        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 @dataclass
@@ -290,26 +138,26 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # --- types and normalisation -------------------------------------------------
-        _check_int("n", self.n)
-        _check_int("best_of", self.best_of, allow_none=True)
-        self.presence_penalty = _as_float("presence_penalty", self.presence_penalty)
-        self.frequency_penalty = _as_float("frequency_penalty", self.frequency_penalty)
-        self.repetition_penalty = _as_float("repetition_penalty", self.repetition_penalty)
-        self.temperature = _as_float("temperature", self.temperature)
-        self.top_p = _as_float("top_p", self.top_p)
-        _check_int("top_k", self.top_k)
-        self.min_p = _as_float("min_p", self.min_p)
-        self.length_penalty = _as_float("length_penalty", self.length_penalty)
-        _check_length_penalty(self.length_penalty)
-        _check_int("seed", self.seed, allow_none=True)
-        _check_int("max_tokens", self.max_tokens, allow_none=True)
-        _check_int("min_tokens", self.min_tokens)
+        check_int("n", self.n)
+        check_int("best_of", self.best_of, allow_none=True)
+        self.presence_penalty = as_float("presence_penalty", self.presence_penalty)
+        self.frequency_penalty = as_float("frequency_penalty", self.frequency_penalty)
+        self.repetition_penalty = as_float("repetition_penalty", self.repetition_penalty)
+        self.temperature = as_float("temperature", self.temperature)
+        self.top_p = as_float("top_p", self.top_p)
+        check_int("top_k", self.top_k)
+        self.min_p = as_float("min_p", self.min_p)
+        self.length_penalty = as_float("length_penalty", self.length_penalty)
+        check_length_penalty(self.length_penalty)
+        check_int("seed", self.seed, allow_none=True)
+        check_int("max_tokens", self.max_tokens, allow_none=True)
+        check_int("min_tokens", self.min_tokens)
         if self.logprobs is True:
             self.logprobs = 1
         if self.prompt_logprobs is True:
             self.prompt_logprobs = 1
-        _check_int("logprobs", self.logprobs, allow_none=True)
-        _check_int("prompt_logprobs", self.prompt_logprobs, allow_none=True)
+        check_int("logprobs", self.logprobs, allow_none=True)
+        check_int("prompt_logprobs", self.prompt_logprobs, allow_none=True)
         for name in (
             "ignore_eos",
             "detokenize",
@@ -392,7 +240,7 @@ class SamplingParams:
         out: dict[int, float] = {}
         for token, bias in logit_bias.items():
             # OpenAI clients send the token ids as JSON object keys, i.e. strings.
-            if _is_int(token):
+            if is_int(token):
                 token_id = int(token)
             elif isinstance(token, str) and token.strip().lstrip("-").isdigit():
                 token_id = int(token)
@@ -400,7 +248,7 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be token ids (int), got {token!r}.")
             if token_id < 0:
                 raise ValueError(f"logit_bias keys must be non-negative token ids, got {token_id}.")
-            value = _as_float(f"logit_bias[{token_id}]", bias)
+            value = as_float(f"logit_bias[{token_id}]", bias)
             out[token_id] = min(max(value, -_LOGIT_BIAS_MAX), _LOGIT_BIAS_MAX)
         return out
 
@@ -420,7 +268,7 @@ class SamplingParams:
             )
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
-            if not isinstance(ids, (list, tuple, set)) or not all(_is_int(t) for t in ids):
+            if not isinstance(ids, (list, tuple, set)) or not all(is_int(t) for t in ids):
                 raise ValueError(f"allowed_token_ids must be a list of token ids, got {ids!r}.")
             if not ids:
                 raise ValueError("allowed_token_ids is not None and empty!")
@@ -493,7 +341,7 @@ class SamplingParams:
         if self.seed is not None and not _SEED_MIN <= self.seed <= _SEED_MAX:
             raise ValueError(
                 f"seed must be in [{_SEED_MIN}, {_SEED_MAX}] (a 64-bit integer), got {self.seed}.")
-        if not all(_is_int(t) for t in self.stop_token_ids):
+        if not all(is_int(t) for t in self.stop_token_ids):
             raise ValueError(
                 f"stop_token_ids must contain only integers, got {self.stop_token_ids}."
             )
@@ -568,39 +416,3 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         """Deep copy (lists, sets and logit_bias are not shared with the original)."""
         return copy.deepcopy(self)
-
-
-@dataclass
-class BeamSearchParams:
-    """Beam search parameters (vLLM's `BeamSearchParams`), used by `LLM.beam_search`.
-
-    `early_stopping` is transformers' (`generate(..., early_stopping=...)`): True stops as
-    soon as `beam_width` hypotheses are finished; False (default) stops when the best running
-    beam, scored at its current length, cannot beat the worst finished one; "never" scores it
-    at `max_tokens` when `length_penalty > 0` (the exact, slower search).
-    """
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
-    early_stopping: bool | str = False
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
-            raise ValueError(
-                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}."
-            )
-        _check_int("beam_width", self.beam_width)
-        _check_int("max_tokens", self.max_tokens)
-        self.temperature = _as_float("temperature", self.temperature)
-        self.length_penalty = _as_float("length_penalty", self.length_penalty)
-        _check_length_penalty(self.length_penalty)
-        if self.beam_width < 1:
-            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}.")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")

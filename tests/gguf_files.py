@@ -31,7 +31,7 @@ def rewrite_gguf(src: str, dst: Path, type_of=_mix) -> Path:
     import gguf
     from gguf.quants import quantize
 
-    from pagedllm.model.gguf_loader import dequantize_tensor
+    from pagedllm.quantization.formats.gguf_block_decoding import dequantize_tensor
 
     reader = gguf.GGUFReader(src)
     arch = str(reader.fields["general.architecture"].contents())

@@ -9,6 +9,7 @@ logits. With a group of one they are the identity and need no torch.distributed 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -34,8 +35,6 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: 
         raise ValueError(f"rank {rank} is not in a tensor-parallel group of {world_size}")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if world_size > 1:
-        from datetime import timedelta
-
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
     _GROUP = TensorParallelGroup(rank, world_size, backend)

@@ -28,7 +28,8 @@ import torch
 
 from pagedllm.core.request import SequenceState, SequenceStatus
 from pagedllm.engine.core_messages import BeamCompletion
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.beam_search_params import BeamSearchParams
+from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagedllm.engine.request_state import RequestState

@@ -19,7 +19,8 @@ import enum
 import msgspec
 
 from pagedllm.lora.request import LoRARequest
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.beam_search_params import BeamSearchParams
+from pagedllm.sampling_params import SamplingParams
 
 
 class EngineCoreRequestType(enum.IntEnum):

@@ -24,7 +24,9 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.model.resolution import ModelResolution
 from pagedllm.model_source import resolve_tokenizer_source
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.beam_search_params import BeamSearchParams
+from pagedllm.core.scheduler_config import check_priority
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import load_tokenizer
 
 __all__ = ["LLMEngine", "PromptType", "prepare_request"]
@@ -42,8 +44,6 @@ def prepare_request(
 ) -> tuple[str | None, EngineCoreRequest]:
     """Tokenize and check a request (a ValueError names what is wrong): the prompt's text and
     the core's request. The one front-end rule, offline and in the server."""
-    from pagedllm.core.scheduler_config import check_priority
-
     check_priority(priority, inputs.scheduling_policy)
     if lora_request is not None and not isinstance(lora_request, LoRARequest):
         raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}.")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.core.request import SequenceState, SequenceStatus
-from pagedllm.layers.sampling_logprobs import SamplerOutput
+from pagedllm.layers.sampling_logprobs import SamplerOutput, compute_prompt_logprobs
 from pagedllm.engine.core_messages import PromptLogprobEntry, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -75,8 +75,6 @@ class SequenceUpdater:
     ) -> list[PromptLogprobEntry]:
         """Logprobs of prompt tokens 1.. from this chunk's rows (row i predicts token i+1):
         the entries not reported yet (the first call starts with None for token 0)."""
-        from pagedllm.layers.sampling_logprobs import compute_prompt_logprobs
-
         prompt = state.prompt_token_ids
         start, n = item.start_pos, len(item.token_ids)
         new: list[PromptLogprobEntry] = []

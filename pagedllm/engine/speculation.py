@@ -17,7 +17,8 @@ from pagedllm.core.step_plan import StepPlan
 from pagedllm.engine.request_state import RequestState
 from pagedllm.spec_decode.backoff import DEFAULT_MIN_RATE, SpecBackoff
 from pagedllm.spec_decode.config import SpeculativeConfig
-from pagedllm.spec_decode.proposer import Proposer, SpecDecodeStats, make_proposer
+from pagedllm.spec_decode.proposer import Proposer, SpecDecodeStats
+from pagedllm.spec_decode.proposer_choice import make_proposer
 from pagedllm.spec_decode.step_cost import StepCostModel
 from pagedllm.structured_output import StructuredOutputManager
 

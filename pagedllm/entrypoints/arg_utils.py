@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 from pagedllm.config import (
@@ -21,6 +22,8 @@ from pagedllm.config import (
     SUPPORTED_TASKS,
     EngineConfig,
 )
+from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
@@ -180,8 +183,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="no /docs, /redoc and /openapi.json")
     g.add_argument("--disable-dashboard", action="store_true",
                    help="no /dashboard page and no /v1/internal/engine_state (docs/dashboard.md)")
-    from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
-    from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='tool_choice "auto": parse tool calls out of the model\'s text with '
@@ -258,6 +259,7 @@ def validate_server_args(args: argparse.Namespace) -> None:
 def server_extras_from_args(args: argparse.Namespace) -> tuple[list[Any], Any]:
     """The served LoRA modules (each a local directory) and the tool / reasoning settings;
     checked (ValueError) before any engine core starts."""
+    # lazy: both import fastapi, which `pagedllm --help` and the offline commands never need
     from pagedllm.entrypoints.openai.lora_models import parse_lora_modules
     from pagedllm.entrypoints.openai.tool_calling import ToolConfig
 
@@ -292,8 +294,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise ValueError(f"Two models given: {positional!r} (positional) and --model {model!r}.")
     model = positional or model
     if kwargs["chat_template"]:
-        from pathlib import Path
-
         path = Path(kwargs["chat_template"])
         if path.is_file():
             kwargs["chat_template"] = path.read_text()

@@ -4,14 +4,22 @@ completions), `quantize` (write a quantized checkpoint folder) and `bench`."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
+import platform
 import sys
+from pathlib import Path
 
+import pagedllm
+from pagedllm import envs
 from pagedllm.entrypoints.arg_utils import (
     add_engine_args,
     add_server_args,
     engine_config_from_args,
 )
+from pagedllm.entrypoints.openai.serve_start import start_serving
+from pagedllm.kernels.status import kernel_status
+from pagedllm.sampling_params import SamplingParams
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -32,8 +40,6 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_params_from_args(args: argparse.Namespace):
-    from pagedllm.sampling_params import SamplingParams
-
     return SamplingParams(
         n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
@@ -50,12 +56,7 @@ class _VersionAction(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        import platform
-
-        import torch
-
-        import pagedllm
-        from pagedllm.kernels.status import kernel_status
+        import torch  # lazy: only --version needs it
 
         print(f"pagedllm {pagedllm.__version__} (torch {torch.__version__}, Python {platform.python_version()})")
         print(kernel_status().describe())
@@ -69,8 +70,6 @@ class _HelpEnvAction(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        from pagedllm import envs
-
         print(envs.table_markdown(), end="")
         parser.exit()
 
@@ -137,6 +136,7 @@ def add_quantize_parser(sub) -> None:
 
 
 def run_quantize(args: argparse.Namespace) -> int:
+    # lazy here and below: the CLI parses its flags (and answers --help) without torch
     from pagedllm.quantization.algorithms.checkpoint_writer import quantize_model
 
     path = quantize_model(args.model, args.out, method=args.method, bits=args.bits, group_size=args.group_size,
@@ -159,9 +159,6 @@ BENCHMARKS = {
 
 def run_bench(name: str, bench_args: list[str]) -> int:
     """The benchmarks live in the repository's `benchmarks/` package, next to `pagedllm/`."""
-    import importlib
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[2]
     if (root / "benchmarks" / f"{name}.py").is_file() and str(root) not in sys.path:
         sys.path.insert(0, str(root))
@@ -174,7 +171,7 @@ def run_bench(name: str, bench_args: list[str]) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from pagedllm.llm import LLM
+    from pagedllm.llm import LLM  # lazy: torch and the engine
 
     config = engine_config_from_args(args)
     llm = LLM.from_engine_config(config)
@@ -209,10 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             # Bad flags and a busy port fail here, before the model load; the engine cores
             # then load the model while this process imports the server (serve_start.py).
-            from pagedllm.entrypoints.openai.serve_start import start_serving
-
             started = start_serving(args)
-            from pagedllm.entrypoints.openai.api_server import run_server
+            from pagedllm.entrypoints.openai.api_server import run_server  # lazy: torch, fastapi
 
             return run_server(args, started)
         if args.command == "generate":

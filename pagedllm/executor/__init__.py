@@ -12,6 +12,12 @@ import torch
 from pagedllm import envs
 from pagedllm.core.kv_cache_groups import hybrid_kv_cache_groups
 from pagedllm.executor.base import Executor
+from pagedllm.executor.multiproc import MultiprocExecutor
+from pagedllm.executor.ray_executor import RayExecutor
+from pagedllm.executor.uniproc import UniprocExecutor
+from pagedllm.lora.worker_manager import LoRAWorkerConfig
+from pagedllm.model.registry import get_model_class
+from pagedllm.worker.cuda_graphs import capture_sizes
 from pagedllm.worker.worker import WorkerConfig
 
 
@@ -42,7 +48,6 @@ def lora_worker_config(config: Any):
     """The LoRA knobs every rank needs (None: LoRA off)."""
     if not getattr(config, "enable_lora", False):
         return None
-    from pagedllm.lora.worker_manager import LoRAWorkerConfig
 
     return LoRAWorkerConfig(config.max_loras, config.max_lora_rank, config.resolved_max_cpu_loras)
 
@@ -57,7 +62,6 @@ def cuda_graph_sizes(config: Any, device: torch.device) -> list[int] | None:
     its attention backend is not capture-safe)."""
     if config.enforce_eager or torch.device(device).type != "cuda":
         return None
-    from pagedllm.worker.cuda_graphs import capture_sizes
 
     return capture_sizes(config.max_num_seqs, config.cuda_graph_sizes)
 
@@ -69,18 +73,12 @@ def create_executor(config: Any, model_path: str, gguf_file: str | None, hf_conf
     wc = worker_config(config, model_path, gguf_file, hf_config, dtype, device, kv_cache_dtype)
     wc.draft = draft  # a speculative draft model (rank 0 only: the engine refuses it under TP)
     if config.tensor_parallel_size == 1:
-        from pagedllm.executor.uniproc import UniprocExecutor
-
         return UniprocExecutor(wc)
-    from pagedllm.model.registry import get_model_class
 
     get_model_class(hf_config).check_tensor_parallel(hf_config, config.tensor_parallel_size)
     backend = getattr(config, "distributed_executor_backend", "mp")
     if backend == "ray":
-        from pagedllm.executor.ray_executor import RayExecutor
-
         return RayExecutor(wc)
-    from pagedllm.executor.multiproc import MultiprocExecutor
 
     return MultiprocExecutor(wc)
 

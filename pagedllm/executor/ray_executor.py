@@ -22,11 +22,16 @@ from __future__ import annotations
 
 import os
 import subprocess
+import traceback
 import weakref
 from typing import Any
 
+import torch
+
 from pagedllm import envs
+from pagedllm.executor.channel import connect
 from pagedllm.executor.multiproc import MultiprocExecutor, _Proc
+from pagedllm.executor.worker_proc import run_worker
 from pagedllm.worker.worker import WorkerConfig
 
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
@@ -40,7 +45,7 @@ def _placement() -> tuple[float, str]:
 
 def _import_ray():
     try:
-        import ray
+        import ray  # lazy: ray is optional (pagedllm[ray])
     except ImportError:
         raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'pagedllm[ray]'") from None
     return ray
@@ -50,22 +55,15 @@ class _WorkerActor:
     """The body of a Ray actor: one rank, until rank 0 says stop or its link closes."""
 
     def __init__(self, num_threads: int) -> None:
-        import torch
-
         torch.set_num_threads(max(1, num_threads))
 
     def node_ip(self) -> str:
-        import ray
+        import ray  # lazy: ray is optional (pagedllm[ray])
 
         return ray.util.get_node_ip_address()
 
     def run(self, address: tuple[str, int], authkey: bytes, rank: int) -> None:
         """executor/worker_proc.main's loop, in this actor: connect, stages, steps."""
-        import traceback
-
-        from pagedllm.executor.channel import connect
-        from pagedllm.executor.worker_proc import run_worker
-
         conn = connect(address, authkey)
         try:
             conn.send(("hello", rank, os.getpid()))
@@ -138,6 +136,7 @@ class RayExecutor(MultiprocExecutor):
 
     def _launch(self, config: WorkerConfig) -> None:
         ray = self._ray
+        # lazy: ray is optional (pagedllm[ray])
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -173,6 +172,7 @@ class RayExecutor(MultiprocExecutor):
 
 def _remove_placement_group(pg) -> None:
     try:
+        # lazy: ray is optional (pagedllm[ray])
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(pg)

@@ -22,12 +22,15 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pagedllm.core.step_plan import decode_from_rank0
+from pagedllm.executor.channel import connect
+from pagedllm.worker.worker import Worker
+
 AUTHKEY_ENV = "PAGEDLLM_TP_AUTHKEY"
+
+
 def run_worker(conn: Connection, rank: int, config: Any, init_method: str, binding: Any) -> None:
     """Start-up stages (each reported to rank 0), then the step loop until "shutdown"."""
-    from pagedllm.core.step_plan import decode_from_rank0
-    from pagedllm.worker.worker import Worker
-
     worker = Worker(config, rank)
     if binding is not None:
         worker.bind_cpu(binding)
@@ -62,8 +65,6 @@ def _watch_parent(parent: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from pagedllm.executor.channel import connect
-
     host, port, rank = argv[0], int(argv[1]), int(argv[2])
     logging.basicConfig(level=logging.INFO, format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s")
     authkey = bytes.fromhex(os.environ.pop(AUTHKEY_ENV))

@@ -111,7 +111,7 @@ def log_kernel_status(device: object = "cpu") -> None:
 
 def int_gemm_isa_name() -> str | None:
     """The instruction set int_gemm.c was built for here (None: not active)."""
-    from pagedllm.quantization.kernels.int_kernel import int_gemm_isa
+    from pagedllm.quantization.kernels.int_kernel import int_gemm_isa  # lazy: imports torch
 
     return int_gemm_isa()
 

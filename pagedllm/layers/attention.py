@@ -166,3 +166,11 @@ class Attention(nn.Module):
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"sliding_window={self.sliding_window}, logits_soft_cap={self.logits_soft_cap}, backend={self.backend.name}"
         )
+
+
+def set_attn_backend(model: nn.Module, backend: type) -> None:
+    """Make every attention layer of `model` use `backend` (the worker's choice, once the model
+    is loaded: `layers.backends.select_attn_backend`)."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.backend = backend

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from pagedllm.kernels import gguf_gemm_kernel, int_gemm_kernel
+from pagedllm.quantization.kernels.gguf_kernel import part_compute
 
 # kernels/decode_step.c's `op` codes
 OP_INT_EXACT, OP_INT_INT8, OP_GGUF_EXACT, OP_GGUF_INT8, OP_PACKED_F32 = 1, 2, 3, 4, 5
@@ -55,7 +56,5 @@ def int_weight_parts(w, compute: str, bucket: int) -> list[StepPart] | None:
 def gguf_parts(parts, compute: str) -> list[StepPart]:
     """The parts of a layer read in place from a GGUF file's blocks (gguf_kernel.GGUFTensor list),
     each on the path `gguf_kernel.gguf_linear` takes for it."""
-    from pagedllm.quantization.kernels.gguf_kernel import part_compute
-
     return [StepPart(OP_GGUF_INT8 if part_compute(p.type_name, compute) == "int8" else OP_GGUF_EXACT, p.data,
                      p.shape[0], p.shape[1], gguf_type=p.type_id) for p in parts]

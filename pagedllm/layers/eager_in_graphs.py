@@ -15,6 +15,8 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 _targets: list[tuple[list[Callable[..., Any]], Callable[..., Any]]] = []  # (slot, fn)
@@ -44,7 +46,5 @@ def prepare_for_compilation() -> None:
 
 
 def _disable(slot: list[Callable[..., Any]], fn: Callable[..., Any]) -> None:
-    import torch
-
     if slot[0] is fn:
         slot[0] = torch.compiler.disable(fn)

@@ -48,6 +48,9 @@ from pathlib import Path
 import torch
 
 from pagedllm import envs
+from pagedllm.kernels.build import _SOURCE_DIR, _cpu_signature
+from pagedllm.kernels.isa import select_variant
+from pagedllm.model_source import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +86,6 @@ def bucket_index(m: int) -> int:
 
 
 def _cache_path() -> Path:
-    from pagedllm.kernels.build import _SOURCE_DIR, _cpu_signature
-    from pagedllm.kernels.isa import select_variant
-    from pagedllm.model_source import cache_dir
-
     variant = select_variant().variant
     h = hashlib.sha256()
     for part in (_cpu_signature(), getattr(variant, "name", "none"), torch.__version__,

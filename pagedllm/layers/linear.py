@@ -46,7 +46,16 @@ from pagedllm.layers import kernel_choice
 from pagedllm.quantization.formats.exact_block_encoding import FORMAT_Q8S, find_block_encoding
 from pagedllm.layers.decode_step_parts import OP_PACKED_F32, StepPart, int_weight_parts
 from pagedllm.quantization.formats.base import LinearMethod, Slices, logical_weight_slices
-from pagedllm.quantization.kernels.int_kernel import PackedIntWeight, _int_matmul, pack_int_weight
+from pagedllm.quantization.formats.gguf_packing import pack_for_int_gemm, pack_gguf_blocks, warn_widened, widened
+from pagedllm.quantization.kernels.gguf_kernel import GGUFTensor, gguf_linear, gguf_rows, kernel_takes
+from pagedllm.quantization.kernels.int_kernel import (
+    PackedIntWeight,
+    _int_matmul,
+    int_linear,
+    int_weight_rows,
+    pack_int_weight,
+    with_choice,
+)
 
 USE_BLOCK_WEIGHTS = envs.PAGEDLLM_BLOCK_WEIGHTS  # read once
 _kernel = packed_gemm_kernel
@@ -363,11 +372,8 @@ class VocabEmbedding(nn.Module):
     @torch.no_grad()
     def load_blocks(self, blocks) -> None:
         """Load a GGUF table given as the file's blocks (quantization/gguf_kernel.GGUFTensor,
-        or model/gguf_loader.GGUFBlockWeight): Q4_0 / Q4_1 / Q8_0 repacked for int_gemm.c, every
+        or quantization/formats/gguf_block_decoding.GGUFBlockWeight): Q4_0 / Q4_1 / Q8_0 repacked for int_gemm.c, every
         other type kept as it is in the file (gguf_gemm.c); rows are widened on lookup."""
-        from pagedllm.quantization.formats.gguf import pack_for_int_gemm, pack_gguf_blocks, warn_widened, widened
-        from pagedllm.quantization.kernels.gguf_kernel import GGUFTensor, kernel_takes
-
         if tuple(blocks.shape) != tuple(self.weight.shape):
             raise ValueError(f"Shape mismatch loading the embedding: checkpoint has {tuple(blocks.shape)}, "
                              f"model expects {tuple(self.weight.shape)}")
@@ -393,15 +399,10 @@ class VocabEmbedding(nn.Module):
     def choose_logit_paths(self, compute: str) -> None:
         """Once, by the model after loading (the tied head's compute is known there): the packed
         table's per-batch paths as an LM head (layers/kernel_choice.py)."""
-        from pagedllm.quantization.kernels.int_kernel import with_choice
-
         if self.int_weight is not None:
             self.int_weight = with_choice(self.int_weight, compute)
 
     def packed_logits(self, hidden: torch.Tensor, compute: str) -> torch.Tensor:
-        from pagedllm.quantization.kernels.gguf_kernel import gguf_linear
-        from pagedllm.quantization.kernels.int_kernel import int_linear
-
         flat = hidden.reshape(-1, hidden.shape[-1]).float()
         if self.gguf_weight is not None:
             return gguf_linear(flat, [self.gguf_weight], compute)
@@ -421,12 +422,8 @@ class VocabEmbedding(nn.Module):
 
     def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.int_weight is not None:
-            from pagedllm.quantization.kernels.int_kernel import int_weight_rows
-
             return int_weight_rows(self.int_weight, input_ids)
         if self.gguf_weight is not None:
-            from pagedllm.quantization.kernels.gguf_kernel import gguf_rows
-
             return gguf_rows(self.gguf_weight, input_ids)
         return F.embedding(input_ids, self.weight)
 

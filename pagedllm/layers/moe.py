@@ -46,7 +46,7 @@ from pagedllm.distributed.sharding import column_shard, row_shard, shard_range
 from pagedllm.layers.activation import get_act_and_mul
 from pagedllm.layers.eager_in_graphs import eager_in_graphs
 from pagedllm.layers.linear import Linear, MergedLinear
-from pagedllm.quantization import QuantizationConfig
+from pagedllm.quantization.formats.base import QuantizationConfig
 
 SINGLE = TensorParallelGroup(0, 1, "none")
 

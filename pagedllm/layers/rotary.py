@@ -100,6 +100,7 @@ def compute_inv_freq(hf_config: Any) -> tuple[torch.Tensor, float]:
 def _transformers_inv_freq(hf_config: Any, rope_type: str, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """transformers' own table for `rope_type` (`seq_len`: longrope's length, which picks its
     factors)."""
+    # lazy: transformers (2 s) only for the rope types whose tables come from it
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     kwargs = {"seq_len": seq_len} if seq_len is not None else {}

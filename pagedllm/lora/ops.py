@@ -19,7 +19,7 @@ fewer than 16 tokens on the C path is checked by the kernel itself, before it wr
   use one slot, from `SINGLE_SLOT_TORCH_MIN_TOKENS` tokens, takes torch's own GEMM on that
   slot's matrices instead (measured faster there, docs/lora.md); base-model-only batches skip
   the product (the index range, which the checks compute anyway, says both);
-- CUDA: the Triton kernels of lora/triton_ops.py (tokens grouped by slot, `segments`);
+- CUDA: the Triton kernels of lora/triton_ops.py (tokens grouped by slot, slot_segments.py);
 - anything else (no compiler, `PAGEDLLM_DISABLE_C_KERNELS=1`, other dtypes or devices, no
   Triton): the torch references below, vectorised over adapters.
 
@@ -34,31 +34,10 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
 from pagedllm.kernels import lora_kernel
-
-
-class Segments(NamedTuple):
-    """The batch's tokens grouped by slot, for kernels that read a slot's weights once per tile
-    of its tokens. Fixed shapes (no host sync): segment j holds slot `slots[j]` (-1, 0, ...,
-    S - 1), possibly no token."""
-
-    order: torch.Tensor  # [T] int64: token ids sorted by slot, stable (batch order within a slot)
-    starts: torch.Tensor  # [S + 2] int64: segment j is order[starts[j]:starts[j + 1]]
-    slots: torch.Tensor  # [S + 1] int64: -1 (base-model tokens), 0, ..., S - 1
-
-
-def segments(indices: torch.Tensor, num_slots: int) -> Segments:
-    """Group the tokens of `indices` (int, -1..num_slots-1) by slot."""
-    idx = indices.long()
-    counts = torch.bincount(idx + 1, minlength=num_slots + 1)
-    starts = torch.zeros(num_slots + 2, dtype=torch.int64, device=indices.device)
-    torch.cumsum(counts, 0, out=starts[1:])
-    order = torch.argsort(idx, stable=True)
-    return Segments(order, starts, torch.arange(-1, num_slots, device=indices.device))
 
 
 # ---- validation ---------------------------------------------------------------------------------
@@ -261,7 +240,7 @@ def _triton(t: torch.Tensor):
     """lora/triton_ops.py if it applies to tensors like t (CUDA, Triton installed), else None."""
     if t.device.type != "cuda":
         return None
-    from pagedllm.lora import triton_ops
+    from pagedllm.lora import triton_ops  # lazy: imports triton (optional, slow; CUDA only)
 
     return triton_ops if triton_ops.HAS_TRITON else None
 

@@ -26,7 +26,11 @@ import re
 from pathlib import Path
 
 import torch
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import LocalEntryNotFoundError
+from safetensors.torch import load_file
 
+from pagedllm.hub import parse_model_id
 from pagedllm.lora.adapter import LoRAAdapter, LoRALayerWeights
 from pagedllm.lora.model_spec import LoRAModelSpec
 from pagedllm.lora.peft_config import PEFTLoRAConfig
@@ -97,13 +101,10 @@ def resolve_adapter_dir(path: str, name: str = "") -> Path:
         return folder
     if folder.exists():
         raise ValueError(f"{what}: {path} is a file; give the adapter's folder (with {ADAPTER_CONFIG})")
-    from pagedllm.hub import parse_model_id
 
     hub_id = parse_model_id(path)
     if hub_id is None or hub_id.quant_tag is not None:
         raise ValueError(f"{what}: folder {path} does not exist")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
         return Path(snapshot_download(hub_id.repo_id, local_files_only=True,
@@ -137,8 +138,6 @@ def _read_tensors(folder: Path, name: str) -> tuple[Path, dict[str, torch.Tensor
             continue
         try:
             if path.suffix == ".safetensors":
-                from safetensors.torch import load_file
-
                 tensors = load_file(str(path), device="cpu")
             else:
                 tensors = torch.load(path, map_location="cpu", weights_only=True)

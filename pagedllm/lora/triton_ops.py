@@ -1,5 +1,5 @@
 """The GPU path of the batched LoRA ops (lora/ops.py): Triton shrink and expand kernels, SGMV
-style: the batch's tokens grouped by adapter slot (`ops.segments`: a stable sort, no data
+style: the batch's tokens grouped by adapter slot (`slot_segments.segments`: a stable sort, no data
 copy: the kernels gather x's rows and scatter their outputs through the order), each program a
 `[BLOCK_M tokens of one slot] x [BLOCK_N outputs]` tile accumulated by `tl.dot` in float32 over
 the reduction axis (K for shrink, R for expand), so a slot's A / B tile is read once per tile
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from pagedllm import envs
-from pagedllm.lora.ops import segments
+from pagedllm.lora.slot_segments import segments
 
 try:  # optional: the CPU install has no Triton
     import triton

@@ -26,6 +26,7 @@ from pagedllm.lora.adapter import LoRAAdapter, shard_adapter
 from pagedllm.lora.adapter_cache import LoRASlots
 from pagedllm.lora.layers import LORA_TARGETS, LoRAStepContext, attach_lora
 from pagedllm.lora.model_spec import LoRAModelSpec, lora_model_spec
+from pagedllm.lora.peft_adapter import load_peft_adapter
 from pagedllm.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -53,8 +54,6 @@ class WorkerLoRAManager:
         self._slot_of: dict[int, int] = {}
 
     def _load(self, lora: LoRARequest, rank: int, world: int) -> LoRAAdapter:
-        from pagedllm.lora.peft_adapter import load_peft_adapter
-
         t0 = time.perf_counter()
         adapter = load_peft_adapter(lora, self.spec, max_lora_rank=self.config.max_lora_rank)
         size = sum(w.lora_a.nbytes + w.lora_b.nbytes for w in adapter.weights.values())

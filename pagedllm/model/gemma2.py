@@ -31,7 +31,7 @@ from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.layers.activation import soft_cap
 from pagedllm.layers.attention import AttentionMetadata, check_soft_cap
 from pagedllm.layers.norm import GemmaRMSNorm
-from pagedllm.quantization import QuantizationConfig
+from pagedllm.quantization.formats.base import QuantizationConfig
 from pagedllm.model.llama import (
     SINGLE,
     KVCache,

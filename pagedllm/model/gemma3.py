@@ -28,7 +28,7 @@ import torch
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.norm import GemmaRMSNorm
-from pagedllm.quantization import QuantizationConfig
+from pagedllm.quantization.formats.base import QuantizationConfig
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.model.gemma2 import (
     Gemma2DecoderLayer,

@@ -14,6 +14,7 @@ import struct
 from typing import Any, NamedTuple
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 _MAGIC = b"GGUF"
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -75,8 +76,6 @@ class _Cursor:
 
 def read_gguf_index(path: str) -> GGUFIndex:
     """The metadata scalars (and short arrays) and the tensor table of the GGUF file at `path`."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     mapped = np.memmap(path, mode="r", dtype=np.uint8)
     cur = _Cursor(memoryview(mapped))
     if bytes(mapped[:4]) != _MAGIC:

@@ -45,7 +45,7 @@ from pagedllm.layers.linear import (
 )
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.model.llama_checkpoint import LlamaCheckpointLoading, quant_method_for
-from pagedllm.quantization import QuantizationConfig
+from pagedllm.quantization.formats.base import QuantizationConfig
 from pagedllm.layers.rotary import RotaryEmbedding, head_dim_of, rotate_qkv
 
 KVCache = torch.Tensor  # one layer's cache: [2 (keys, values), num_blocks, block_size, Hk, D]

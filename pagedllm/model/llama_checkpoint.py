@@ -18,7 +18,7 @@ from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.distributed.sharding import head_shard
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import Linear, MergedLinear, VocabEmbedding
-from pagedllm.quantization import LinearMethod, QuantizationConfig
+from pagedllm.quantization.formats.base import LinearMethod, QuantizationConfig
 
 # checkpoint projection name -> (our fused module name, shard index)
 _STACKED_PARAMS = {

@@ -10,11 +10,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from pagedllm import envs
 from pagedllm.distributed.parallel_state import TensorParallelGroup
-from pagedllm.quantization import get_quantization_config
+from pagedllm.quantization.config_detection import get_quantization_config
 from pagedllm.model.gguf_loader import iter_gguf_weights, resolve_gguf_path
 from pagedllm.model.registry import get_model_class
 
@@ -39,8 +40,6 @@ def safetensors_files(model_path: str) -> list[str]:
 def iter_safetensors_weights(model_path: str, slices_of=None) -> Iterator[tuple[str, torch.Tensor]]:
     """`(name, tensor)` of every checkpoint tensor; with `slices_of(name, shape) -> cuts` (a
     tensor-parallel model's `checkpoint_slices`) only this rank's part of each is read."""
-    from safetensors import safe_open
-
     for path in safetensors_files(model_path):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():

@@ -19,7 +19,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.layers.moe import MoeCheckpointMixin, MoeSpec, SparseMoeBlock
-from pagedllm.quantization import QuantizationConfig
+from pagedllm.quantization.formats.base import QuantizationConfig
 from pagedllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from pagedllm.model.llama_checkpoint import _checkpoint_name
 

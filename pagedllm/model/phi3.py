@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
-from pagedllm.quantization import QuantizationConfig
+from pagedllm.quantization.formats.base import QuantizationConfig
 from pagedllm.model.llama import SINGLE, LlamaForCausalLM
 from pagedllm.layers.rotary import head_dim_of
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.layers.moe import MoeCheckpointMixin, MoeSpec, SparseMoeBlock
-from pagedllm.quantization import QuantizationConfig
+from pagedllm.quantization.formats.base import QuantizationConfig
 from pagedllm.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
 

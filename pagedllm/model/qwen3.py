@@ -20,7 +20,7 @@ import torch
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.quantization import QuantizationConfig
+from pagedllm.quantization.formats.base import QuantizationConfig
 from pagedllm.layers.rotary import rotate_qkv
 from pagedllm.model.llama import SINGLE, KVCache, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 

@@ -11,9 +11,6 @@ from pagedllm.core.request import SequenceState
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.ngram import propose_ngram
 
-BUILT_METHODS = ("ngram", "suffix", "draft_model")
-
-
 class Proposer:
     """What the engine core calls on a proposer, once per step (every hook but `propose` is a
     no-op here): `propose` before the schedule (sets `Sequence.spec_token_ids`), `draft_inputs`
@@ -95,23 +92,3 @@ class NgramProposer(Proposer):
                 seq.spec_token_ids = draft.tolist()
                 n += 1
         return n
-
-
-def make_proposer(config: SpeculativeConfig, max_model_len: int, draft_max_model_len: int | None = None,
-                  max_catchup_tokens: int = 2048) -> Proposer:
-    """The engine core's proposer for `config.method` (refused by name where not built).
-    `draft_max_model_len`: how far a draft model proposes; `max_catchup_tokens`: the most
-    tokens a draft model runs for one sequence in one step (spec_decode/draft_model.py)."""
-    if config.method == "ngram":
-        return NgramProposer(config, max_model_len)
-    if config.method == "suffix":
-        from pagedllm.spec_decode.suffix import SuffixProposer  # it subclasses Proposer
-
-        return SuffixProposer(config, max_model_len)
-    if config.method == "draft_model":
-        from pagedllm.spec_decode.draft_model import DraftModelProposer
-
-        return DraftModelProposer(config, max_model_len, draft_max_model_len or max_model_len,
-                                  max_catchup_tokens)
-    raise ValueError(f"speculative method {config.method!r} is not built in pagedllm yet; "
-                     f"built: {list(BUILT_METHODS)}.")

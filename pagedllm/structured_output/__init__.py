@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_outputs_params import StructuredOutputsParams
 from pagedllm.structured_output.compiler_process import DEFAULT_TIMEOUT_S, CompilerProcess
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ _XGR_LOCATION = re.compile(r"^\s*\[[\d:.]+\]\s+\S+:\d+:\s*")
 
 def _xgrammar():
     try:
+        # lazy: xgrammar is optional (pagedllm[structured]) and slow to import (2 s)
         import xgrammar
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ValueError(

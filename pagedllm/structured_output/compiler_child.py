@@ -25,6 +25,7 @@ def _child_main(fd: int, max_threads: int) -> None:
 
     threading.Thread(target=watch_parent, daemon=True).start()
     conn = Connection(fd)
+    # lazy: xgrammar is optional (pagedllm[structured]) and slow to import (2 s)
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.deserialize_json(conn.recv_bytes().decode())

@@ -112,6 +112,7 @@ class CompilerProcess:
         with self._lock:
             if key in self._cache:  # compiled while this job waited
                 return self._cache[key]
+        # lazy: xgrammar is optional (pagedllm[structured]) and slow to import (2 s)
         import xgrammar as xgr
 
         if self._info is None:

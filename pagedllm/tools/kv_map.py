@@ -22,7 +22,9 @@ import argparse
 import json
 from typing import Any
 
+from pagedllm.beam_search_params import BeamSearchParams
 from pagedllm.core.kv_snapshot import BLOCK_STATES, rle_decode
+from pagedllm.sampling_params import SamplingParams
 
 COLORS = {"free": "#e9ecef", "used": "#4c6ef5", "shared": "#f59f00", "cached": "#94d82d",
           "reserved": "#495057", "swapped": "#e64980"}
@@ -35,7 +37,7 @@ SYSTEM = ("You are a helpful assistant who explains how operating systems manage
 
 def draw_snapshot(ax: Any, snap: dict[str, Any], title: str, cols: int = 16) -> None:
     """One panel: the pool grid, then one row per sequence's block table."""
-    from matplotlib.patches import Rectangle
+    from matplotlib.patches import Rectangle  # lazy: matplotlib is optional, needed only to draw
 
     n = snap["config"]["num_blocks"]
     states = rle_decode(snap["blocks"]["rle"])
@@ -67,10 +69,10 @@ def draw_snapshot(ax: Any, snap: dict[str, Any], title: str, cols: int = 16) -> 
 
 
 def render(panels: list[tuple[str, dict[str, Any]]], out: str) -> None:
-    import matplotlib
+    import matplotlib  # lazy: matplotlib is optional, needed only to draw
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib is optional, needed only to draw
     from matplotlib.patches import Patch
 
     fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.4), squeeze=False)
@@ -98,8 +100,6 @@ def _drain(engine: Any) -> None:
 
 
 def scenario_sharing(llm: Any) -> dict[str, Any]:
-    from pagedllm import SamplingParams
-
     eng = llm.llm_engine
     eng.add_request("n3", SYSTEM + "Explain paging.", SamplingParams(
         n=3, temperature=1.0, seed=7, max_tokens=64, ignore_eos=True))
@@ -110,8 +110,6 @@ def scenario_sharing(llm: Any) -> dict[str, Any]:
 
 
 def scenario_beam(llm: Any) -> dict[str, Any]:
-    from pagedllm import BeamSearchParams
-
     eng = llm.llm_engine
     eng.add_request("beam", SYSTEM + "Explain paging.", BeamSearchParams(beam_width=3, max_tokens=40))
     _steps(eng, 20)
@@ -121,8 +119,6 @@ def scenario_beam(llm: Any) -> dict[str, Any]:
 
 
 def scenario_prefix(llm: Any) -> dict[str, Any]:
-    from pagedllm import SamplingParams
-
     eng = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     eng.add_request("first", SYSTEM + "What is a page?", SamplingParams(
@@ -144,7 +140,7 @@ RUNNERS = {"sharing": (scenario_sharing, "n = 3 samples: one prompt, forked"),
 
 def run_scenarios(names: list[str], model: str | None, num_blocks: int,
                   block_size: int) -> list[tuple[str, dict[str, Any]]]:
-    from pagedllm import LLM
+    from pagedllm import LLM  # lazy: torch and the engine load only when scenarios run
 
     llm = LLM(model, num_kv_blocks=num_blocks, block_size=block_size, max_model_len=1024)
     panels = []

@@ -44,6 +44,13 @@ from pagedllm.layers.decode_step_parts import (
 from pagedllm.layers.kv_cache_dtype import KERNEL_KIND, split_kv_cache
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.model.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +105,6 @@ def _address(fn) -> int:
 
 def unsupported_reason(model: nn.Module, kv_caches: list[torch.Tensor]) -> str | None:
     """Why `model` cannot take C decode steps (None: it can, where each step's paths allow)."""
-    from pagedllm.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
-
     if not envs.PAGEDLLM_DECODE_STEP:
         return f"{ENV}=0"
     if decode_step_kernel() is None or decode_softcap_kernel() is None:

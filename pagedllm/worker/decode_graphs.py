@@ -64,7 +64,7 @@ class DecodeGraphs:
         self.table_width = -(-max_model_len // block_size)
         self.step_module = DecodeStep(model, block_size)
         # Dynamo keeps one cache entry per static shape; leave room for every bucket.
-        import torch._dynamo
+        import torch._dynamo  # lazy: torch._dynamo / inductor (about 1 s) only when compiling
 
         prepare_for_compilation()
 
@@ -165,6 +165,7 @@ class DecodeGraphs:
         # The settings go into inductor's global config for the duration of the compilation
         # (the first call): passed as `torch.compile(options=...)` freezing does not take
         # effect (weights stay graph inputs and no GEMM template applies).
+        # lazy: torch._dynamo / inductor (about 1 s) only when compiling
         import torch._inductor.config as inductor_config
 
         with inductor_config.patch(INDUCTOR_OPTIONS):

@@ -16,7 +16,9 @@ import torch
 
 from pagedllm.core.step_plan import StepPlan
 from pagedllm.distributed import cpu_binding, parallel_state
-from pagedllm.layers.backends import select_attn_backend, set_attn_backend
+from pagedllm.layers.attention import set_attn_backend
+from pagedllm.layers.backends import select_attn_backend
+from pagedllm.lora.worker_manager import WorkerLoRAManager
 from pagedllm.model.loader import load_model
 from pagedllm.worker.draft_runner import DraftModelRunner
 from pagedllm.worker.memory_sizing import MemoryProfile
@@ -130,8 +132,6 @@ class Worker:
                                         kv_cache_groups=c.kv_cache_groups, cpu_decode_step=not c.enforce_eager)
         self.model_runner.cache_engine.allocate_host_pool(num_host_blocks)
         if c.lora is not None:  # adapter slots on every target layer of this rank's shard
-            from pagedllm.lora.worker_manager import WorkerLoRAManager
-
             self.model_runner.lora = WorkerLoRAManager(self.model, c.hf_config, c.lora)
         if self.draft_model is not None:  # its KV in the same block ids (worker/draft_runner.py)
             draft = ModelRunner(self.draft_model, c.draft.hf_config, num_blocks, c.block_size, c.dtype, self.device,

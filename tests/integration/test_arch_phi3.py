@@ -88,7 +88,7 @@ def test_long_factors_apply_past_the_original_length(tmp_path):
 
 
 def test_quantized_phi3_is_refused():
-    from pagedllm.quantization import get_quantization_config
+    from pagedllm.quantization.config_detection import get_quantization_config
 
     config = _config()
     config.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}

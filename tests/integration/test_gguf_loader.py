@@ -11,7 +11,8 @@ import torch
 from transformers import AutoConfig, GenerationConfig, GPT2Config
 
 from pagedllm.model import get_model_class, load_model
-from pagedllm.model.gguf_loader import dequantize_tensor, gguf_to_hf_name
+from pagedllm.model.gguf_loader import gguf_to_hf_name
+from pagedllm.quantization.formats.gguf_block_decoding import dequantize_tensor
 from pagedllm.worker import ModelRunner
 from tests.integration.model_fixtures import (
     hf_logits,

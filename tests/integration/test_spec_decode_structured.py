@@ -10,7 +10,7 @@ import json
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_outputs_params import StructuredOutputsParams
 from tests.integration.test_spec_decode import SPEC, _tokens, run_checked
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from pagedllm import SamplingParams
-from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_outputs_params import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
 

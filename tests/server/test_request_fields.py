@@ -270,7 +270,7 @@ def test_chat_add_special_tokens_reaches_the_tokenizer():
     """vLLM's chat add_special_tokens (default false: the template has them) is what the
     tokenizer is called with (SmolLM2 adds no BOS, so the server cannot show a difference)."""
     from pagedllm.entrypoints.openai.chat import ChatServer
-    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest
 
     calls = []
 

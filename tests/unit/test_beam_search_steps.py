@@ -17,7 +17,7 @@ import torch
 
 from pagedllm.core.request import SequenceState, SequenceStatus
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchRequest
-from pagedllm.sampling_params import BeamSearchParams
+from pagedllm.beam_search_params import BeamSearchParams
 
 TABLE = {
     (): [0.5, 0.3, 0.05, 0.15],

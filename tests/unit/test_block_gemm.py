@@ -12,7 +12,7 @@ from pagedllm.layers import linear as linear_mod
 from pagedllm.quantization.formats.exact_block_encoding import FORMAT_Q4A, FORMAT_Q8S, find_block_encoding
 from pagedllm.layers.linear import linear, prepare_weight
 from pagedllm.quantization.kernels.int_kernel import unpack_int_weight
-from pagedllm.model.gguf_loader import dequantize_tensor
+from pagedllm.quantization.formats.gguf_block_decoding import dequantize_tensor
 
 needs_kernel = pytest.mark.skipif(linear_mod._block_kernel() is None, reason="no C compiler: F.linear only")
 

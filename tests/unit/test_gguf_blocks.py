@@ -12,9 +12,9 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import quantize  # noqa: E402
 
-from pagedllm.quantization.formats.gguf import pack_gguf_blocks  # noqa: E402
+from pagedllm.quantization.formats.gguf_packing import pack_gguf_blocks  # noqa: E402
 from pagedllm.quantization.kernels.int_kernel import int_gemm_isa, unpack_int_weight  # noqa: E402
-from pagedllm.model.gguf_loader import dequantize_tensor, gguf_blocks  # noqa: E402
+from pagedllm.quantization.formats.gguf_block_decoding import dequantize_tensor, gguf_blocks  # noqa: E402
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
 

@@ -432,7 +432,7 @@ DEEP = '{"type":"array","items":' * 5000 + '{"type":"string"}' + "}" * 5000
 
 
 def test_a_deeply_nested_schema_string_is_a_value_error():
-    from pagedllm.sampling_params import StructuredOutputsParams
+    from pagedllm.structured_outputs_params import StructuredOutputsParams
 
     with pytest.raises(ValueError, match="nested too deeply"):
         StructuredOutputsParams(json=DEEP)
@@ -440,7 +440,7 @@ def test_a_deeply_nested_schema_string_is_a_value_error():
 
 def test_a_deeply_nested_schema_dict_is_a_value_error_in_the_check():
     pytest.importorskip("xgrammar")
-    from pagedllm.sampling_params import StructuredOutputsParams
+    from pagedllm.structured_outputs_params import StructuredOutputsParams
     from pagedllm.structured_output import check_constraint
 
     schema: dict = {"type": "string"}

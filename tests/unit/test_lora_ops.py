@@ -19,6 +19,7 @@ import torch
 from pagedllm.kernels import build as kernel_build
 from pagedllm.kernels import isa
 from pagedllm.lora import ops
+from pagedllm.lora.slot_segments import segments
 
 U32 = 2.0 ** -24
 HAVE_CC = shutil.which("gcc") is not None or shutil.which("cc") is not None
@@ -237,11 +238,11 @@ def test_no_tokens():
 
 def test_segments_group_tokens_by_slot_stably():
     idx = torch.tensor([2, -1, 0, 2, 2, -1, 0], dtype=torch.int32)
-    seg = ops.segments(idx, 4)
+    seg = segments(idx, 4)
     assert seg.order.tolist() == [1, 5, 2, 6, 0, 3, 4]
     assert seg.starts.tolist() == [0, 2, 4, 4, 7, 7]  # slot 1 and slot 3: empty segments
     assert seg.slots.tolist() == [-1, 0, 1, 2, 3]
-    empty = ops.segments(torch.zeros(0, dtype=torch.int32), 2)
+    empty = segments(torch.zeros(0, dtype=torch.int32), 2)
     assert empty.order.numel() == 0 and empty.starts.tolist() == [0, 0, 0, 0]
 
 

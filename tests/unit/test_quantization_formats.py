@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedllm.layers.linear import Linear, MergedLinear
-from pagedllm.quantization import get_quantization_config
+from pagedllm.quantization.config_detection import get_quantization_config
 from pagedllm.quantization.formats.awq import AWQConfig
 from pagedllm.quantization.formats.compressed_tensors import CompressedTensorsConfig
 from pagedllm.quantization.formats.gptq import GPTQConfig

@@ -243,3 +243,16 @@ def test_parallel_greedy_samples_allowed():
     # vLLM v1 allows n > 1 with greedy: the samples are equal (and share every block).
     p = SamplingParams(n=4, temperature=0.0)
     assert p.n == 4 and p.is_greedy
+
+
+def test_public_import_paths():
+    """vLLM's paths stay public after the split into beam_search_params.py and
+    structured_outputs_params.py: one class each, whichever path a user imports."""
+    import pagedllm
+    from pagedllm import sampling_params
+    from pagedllm.beam_search_params import BeamSearchParams as Beam
+    from pagedllm.structured_outputs_params import StructuredOutputsParams
+
+    assert pagedllm.SamplingParams is SamplingParams is sampling_params.SamplingParams
+    assert pagedllm.BeamSearchParams is BeamSearchParams is Beam
+    assert sampling_params.StructuredOutputsParams is StructuredOutputsParams

@@ -13,7 +13,7 @@ import pytest
 from pagedllm.core.request import SequenceState
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.config import SpeculativeConfig
-from pagedllm.spec_decode.proposer import BUILT_METHODS, make_proposer
+from pagedllm.spec_decode.proposer_choice import BUILT_METHODS, make_proposer
 from pagedllm.spec_decode.suffix import SuffixCache, SuffixProposer
 from pagedllm.spec_decode.suffix_tree import SuffixTree, _walk
 

@@ -9,7 +9,8 @@ import torch
 from pagedllm.engine.core_messages import EngineCoreRequest, decode_request, encode
 from pagedllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from pagedllm.layers.sampling_masks import apply_token_bitmask
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_outputs_params import StructuredOutputsParams
 from pagedllm.structured_output import (
     banned_tokens,
     check_constraint,

@@ -264,7 +264,8 @@ def test_gguf_cuts_read_only_the_rank_part_of_the_blocks():
     from gguf import GGMLQuantizationType as T
     from gguf.quants import quantize
 
-    from pagedllm.model.gguf_loader import cut_gguf_data, dequantize_tensor, gguf_blocks
+    from pagedllm.model.gguf_loader import cut_gguf_data
+    from pagedllm.quantization.formats.gguf_block_decoding import dequantize_tensor, gguf_blocks
 
     w = np.random.default_rng(0).standard_normal((8, 128)).astype(np.float32)
     for qtype in (T.Q8_0, T.Q4_0, T.Q4_1):

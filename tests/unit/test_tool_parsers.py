@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from pagedllm.entrypoints.openai.errors import OpenAIError
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from pagedllm.entrypoints.openai.tool_calling import (
     AUTO_NEEDS_FLAGS,

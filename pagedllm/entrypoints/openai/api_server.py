@@ -61,16 +61,15 @@ from pagedllm.entrypoints.openai.http_limits import (
 )
 from pagedllm.entrypoints.openai.pooling_routes import add_generation_model_refusals
 from pagedllm.entrypoints.openai.lora_models import ServedLoRAs, runtime_updating_allowed
-from pagedllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
+from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.completion_protocol import CompletionRequest
+from pagedllm.entrypoints.openai.models_protocol import (
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
+from pagedllm.entrypoints.openai.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from pagedllm.entrypoints.openai.request_fields import IGNORED_FIELDS_HEADER, REQUEST_ID_HEADER
 from pagedllm.entrypoints.openai.serving import ServerOptions, ServingContext, with_cancellation
 from pagedllm.entrypoints.openai.serve_start import ServeStart, bind_socket

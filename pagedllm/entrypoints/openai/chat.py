@@ -27,7 +27,7 @@ from pagedllm.engine.async_engine import RequestStream
 from pagedllm.engine.input_processing import check_prompt_chars
 from pagedllm.entrypoints.openai.errors import OpenAIError, as_openai_error, sse_error
 from pagedllm.entrypoints.openai.logprobs import chat_logprobs
-from pagedllm.entrypoints.openai.protocol import (
+from pagedllm.entrypoints.openai.chat_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -35,8 +35,8 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse,
     ChatMessage,
     DeltaMessage,
-    now_seconds,
 )
+from pagedllm.entrypoints.openai.protocol_base import now_seconds
 from pagedllm.entrypoints.openai.request_fields import (
     fit_default_max_tokens,
     log_request,

@@ -20,15 +20,14 @@ from starlette.background import BackgroundTask
 from pagedllm.engine.async_engine import RequestStream
 from pagedllm.entrypoints.openai.errors import OpenAIError, as_openai_error, sse_error
 from pagedllm.entrypoints.openai.logprobs import completion_logprobs
-from pagedllm.entrypoints.openai.protocol import (
+from pagedllm.entrypoints.openai.completion_protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamChoice,
     CompletionStreamResponse,
-    UsageInfo,
-    now_seconds,
 )
+from pagedllm.entrypoints.openai.protocol_base import UsageInfo, now_seconds
 from pagedllm.entrypoints.openai.request_fields import (
     FieldPlan,
     log_request,

@@ -15,7 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from pagedllm.engine.errors import SchedulerStallError
+from pagedllm.entrypoints.openai.protocol_base import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +65,11 @@ def as_openai_error(exc: BaseException) -> OpenAIError:
         return exc
     if isinstance(exc, ValueError):  # the engine's and SamplingParams' validation errors
         return OpenAIError(str(exc), 400)
+    # lazy: async_engine imports torch; the CLI loads this module (through tool_calling) without it
     from pagedllm.engine.async_engine import EngineDeadError
 
     if isinstance(exc, EngineDeadError):
         return OpenAIError(str(exc), 503)
-    from pagedllm.engine.errors import SchedulerStallError
-
     if isinstance(exc, SchedulerStallError):  # a server bug, logged by the engine thread
         return OpenAIError(f"Internal server error: {exc}", 500)
     logger.error("request failed: %r", exc, exc_info=exc)

@@ -16,12 +16,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from pagedllm.entrypoints.openai.protocol import (
+from pagedllm.entrypoints.openai.chat_protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
     ChatCompletionLogProbsContent,
-    CompletionLogProbs,
 )
+from pagedllm.entrypoints.openai.completion_protocol import CompletionLogProbs
 from pagedllm.outputs import Logprob
 
 _MIN_LOGPROB = -9999.0

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from pagedllm.entrypoints.openai.protocol import now_seconds, random_uuid
+from pagedllm.entrypoints.openai.protocol_base import now_seconds, random_uuid
 
 # OpenAI's limit on the inputs of one embeddings request
 MAX_INPUTS = 2048

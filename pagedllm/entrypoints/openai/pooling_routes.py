@@ -33,7 +33,7 @@ from pagedllm.entrypoints.openai.pooling_protocol import (
     ScoreResponse,
     Usage,
 )
-from pagedllm.entrypoints.openai.protocol import random_uuid
+from pagedllm.entrypoints.openai.protocol_base import random_uuid
 from pagedllm.entrypoints.openai.serving import with_cancellation
 from pagedllm.pooling.async_engine import AsyncPoolingEngine, PoolingEngineDeadError
 from pagedllm.pooling.inputs import PromptError

@@ -19,7 +19,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.openai.errors import error_response
 from pagedllm.entrypoints.openai.http_limits import HTTPLimits
 from pagedllm.entrypoints.openai.pooling_routes import PoolingRoutes
-from pagedllm.entrypoints.openai.protocol import ModelCard, ModelList
+from pagedllm.entrypoints.openai.models_protocol import ModelCard, ModelList
 from pagedllm.pooling.async_engine import AsyncPoolingEngine
 
 logger = logging.getLogger("pagedllm.server")

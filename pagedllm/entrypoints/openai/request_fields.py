@@ -20,12 +20,12 @@ from fastapi import Request
 
 from pagedllm.core.scheduler_config import check_priority
 from pagedllm.entrypoints.openai.errors import OpenAIError
-from pagedllm.entrypoints.openai.protocol import PromptTokenUsageInfo, UsageInfo, random_uuid
+from pagedllm.entrypoints.openai.protocol_base import PromptTokenUsageInfo, UsageInfo, random_uuid
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagedllm.entrypoints.openai.protocol import _SamplingFields
+    from pagedllm.entrypoints.openai.sampling_request import SamplingRequest
     from pagedllm.entrypoints.openai.serving import ServingContext
 
 logger = logging.getLogger("pagedllm.server")
@@ -57,7 +57,7 @@ def header_value(text: str) -> str:
 _HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
 
 
-def resolve_logprob_fields(ctx: "ServingContext", request: "_SamplingFields") -> None:
+def resolve_logprob_fields(ctx: "ServingContext", request: "SamplingRequest") -> None:
     """Before the SamplingParams are built: `-1` (vLLM's "the whole vocabulary") becomes the
     vocabulary size, and a count over --max-logprobs is a 400 naming the field."""
     inputs = ctx.async_engine.inputs
@@ -71,7 +71,7 @@ def resolve_logprob_fields(ctx: "ServingContext", request: "_SamplingFields") ->
             raise OpenAIError(str(exc), 400, param=name) from exc
 
 
-def plan_fields(ctx: "ServingContext", request: "_SamplingFields", raw_request: Request,
+def plan_fields(ctx: "ServingContext", request: "SamplingRequest", raw_request: Request,
                 params: SamplingParams) -> FieldPlan:
     """Check and resolve the shared fields; an OpenAIError (400) names the offending one."""
     refused = request.refused_field()

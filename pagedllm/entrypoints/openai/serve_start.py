@@ -11,6 +11,14 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.engine.core_start import CoreStart, in_process_requested
+from pagedllm.entrypoints.arg_utils import (
+    engine_config_from_args,
+    server_extras_from_args,
+    validate_server_args,
+)
+from pagedllm.model.resolution import serving_runner
+
 
 @dataclass
 class ServeStart:
@@ -51,10 +59,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def start_serving(args: argparse.Namespace) -> ServeStart:
     """Check every flag, bind the port (a ValueError for either), launch the cores."""
-    from pagedllm.engine.core_start import CoreStart, in_process_requested
-    from pagedllm.entrypoints.arg_utils import (engine_config_from_args, server_extras_from_args,
-                                                validate_server_args)
-    from pagedllm.model.resolution import serving_runner
 
     validate_server_args(args)
     config = engine_config_from_args(args)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.entrypoints.openai.chat import RequestTemplates
-from pagedllm.entrypoints.openai.protocol import (
+from pagedllm.entrypoints.openai.tokenize_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,

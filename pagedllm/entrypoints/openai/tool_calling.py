@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.entrypoints.openai.errors import OpenAIError
-from pagedllm.entrypoints.openai.protocol import (
+from pagedllm.entrypoints.openai.chat_protocol import (
     ChatCompletionNamedToolChoiceParam,
     ChatCompletionRequest,
     FunctionCall,
@@ -40,6 +40,7 @@ from pagedllm.entrypoints.openai.tool_parsers import (
     required_tool_schema,
 )
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_outputs_params import StructuredOutputsParams
 
 AUTO_NEEDS_FLAGS = (
     '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
@@ -85,12 +86,6 @@ class ToolPlan:
                 "tool_choice 'required' or a named function cannot be combined with "
                 "response_format / structured_outputs (both constrain the output).", 400,
                 param="tool_choice")
-        try:
-            from pagedllm.sampling_params import StructuredOutputsParams
-        except ImportError:
-            raise OpenAIError(
-                "tool_choice 'required' and named functions need structured outputs, which this "
-                "build does not have.", 400, param="tool_choice") from None
         return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(
             json=self.schema))
 

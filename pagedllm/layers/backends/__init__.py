@@ -3,7 +3,8 @@
 `torch_paged` is the portable implementation (plain torch ops and, on CPU, the C kernels);
 `triton_paged` is the CUDA one (Triton kernels, capture-safe for CUDA graphs). Layers are built
 with the torch backend; the worker sets the chosen one on every attention layer once the model
-is loaded (`select_attn_backend`, `set_attn_backend`), so the choice is one per model.
+is loaded (`select_attn_backend`, then layers/attention.py's `set_attn_backend`), so the choice
+is one per model.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch import nn
 
 from pagedllm import envs
 from pagedllm.layers.backends.torch_paged import TorchPagedAttentionBackend
@@ -25,7 +25,7 @@ def get_attn_backend() -> type:
 
 
 def _triton_installed() -> bool:
-    from pagedllm.layers.backends import triton_attention_kernels
+    from pagedllm.layers.backends import triton_attention_kernels  # lazy: imports triton (optional, slow)
 
     return triton_attention_kernels.HAS_TRITON
 
@@ -42,6 +42,7 @@ def select_attn_backend(name: str, device: torch.device, kv_cache_dtype: torch.d
         return TorchPagedAttentionBackend
     if name not in ("auto", "triton"):
         raise ValueError(f"attention_backend must be one of ['auto', 'torch', 'triton'], got {name!r}.")
+    # lazy: the Triton backend imports triton (optional, slow), never needed for name="torch"
     from pagedllm.layers.backends.triton_paged import SUPPORTED_CACHE_DTYPES, TritonPagedAttentionBackend
 
     if name == "auto":
@@ -80,19 +81,10 @@ def _capability(device: torch.device, capability: tuple[int, int] | None) -> tup
 
 
 def _fp8_unsupported(device: torch.device, kv_cache_dtype: torch.dtype, capability: tuple[int, int] | None) -> bool:
-    from pagedllm.layers.backends.triton_paged import FP8_DTYPES
+    from pagedllm.layers.backends.triton_paged import FP8_DTYPES  # lazy: imports triton (optional, slow)
 
     return (device.type == "cuda" and kv_cache_dtype in FP8_DTYPES
             and tuple(_capability(device, capability)) < FP8_MIN_CAPABILITY)
 
 
-def set_attn_backend(model: nn.Module, backend: type) -> None:
-    """Make every attention layer of `model` use `backend`."""
-    from pagedllm.layers.attention import Attention
-
-    for module in model.modules():
-        if isinstance(module, Attention):
-            module.backend = backend
-
-
-__all__ = ["TorchPagedAttentionBackend", "get_attn_backend", "select_attn_backend", "set_attn_backend"]
+__all__ = ["TorchPagedAttentionBackend", "get_attn_backend", "select_attn_backend"]

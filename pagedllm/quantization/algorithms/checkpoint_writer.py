@@ -31,10 +31,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
+from transformers import GenerationConfig
 
+from pagedllm.model.gguf_loader import iter_gguf_weights
+from pagedllm.model.loader import iter_safetensors_weights
+from pagedllm.model_source import load_hf_config, resolve_model
+from pagedllm.quantization.algorithms import pipeline
+from pagedllm.quantization.algorithms.calibration import calibration_samples, read_text
 from pagedllm.quantization.formats.packing import pack_awq, pack_int32
 from pagedllm.quantization.algorithms.gptq import QuantizedWeight
 from pagedllm.quantization.algorithms.grid import rtn_quantize
+from pagedllm.tokenizer import load_tokenizer
 
 __all__ = ["quantize_model", "quantize_tensors", "rtn_quantize", "METHODS", "FORMATS"]
 
@@ -156,11 +164,6 @@ def quantization_config(fmt: str, bits: int, group_size: int, sym: bool, act_ord
 def _source(model: str | None):
     """(config, weight iterator, a function that writes the tokenizer files into a folder,
     a function that loads the tokenizer)."""
-    from pagedllm.model.gguf_loader import iter_gguf_weights
-    from pagedllm.model.loader import iter_safetensors_weights
-    from pagedllm.model_source import load_hf_config, resolve_model
-    from pagedllm.tokenizer import load_tokenizer
-
     src = resolve_model(model)
     hf_config = load_hf_config(src)
     if src.is_gguf:
@@ -219,7 +222,6 @@ def quantize_model(model: str | None, out: str, method: str = "rtn", bits: int =
     out_path = Path(out)
     if out_path.exists() and any(out_path.iterdir()):
         raise ValueError(f"--out {out!r} exists and is not empty")
-    from safetensors.torch import save_file
 
     hf_config, weights, write_tokenizer, tokenizer = _source(model)
     if getattr(hf_config, "quantization_config", None) is not None:
@@ -241,9 +243,6 @@ def quantize_model(model: str | None, out: str, method: str = "rtn", bits: int =
     if method == "rtn":
         results = rtn_weights(projections, bits, group_size, sym, act_order, min_zero)
     else:
-        from pagedllm.quantization.algorithms import pipeline
-        from pagedllm.quantization.algorithms.calibration import calibration_samples, read_text
-
         t0 = time.perf_counter()
         samples = calibration_samples(tokenizer(), read_text(calibration), num_samples, seq_len)
         grid = pipeline.Grid(bits, group_size, sym, min_zero)
@@ -273,8 +272,6 @@ def quantize_model(model: str | None, out: str, method: str = "rtn", bits: int =
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         write_tokenizer(tmp)
         if not (tmp / "generation_config.json").exists():
-            from transformers import GenerationConfig
-
             GenerationConfig.from_model_config(hf_config).save_pretrained(tmp)
         if out_path.exists():
             out_path.rmdir()

@@ -377,6 +377,7 @@ class PackedIntLinearMethod(LinearMethod):
 
     def apply(self, layer, x, bias) -> torch.Tensor:
         if x.is_cuda:  # the Triton dequantize-fused matmul (triton_int_gemm.py), where Triton is installed
+            # lazy: imports triton (optional, slow), CUDA only
             from pagedllm.quantization.kernels.triton_int_gemm import apply_packed_int
             if (out := apply_packed_int(self, layer, x, bias)) is not None:
                 return out

@@ -15,90 +15,24 @@ layer and the bytes.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 from torch import nn
 
 from pagedllm.layers.decode_step_parts import gguf_parts, int_weight_parts
+from pagedllm.layers.linear import float_step_parts, linear, prepare_weight
 from pagedllm.quantization.formats.base import LinearMethod, QuantizationConfig, Slices, logical_weight_slices
-from pagedllm.quantization.kernels.gguf_kernel import GGUFTensor, gguf_linear, kernel_takes
-from pagedllm.quantization.kernels.int_kernel import (
-    PackedIntWeight,
-    int_linear,
-    kernel_supports,
-    pack_int_weight,
-    unpack_int_weight,
-    with_choice,
+from pagedllm.quantization.formats.gguf_packing import (
+    as_gguf_tensor,
+    is_blocks,
+    pack_for_int_gemm,
+    pack_gguf_blocks,
+    warn_widened,
+    widened,
 )
-
-logger = logging.getLogger(__name__)
-GGUF_BLOCK = 32
-INT_GEMM_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # repacked for int_gemm.c when a layer has only these
-
-
-def _is_blocks(t: Any) -> bool:
-    return hasattr(t, "codes") and hasattr(t, "offsets")  # model/gguf_loader.GGUFBlockWeight
-
-
-def as_gguf_tensor(t: Any) -> GGUFTensor:
-    """A float32 / float16 / bfloat16 tensor as a GGUFTensor of its type (GGUFTensors as they are)."""
-    if isinstance(t, GGUFTensor):
-        return t
-    names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-    if t.dim() != 2 or t.dtype not in names:
-        raise ValueError(f"a GGUF matrix must be 2-D float32/16, got {tuple(t.shape)} {t.dtype}")
-    t = t.contiguous()
-    return GGUFTensor(t.view(torch.uint8), names[t.dtype], tuple(t.shape))
-
-
-def int_gemm_blocks(t: GGUFTensor) -> Any:
-    """A Q4_0 / Q4_1 / Q8_0 GGUFTensor unpacked for int_gemm.c's repacking."""
-    from gguf import GGMLQuantizationType
-
-    from pagedllm.model.gguf_loader import gguf_blocks
-
-    return gguf_blocks(t.data.numpy(), GGMLQuantizationType[t.type_name], t.shape)
-
-
-def pack_for_int_gemm(shards: list[Any]) -> PackedIntWeight | None:
-    """int_gemm.c's form of a layer whose parts are all Q4_0 / Q4_1 / Q8_0 (None otherwise,
-    or without the kernel)."""
-    if not all(isinstance(s, GGUFTensor) and s.type_name in INT_GEMM_TYPES for s in shards):
-        return None
-    blocks = [int_gemm_blocks(s) for s in shards]
-    return None if any(b is None for b in blocks) else pack_gguf_blocks(blocks)
-
-
-def widened(t: Any) -> torch.Tensor:
-    """The float values of a GGUFTensor (or a float tensor as it is)."""
-    return t.dequantize() if isinstance(t, GGUFTensor) or _is_blocks(t) else t
-
-
-def warn_widened(what: str, parts: list[Any], why: str) -> None:
-    packed = [p for p in parts if isinstance(p, GGUFTensor)]
-    if packed:
-        rows = sum(p.shape[0] for p in parts)
-        logger.warning("GGUF %s widened to float32 (%s): %d bytes instead of the file's %d", what, why,
-                       rows * parts[0].shape[1] * 4, sum(p.nbytes for p in packed))
-
-
-def pack_gguf_blocks(shards: list[Any]) -> PackedIntWeight | None:
-    """One packed weight for the row-concatenation of `shards` (GGUFBlockWeight), or None when
-    the kernel is unavailable."""
-    bits = max(s.bits for s in shards)
-    k = shards[0].codes.shape[1]
-    if not kernel_supports(bits, k, GGUF_BLOCK):
-        return None
-    codes = torch.cat([s.codes for s in shards])
-    d = torch.cat([s.d for s in shards])
-    if all(s.offsets.dtype == torch.uint8 for s in shards):
-        offsets = torch.cat([s.offsets for s in shards])
-    else:  # some shards have minimums: every zero point becomes the minimum it stands for
-        offsets = torch.cat([-s.d * s.offsets.float() if s.offsets.dtype == torch.uint8 else s.offsets
-                             for s in shards])
-    return pack_int_weight(codes, d, offsets, bits, GGUF_BLOCK)
+from pagedllm.quantization.kernels.gguf_kernel import GGUFTensor, gguf_linear, kernel_takes
+from pagedllm.quantization.kernels.int_kernel import int_linear, unpack_int_weight, with_choice
 
 
 class GGUFLinearMethod(LinearMethod):
@@ -128,8 +62,6 @@ class GGUFLinearMethod(LinearMethod):
 
     @torch.no_grad()
     def process_weights_after_loading(self, layer) -> None:
-        from pagedllm.layers.linear import prepare_weight
-
         shards = [layer.gguf_shards[i] for i in range(len(layer.output_sizes))]
         del layer.gguf_shards
         layer.gguf_weights = None  # the file's parts, read in place by gguf_gemm.c
@@ -143,7 +75,7 @@ class GGUFLinearMethod(LinearMethod):
             if all(kernel_takes(p.type_name, p.shape[1]) for p in parts):
                 layer.gguf_weights = parts
                 return
-        if on_cpu and all(map(_is_blocks, shards)):  # blocks handed over directly (tests, tools)
+        if on_cpu and all(map(is_blocks, shards)):  # blocks handed over directly (tests, tools)
             packed = pack_gguf_blocks(shards)
             if packed is not None:
                 layer.int_weight = with_choice(packed, self.compute)
@@ -175,8 +107,6 @@ class GGUFLinearMethod(LinearMethod):
         return layer.weight.float()
 
     def decode_step_parts(self, layer, bucket: int) -> list | None:
-        from pagedllm.layers.linear import float_step_parts
-
         if layer.int_weight is not None:
             return int_weight_parts(layer.int_weight, self.compute, bucket)
         if layer.gguf_weights is not None:
@@ -184,8 +114,6 @@ class GGUFLinearMethod(LinearMethod):
         return float_step_parts(layer.weight, layer.prepared, bucket)
 
     def apply(self, layer, x, bias) -> torch.Tensor:
-        from pagedllm.layers.linear import linear
-
         packed, parts = layer.int_weight, layer.gguf_weights
         if (packed is not None or parts is not None) and x.dtype == torch.float32 and x.device.type == "cpu":
             lead, flat = x.shape[:-1], x.reshape(-1, x.shape[-1])

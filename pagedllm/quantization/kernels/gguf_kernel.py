@@ -17,9 +17,12 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from pagedllm.kernels import gguf_gemm_kernel
+from pagedllm.quantization.formats.gguf_block_decoding import dequantize_tensor
 from pagedllm.layers.eager_in_graphs import eager_in_graphs
+from pagedllm.quantization.kernels.int_kernel import ISA_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +61,6 @@ class GGUFTensor(NamedTuple):
         """The float32 values (what the exact path multiplies by)."""
         if kernel_takes(self.type_name, self.shape[1]):
             return gguf_rows(self, None)
-        from gguf import GGMLQuantizationType
-
-        from pagedllm.model.gguf_loader import dequantize_tensor  # torch for Q4_0 / Q4_1 / Q8_0, else gguf-py
 
         data = self.data.numpy()
         if self.type_name in ("F32", "F16"):
@@ -78,8 +78,6 @@ def kernel_takes(type_name: str, cols: int) -> bool:
 
 
 def gguf_isa() -> str | None:
-    from pagedllm.quantization.kernels.int_kernel import ISA_NAMES
-
     kernel = gguf_gemm_kernel()
     return None if kernel is None else ISA_NAMES.get(kernel.isa(), "unknown")
 
