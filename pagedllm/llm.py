@@ -55,22 +55,15 @@ class LLM(PoolingAPI):
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        from pagedllm.pooling.runner_choice import is_pooling_config
-
         config = EngineConfig.from_kwargs(model=model, **kwargs)
-        self.pooling_engine = None
-        self.llm_engine = None
-        if is_pooling_config(config):
-            from pagedllm.pooling.engine import PoolingEngine
-
-            self.pooling_engine = PoolingEngine(config)
-        else:
-            self.llm_engine = LLMEngine(config)
+        # One engine for both kinds of model: a pooling model's requests are the core's too
+        # (engine/core_pooling.py).
+        self.llm_engine = LLMEngine(config)
         self._request_counter = itertools.count()
 
     def _generation(self) -> LLMEngine:
-        if self.llm_engine is None:
-            raise ValueError(f"{self.pooling_engine.model_name} runs as a pooling model: use embed / classify / "
+        if self.llm_engine.pooling_inputs is not None:
+            raise ValueError(f"{self.llm_engine.model_name} runs as a pooling model: use embed / classify / "
                              "score / encode; generate, chat and beam_search need a generation model.")
         return self.llm_engine
 
@@ -79,8 +72,6 @@ class LLM(PoolingAPI):
         return cls(**{k: getattr(config, k) for k in config.__dataclass_fields__})
 
     def get_tokenizer(self):
-        if self.pooling_engine is not None:
-            return self.pooling_engine.tokenizer
         return self.llm_engine.get_tokenizer()
 
     def kv_cache_stats(self) -> KVCacheStats:

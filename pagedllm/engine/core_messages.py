@@ -19,6 +19,7 @@ import enum
 import msgspec
 
 from pagedllm.lora.request import LoRARequest
+from pagedllm.pooling.params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -35,12 +36,15 @@ class EngineCoreRequestType(enum.IntEnum):
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None  # None: a pooling request (`pooling_params`)
     arrival_time: float
     beam_params: BeamSearchParams | None = None
     cache_salt: str | None = None
     priority: int = 0  # lower = earlier, under the "priority" scheduling policy
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    # A pooling model's request (docs/pooling.md): it finishes after its prompt with a vector.
+    pooling_params: PoolingParams | None = None
+    token_type_ids: list[int] | None = None  # an encoder's segment ids (a cross-encoder's pair)
 
 
 # (token id, logprob, rank, top-k [(token id, logprob), ...] in rank order)
@@ -83,6 +87,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None  # the core rejected or failed the request (ValueError text)
     # "invalid" (the client's fault: 400) / "stall" / "internal" (500) / "fatal" (503)
     error_kind: str | None = None
+    pooled: bytes | None = None  # a pooling request's vector: float32, native byte order
 
 
 class CoreStats(msgspec.Struct, array_like=True):

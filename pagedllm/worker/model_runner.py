@@ -69,6 +69,8 @@ class ModelRunnerOutput:
     num_accepted: dict[int, int] = field(default_factory=dict)
     # A draft model's proposals this step: seq id -> the draft tokens it verified.
     draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # Pooling models: seq id -> this step's final hidden rows of each sequence with `pool`.
+    pooled_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -375,6 +377,8 @@ class ModelRunner:
         scheduled = plan.sequences
         if not scheduled:
             return ModelRunnerOutput(torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device))
+        if scheduled[0].pool:
+            return self.execute_pooling(plan)
         if self.lora is not None:  # the step's adapters into slots (loaded on demand)
             self.lora.begin_step(plan.lora_requests)
         inp = self.prepare_input(scheduled)  # applies the table changes the draft reads too
@@ -459,19 +463,18 @@ class ModelRunner:
         batch.record([rows[i] for i in keep], out.sampled_token_ids)
         return out
 
-    def execute_hidden(self, plan: StepPlan) -> list[torch.Tensor]:
-        """Pooling models (pagedllm/pooling/): the final hidden states of each scheduled
-        sequence's tokens this step, in scheduled order; no logits, no sampling rows."""
-        for seq_id in plan.released_seq_ids:
-            for table in self.block_tables:
-                table.release(seq_id)
+    def execute_pooling(self, plan: StepPlan) -> ModelRunnerOutput:
+        """A pooling model's step (docs/pooling.md): every sequence pools; its final hidden
+        rows of this step come back (`pooled_hidden`), no logits, no sampling rows."""
         scheduled = plan.sequences
-        if not scheduled:
-            return []
+        if not all(s.pool for s in scheduled):
+            raise ValueError("a step mixes pooling and sampled sequences: a core serves one kind of model")
         inp = self.prepare_input(scheduled)
         with torch.inference_mode():
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)
-        return [hidden[first:first + len(s.token_ids)] for first, s in zip(inp.first_rows, scheduled)]
+        empty = torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        return ModelRunnerOutput(empty, pooled_hidden={s.seq_id: hidden[first:first + len(s.token_ids)]
+                                                       for first, s in zip(inp.first_rows, scheduled)})
 
     def run_model(self, inp: ModelInput) -> torch.Tensor | None:
         """float32 logits of the rows `inp.logits_rows`: from a compiled decode graph where one
