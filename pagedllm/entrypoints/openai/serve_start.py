@@ -15,7 +15,7 @@ from typing import Any
 @dataclass
 class ServeStart:
     """The bound listening socket and the cores already launched (None: the server launches
-    them itself: a pooling model, or an in-process core)."""
+    them itself: an in-process core)."""
 
     sock: socket.socket
     cores: Any = None
@@ -52,8 +52,6 @@ def start_serving(args: argparse.Namespace) -> ServeStart:
     from pagedllm.engine.core_start import CoreStart, in_process_requested
     from pagedllm.entrypoints.arg_utils import (engine_config_from_args, server_extras_from_args,
                                                 validate_server_args)
-    from pagedllm.pooling.runner_choice import is_pooling_config
-
     validate_server_args(args)
     config = engine_config_from_args(args)
     server_extras_from_args(args)
@@ -61,7 +59,7 @@ def start_serving(args: argparse.Namespace) -> ServeStart:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc}") from exc
-    if is_pooling_config(config) or in_process_requested():
+    if in_process_requested():
         return ServeStart(sock)
     try:
         return ServeStart(sock, CoreStart(config))
