@@ -10,7 +10,7 @@ are bookkeeping only (engine/core_pooling.encoder_pool_blocks: enough for one fu
 tensors behind them) and return to the pool when it finishes after that step. This runner
 reads the step plan's `SequenceStep`s (`pool`, `token_ids`, `token_type_ids`), runs
 transformers' own modules (a well-kept implementation: parity by construction) over the step's
-prompts padded to the longest, and returns each sequence's final hidden rows (a classifier: its
+prompts (cut into batches of near lengths, `length_groups`, each padded to its longest), and returns each sequence's final hidden rows (a classifier: its
 logits row) for the core to pool."""
 
 from __future__ import annotations
@@ -19,9 +19,12 @@ from typing import Any
 
 import torch
 
-from pagedllm.core.step_plan import StepPlan
+from pagedllm.core.step_plan import SequenceStep, StepPlan
 from pagedllm.pooling.architectures import CLASSIFY_ARCHS
 from pagedllm.worker.model_runner import ModelRunnerOutput
+
+# A batch pads its prompts to the longest: at most this share of its real tokens is padding.
+PADDING_ALLOWED = 0.25
 
 
 class EncoderRunner:
@@ -58,13 +61,17 @@ class EncoderRunner:
     @torch.inference_mode()
     def execute_model(self, plan: StepPlan) -> ModelRunnerOutput:
         steps = plan.sequences
-        empty = torch.empty(0, dtype=torch.float32)
-        if not steps:
-            return ModelRunnerOutput(empty)
         for s in steps:
             if not s.pool or s.start_pos != 0 or not s.sample:
                 raise ValueError(f"Sequence {s.seq_id}: an encoder runs whole prompts that pool "
                                  f"(pool={s.pool}, start_pos={s.start_pos}, sample={s.sample})")
+        pooled: dict[int, torch.Tensor] = {}
+        for group in length_groups(steps):
+            pooled.update(self._forward(group))
+        return ModelRunnerOutput(torch.empty(0, dtype=torch.float32), pooled_hidden=pooled)
+
+    def _forward(self, steps: list[SequenceStep]) -> dict[int, torch.Tensor]:
+        """One padded batch: each sequence's final hidden rows (a classifier: its logits row)."""
         longest = max(len(s.token_ids) for s in steps)
         ids = torch.full((len(steps), longest), self.pad_id, dtype=torch.long)
         types = torch.zeros((len(steps), longest), dtype=torch.long)
@@ -81,7 +88,23 @@ class EncoderRunner:
         out = self.model(**kwargs)
         if self.is_classifier:
             logits = out.logits.float()
-            return ModelRunnerOutput(empty, pooled_hidden={s.seq_id: logits[i:i + 1] for i, s in enumerate(steps)})
+            return {s.seq_id: logits[i:i + 1] for i, s in enumerate(steps)}
         hidden = out.last_hidden_state
-        return ModelRunnerOutput(empty, pooled_hidden={s.seq_id: hidden[i, :len(s.token_ids)]
-                                                       for i, s in enumerate(steps)})
+        return {s.seq_id: hidden[i, :len(s.token_ids)] for i, s in enumerate(steps)}
+
+
+def length_groups(steps: list[SequenceStep], max_padding: float = PADDING_ALLOWED) -> list[list[SequenceStep]]:
+    """The step's prompts by length, cut into batches that pad at most `max_padding` of their
+    real tokens: a padded row costs a whole forward row, and the scheduler's step mixes lengths
+    (it admits in arrival order)."""
+    groups: list[list[SequenceStep]] = []
+    total = 0
+    for s in sorted(steps, key=lambda s: len(s.token_ids)):
+        n = len(s.token_ids)
+        if groups and n * (len(groups[-1]) + 1) <= (1 + max_padding) * (total + n):
+            groups[-1].append(s)
+            total += n
+        else:
+            groups.append([s])
+            total = n
+    return groups
