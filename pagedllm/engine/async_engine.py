@@ -12,6 +12,10 @@ and fans them out to one `RequestStream` per request.
     async for output in engine.generate(prompt, params, request_id):  # params.output_kind
         ...
 
+A pooling model's requests take the same path (`pool(params, work)`: prepared by
+`pooling_inputs`, one `PoolingRequestOutput` back), so its server has the same metrics and
+dashboard.
+
 Leaving the `generate` iterator early (the client went away, the handler task was cancelled)
 aborts the request: the core drops it and its KV blocks go back to the pool.
 
