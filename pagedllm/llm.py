@@ -55,10 +55,12 @@ class LLM(PoolingAPI):
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        from pagedllm.model.resolution import model_resolution
+
         config = EngineConfig.from_kwargs(model=model, **kwargs)
         # One engine for both kinds of model: a pooling model's requests are the core's too
-        # (engine/core_pooling.py).
-        self.llm_engine = LLMEngine(config)
+        # (engine/core_pooling.py). The model is resolved once: the engine takes it as is.
+        self.llm_engine = LLMEngine(config, model_resolution(config))
         self._request_counter = itertools.count()
 
     def _generation(self) -> LLMEngine:

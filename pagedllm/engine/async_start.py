@@ -15,7 +15,7 @@ from pagedllm.engine.core_messages import CoreReady
 from pagedllm.engine.core_start import IN_PROCESS_ENV, CoreStart, in_process_requested
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.generation_defaults import load_generation_defaults
-from pagedllm.pooling.runner_choice import is_pooling_config
+from pagedllm.model.resolution import serving_runner
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def start_cores(config: Any, with_metrics: bool, in_process: bool | None, start:
     source, tok_source, config = start.source, start.tok_source, start.config
     pooling_inputs = None
     try:
-        if is_pooling_config(config):
+        if serving_runner(config) == "pooling":
             from pagedllm.pooling.inputs import PoolingInputs
 
             pooling_inputs = PoolingInputs(config)  # the prompt rule: the same tokenizer as the core's model

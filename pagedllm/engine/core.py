@@ -51,8 +51,8 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.layers.rotary import long_context_threshold
-from pagedllm.model_source import ModelSource, load_hf_config, resolve_model_source, resolve_tokenizer_source
-from pagedllm.pooling.runner_choice import is_pooling_config
+from pagedllm.model.resolution import ModelResolution, model_resolution
+from pagedllm.model_source import ModelSource, resolve_tokenizer_source
 from pagedllm.tokenizer import load_tokenizer
 from pagedllm.worker.device import resolve_device, resolve_dtype
 from pagedllm.worker.model_runner import ModelRunnerOutput
@@ -65,22 +65,22 @@ class EngineCore:
 
     stall_steps = STALL_STEPS  # the watchdog's threshold (engine/errors.py)
 
-    def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
+    def __init__(self, config: EngineConfig, engine_index: int = 0, resolution: ModelResolution | None = None):
         self.config = config
         self.engine_index = engine_index
         t0 = time.perf_counter()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        self.source: ModelSource = resolve_model_source(config)
+        self.resolution = resolution or model_resolution(config)  # before any load
+        self.source: ModelSource = self.resolution.source
+        self.model_name = (config.served_model_names or [self.source.name])[0]
         # A pooling model (docs/pooling.md): the same core; its requests finish after the prompt.
-        self.pooling = CorePooling(config) if is_pooling_config(config) else None
-        names = config.served_model_names
-        self.model_name = names[0] if names else self.source.name
+        self.pooling = CorePooling(config, self.resolution) if self.resolution.is_pooling else None
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        self.hf_config = load_hf_config(self.source)
+        self.hf_config = self.resolution.hf_config
         self.vocab_size = int(self.hf_config.vocab_size)
         spec = SpeculativeConfig.from_value(config.speculative_config)
         self.draft = (draft_model_config(config, self.hf_config, spec)

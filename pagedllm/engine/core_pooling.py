@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.model.resolution import ModelResolution
 from pagedllm.pooling.inputs import PoolingInputs
 from pagedllm.pooling.params import PoolingParams
 from pagedllm.pooling.poolers import classifier_output, finish_embedding, pool
@@ -50,9 +51,9 @@ class CorePooling:
     """The pooling side of a pooling model's core: its description, the request check, the
     vectors."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, resolution: ModelResolution) -> None:
         self.config = config
-        self.inputs = PoolingInputs(config)  # the description; the core loads no tokenizer
+        self.inputs = PoolingInputs(config, resolution)  # the description; the core loads no tokenizer
         self.is_encoder = self.inputs.is_encoder
         self.is_classifier = self.inputs.is_classifier
         self.pooling_type = self.inputs.pooler.pooling_type
@@ -63,11 +64,10 @@ class CorePooling:
         self.chunked_prefill = config.enable_chunked_prefill and not self.is_encoder
 
     def model_config(self, hf_config: Any) -> Any:
-        """A decoder's config as the runner loads it: the headless architecture, marked for
-        pooling (model/registry.py refuses a headless model otherwise)."""
+        """A decoder's config as the runner loads it: the headless architecture the model's
+        resolution chose (model/resolution.py)."""
         cfg = copy.copy(hf_config)
         cfg.architectures = [self.inputs.architecture]
-        cfg.pagedllm_pooling = True
         return cfg
 
     def encoder_pool_blocks(self) -> int:

@@ -21,6 +21,7 @@ from pagedllm.engine.generation_defaults import load_generation_defaults
 from pagedllm.engine.kv_stats import KVCacheStats
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.lora.request import LoRARequest
+from pagedllm.model.resolution import ModelResolution
 from pagedllm.model_source import resolve_tokenizer_source
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling.outputs import PoolingRequestOutput
@@ -79,14 +80,14 @@ def pooling_core_request(core_id: str, params: PoolingParams, work: PoolingWork)
 class LLMEngine:
     """The engine surface: add_request / step / abort_request / has_unfinished_requests."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, resolution: ModelResolution | None = None) -> None:
         if config.data_parallel_size != 1:
             raise ValueError(
                 f"data_parallel_size={config.data_parallel_size} applies to the server "
                 "(`pagedllm serve --data-parallel-size N`); the offline LLM runs one engine core."
             )
         self.config = config
-        self.core = EngineCore(config)
+        self.core = EngineCore(config, resolution=resolution)
         core = self.core
         # A pooling model: its prompt rule (pooling/inputs.py), with the core's KV pool.
         self.pooling_inputs = None if core.pooling is None else core.pooling.inputs

@@ -12,14 +12,6 @@ import torch
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.qwen3 import Qwen3ForCausalLM
 
-# a generation architecture -> the headless one the pooling runner loads instead
-HEADLESS_OF = {
-    "LlamaForCausalLM": "LlamaModel",
-    "MistralForCausalLM": "MistralModel",
-    "Qwen2ForCausalLM": "Qwen2Model",
-    "Qwen3ForCausalLM": "Qwen3Model",
-}
-
 
 def _headless(base: type) -> type:
     class Headless(base):

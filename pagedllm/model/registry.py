@@ -1,19 +1,22 @@
-"""Hugging Face architecture name -> pagedllm model class.
+"""Hugging Face architecture name -> what pagedllm runs it with, per runner.
 
-The table names each class by module and attribute and imports it only when a config asks for
-it (as vLLM's registry does): one architecture's module (and what it imports) costs nothing to
-a process that serves another.
+generate: pagedllm's decoder classes. pooling: the same decoders without their LM head
+(paged, `decoder_embedders.py`) and BERT-family encoders (run by transformers). The table names
+each class by module and attribute and imports it only when a config asks for it (as vLLM's
+registry does), and this module imports neither torch nor transformers: `pagedllm serve`
+decides the runner from it before its engine cores start (model/resolution.py).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
-# HF `architectures` entry -> (module under pagedllm.model, class name)
-_MODEL_REGISTRY: dict[str, tuple[str, str]] = {
+# generate runner: HF `architectures` entry -> (module under pagedllm.model, class name)
+GENERATE_ARCHS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
@@ -24,11 +27,32 @@ _MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
-    # headless decoders for pooling (embedding) models: pagedllm/pooling/
+}
+
+# pooling runner, decoders: headless classes (no LM head), paged like generation
+HEADLESS_ARCHS: dict[str, tuple[str, str]] = {
     "LlamaModel": ("decoder_embedders", "LlamaModel"),
     "MistralModel": ("decoder_embedders", "LlamaModel"),
     "Qwen2Model": ("decoder_embedders", "LlamaModel"),
     "Qwen3Model": ("decoder_embedders", "Qwen3Model"),
+}
+# a generation architecture -> the headless one the pooling runner loads instead
+HEADLESS_OF = {
+    "LlamaForCausalLM": "LlamaModel",
+    "MistralForCausalLM": "MistralModel",
+    "Qwen2ForCausalLM": "Qwen2Model",
+    "Qwen3ForCausalLM": "Qwen3Model",
+}
+
+# pooling runner, encoders: loaded by transformers (pooling/encoder_runner.py)
+ENCODER_EMBED_ARCHS = ("BertModel", "RobertaModel", "XLMRobertaModel")
+ENCODER_CLASSIFY_ARCHS = ("BertForSequenceClassification", "RobertaForSequenceClassification",
+                          "XLMRobertaForSequenceClassification")
+# Recognised and refused by name, with the reason (transformers has them; pagedllm does not test them).
+REFUSED_ARCHS = {
+    "ModernBertModel": "ModernBERT is not supported yet (its alternating local/global attention is untested here)",
+    "ModernBertForSequenceClassification": "ModernBERT is not supported yet",
+    "BertForMaskedLM": "masked-LM heads are not a pooling task",
 }
 
 # Configs read from a GGUF file carry no `architectures`; fall back on `model_type`.
@@ -46,35 +70,46 @@ _MODEL_TYPE_TO_ARCH = {
 }
 
 
-def supported_architectures() -> list[str]:
-    return list(_MODEL_REGISTRY)
+def supported_architectures() -> dict[str, list[str]]:
+    """What each runner runs: {"generate": [...], "pooling": [...]}."""
+    return {"generate": list(GENERATE_ARCHS),
+            "pooling": [*ENCODER_EMBED_ARCHS, *ENCODER_CLASSIFY_ARCHS, *HEADLESS_ARCHS, *HEADLESS_OF]}
+
+
+def unsupported_error(archs: list[str]) -> ValueError:
+    supported = supported_architectures()
+    return ValueError(f"Model architecture(s) {archs} are not supported by pagedllm. Supported architectures: "
+                      f"generate: {supported['generate']}; pooling: {supported['pooling']}.")
+
+
+def architecture_names(architectures: list[str] | None, model_type: str | None) -> list[str]:
+    """The names a config asks for: its `architectures`, else (GGUF configs) its `model_type`'s."""
+    if architectures:
+        return list(architectures)
+    return [_MODEL_TYPE_TO_ARCH.get(model_type or "", str(model_type))]
 
 
 def architecture_of(hf_config: Any) -> str:
-    """The registered architecture name a config asks for; ValueError naming what is supported."""
-    archs = list(getattr(hf_config, "architectures", None) or [])
-    if not archs:
-        model_type = getattr(hf_config, "model_type", None)
-        archs = [_MODEL_TYPE_TO_ARCH.get(model_type, str(model_type))]
+    """The generation architecture a config asks for; ValueError naming what is supported."""
+    archs = architecture_names(getattr(hf_config, "architectures", None), getattr(hf_config, "model_type", None))
     for arch in archs:
-        if arch in _MODEL_REGISTRY:
+        if arch in GENERATE_ARCHS:
             return arch
-    raise ValueError(
-        f"Model architecture(s) {archs} are not supported. Supported architectures: {supported_architectures()}"
-    )
-
-
-# Headless decoders have no LM head: they run only under the pooling runner, which marks the
-# config it loads them with (`pagedllm_pooling`); generation would read the embedding as a head.
-POOLING_ONLY = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
+    raise unsupported_error(archs)
 
 
 def get_model_class(hf_config: Any) -> type[nn.Module]:
-    """The model class for a transformers config; ValueError for an unsupported architecture."""
-    arch = architecture_of(hf_config)
-    if arch in POOLING_ONLY and not getattr(hf_config, "pagedllm_pooling", False):
-        raise ValueError(f"{arch} has no LM head: it runs as a pooling (embedding) model only "
-                         "(runner='pooling', the default for it); it cannot generate.")
-    module_name, class_name = _MODEL_REGISTRY[arch]
+    """pagedllm's class for the config's generation or headless decoder architecture (which
+    runner may run it is model/resolution.py's decision); ValueError for any other."""
+    archs = architecture_names(getattr(hf_config, "architectures", None), getattr(hf_config, "model_type", None))
+    for arch in archs:
+        if arch in GENERATE_ARCHS or arch in HEADLESS_ARCHS:
+            return model_class(arch)
+    raise unsupported_error(archs)
+
+
+def model_class(arch: str) -> type[nn.Module]:
+    """pagedllm's class for a generation or headless decoder architecture (imported now)."""
+    module_name, class_name = GENERATE_ARCHS.get(arch) or HEADLESS_ARCHS[arch]
     module = importlib.import_module(f"pagedllm.model.{module_name}")
     return getattr(module, class_name)

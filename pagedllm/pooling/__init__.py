@@ -1,7 +1,7 @@
 """The pooling side of the engine: embeddings, classification, scores (docs/pooling.md).
 
-Names are imported lazily: `pooling.runner_choice` is asked by `pagedllm serve` before its
-engine cores start, and must not import torch on the way (pagedllm/engine/core_start.py)."""
+Names are imported lazily: a process that imports one pooling module (the server's front end)
+pays for no other."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from pagedllm.core.step_plan import SequenceStep, StepPlan
-from pagedllm.pooling.architectures import CLASSIFY_ARCHS
+from pagedllm.model.registry import ENCODER_CLASSIFY_ARCHS
 from pagedllm.worker.model_runner import ModelRunnerOutput
 
 # A batch pads its prompts to the longest: at most this share of its real tokens is padding.
@@ -40,7 +40,7 @@ class EncoderRunner:
                  device: torch.device) -> None:
         from transformers import AutoModel, AutoModelForSequenceClassification
 
-        self.is_classifier = arch in CLASSIFY_ARCHS
+        self.is_classifier = arch in ENCODER_CLASSIFY_ARCHS
         cls = AutoModelForSequenceClassification if self.is_classifier else AutoModel
         self.model = cls.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
         self.device = device

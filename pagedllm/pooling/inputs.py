@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import check_request_fits_pool
@@ -17,6 +17,9 @@ from pagedllm.pooling.params import PoolingParams
 from pagedllm.pooling.pooler_config import PoolerConfig, load_pooler_config
 from pagedllm.pooling.poolers import check_dimensions, embedding_dimensions
 from pagedllm.pooling.work import PoolingWork
+
+if TYPE_CHECKING:
+    from pagedllm.model.resolution import ModelResolution
 
 # what a prompt may be: text, a {"prompt_token_ids": [...]} dict, or a (text, text_pair) for cross-encoders
 PoolingPrompt = Any
@@ -33,11 +36,11 @@ class PromptError(ValueError):
 class PoolingInputs:
     """The model's description and `prepare_many` / `prepare`: validated, tokenized work."""
 
-    def __init__(self, config: EngineConfig, num_kv_blocks: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, resolution: ModelResolution | None = None,
+                 num_kv_blocks: int | None = None) -> None:
         """`num_kv_blocks`: a decoder's KV pool (the core's), for the rule of what can ever
         fit; None: no such check (an encoder, or the core before its pool is sized)."""
-        from pagedllm.model_source import load_hf_config, resolve_model_source
-        from pagedllm.pooling.architectures import CLASSIFY_ARCHS, decoder_architecture, encoder_architecture
+        from pagedllm.model.resolution import model_resolution
         from pagedllm.worker.device import resolve_device, resolve_dtype
 
         if config.tensor_parallel_size != 1 or config.data_parallel_size != 1:
@@ -46,25 +49,16 @@ class PoolingInputs:
         if config.speculative_config is not None or config.enable_lora:
             raise ValueError("speculative_config and enable_lora apply to generation, not to pooling models.")
         self.config = config
-        self.source = resolve_model_source(config)
-        if self.source.is_gguf:
-            raise ValueError(f"{self.source.gguf_file}: GGUF embedding models are not supported; use the "
-                             "model's safetensors folder or Hub id.")
+        resolution = (resolution or model_resolution(config)).expect("pooling")
+        self.source = resolution.source
         names = config.served_model_names
         self.model_name = names[0] if names else self.source.name
-        self.hf_config = load_hf_config(self.source)
+        self.hf_config = resolution.hf_config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        enc_arch = encoder_architecture(self.hf_config)
-        dec_arch = None if enc_arch else decoder_architecture(self.hf_config)
-        if enc_arch is None and dec_arch is None:
-            raise ValueError(f"Model architecture(s) {getattr(self.hf_config, 'architectures', None)} cannot "
-                             "run as a pooling model; supported: BertModel, RobertaModel, XLMRobertaModel, their "
-                             "*ForSequenceClassification, and Llama / Mistral / Qwen2 / Qwen3 decoders "
-                             "(*Model or *ForCausalLM).")
-        self.architecture = enc_arch or dec_arch
-        self.is_encoder = enc_arch is not None
-        self.is_classifier = enc_arch in CLASSIFY_ARCHS
+        self.architecture = resolution.architecture
+        self.is_encoder = resolution.is_encoder
+        self.is_classifier = resolution.is_classifier
         self.pooler: PoolerConfig = load_pooler_config(self.source.path, self.is_encoder, config.pooler_config)
         self.max_model_len = self._max_model_len()
         self.num_kv_blocks = None if self.is_encoder else num_kv_blocks

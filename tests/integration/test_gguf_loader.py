@@ -81,7 +81,7 @@ def test_smollm2_gguf_greedy_decode_matches_transformers(smollm2_ours, smollm2_c
 def test_unsupported_architecture_raises() -> None:
     with pytest.raises(ValueError, match=r"Model architecture\(s\) \['GPT2LMHeadModel'\] are not supported"):
         get_model_class(GPT2Config(architectures=["GPT2LMHeadModel"]))
-    with pytest.raises(ValueError, match=r"\['gpt2'\] are not supported. Supported architectures: \['LlamaForCausalLM'"):
+    with pytest.raises(ValueError, match=r"\['gpt2'\] are not supported by pagedllm. Supported architectures: generate: \['LlamaForCausalLM'"):
         get_model_class(GPT2Config())  # GGUF configs have no `architectures`: model_type decides
     assert get_model_class(tiny_config("qwen2", architectures=None)).__name__ == "LlamaForCausalLM"
 

@@ -8,7 +8,7 @@ import sys
 
 _BEFORE_THE_CORES = ("pagedllm.entrypoints.cli", "pagedllm.entrypoints.openai.serve_start",
                      "pagedllm.engine.core_start", "pagedllm.engine.core_client",
-                     "pagedllm.pooling.runner_choice", "pagedllm.entrypoints.arg_utils",
+                     "pagedllm.model.resolution", "pagedllm.entrypoints.arg_utils",
                      "pagedllm.entrypoints.openai.lora_models",
                      "pagedllm.entrypoints.openai.tool_calling", "pagedllm.config",
                      "pagedllm.model_source")
@@ -21,12 +21,21 @@ def test_what_runs_before_the_cores_launch_imports_nothing_heavy():
     assert out.stdout.strip() == "[]"
 
 
-def test_the_pooling_check_reads_architectures_from_config_json(tmp_path):
+def test_the_serving_runner_reads_architectures_from_config_json(tmp_path):
     from pagedllm.config import EngineConfig
-    from pagedllm.pooling.runner_choice import is_pooling_config
+    from pagedllm.model.resolution import serving_runner
 
-    for archs, pooling in ((["BertModel"], True), (["LlamaForCausalLM"], False),
-                           (["Qwen2ForSequenceClassification"], True)):
+    for archs, runner in ((["BertModel"], "pooling"), (["LlamaForCausalLM"], "generate"),
+                          (["Qwen2Model"], "pooling")):
         (tmp_path / "config.json").write_text(
             '{"architectures": %s, "model_type": "x"}' % str(archs).replace("'", '"'))
-        assert is_pooling_config(EngineConfig(model=str(tmp_path))) is pooling
+        assert serving_runner(EngineConfig(model=str(tmp_path))) == runner
+
+
+def test_the_serving_runner_imports_nothing_heavy(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["Qwen3Model"], "model_type": "qwen3"}')
+    code = ("import sys\nfrom pagedllm.config import EngineConfig\nfrom pagedllm.model.resolution import serving_runner\n"
+            f"print(serving_runner(EngineConfig(model={str(tmp_path)!r})), "
+            "sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "pooling []"

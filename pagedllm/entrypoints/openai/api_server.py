@@ -323,6 +323,7 @@ def _run_server(args: argparse.Namespace, started: ServeStart | None) -> int:
     from pagedllm.engine.core_client import EngineCoreStartError
     from pagedllm.entrypoints.arg_utils import (engine_config_from_args, server_extras_from_args,
                                                 validate_server_args)
+    from pagedllm.model.resolution import serving_runner
 
     try:
         validate_server_args(args)
@@ -337,6 +338,8 @@ def _run_server(args: argparse.Namespace, started: ServeStart | None) -> int:
                                      DEFAULT_RENDER_TIMEOUT_S))
         config = engine_config_from_args(args)
         lora_modules, tool_config = server_extras_from_args(args)
+        if started is None:  # an architecture no runner runs: refused before any core starts
+            serving_runner(config)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -14,8 +14,8 @@ from typing import Any
 
 @dataclass
 class ServeStart:
-    """The bound listening socket and the cores already launched (None: the server launches
-    them itself: an in-process core)."""
+    """The bound listening socket and the cores already launched, a pooling model's too (None:
+    the server launches them itself: an in-process core)."""
 
     sock: socket.socket
     cores: Any = None
@@ -52,9 +52,12 @@ def start_serving(args: argparse.Namespace) -> ServeStart:
     from pagedllm.engine.core_start import CoreStart, in_process_requested
     from pagedllm.entrypoints.arg_utils import (engine_config_from_args, server_extras_from_args,
                                                 validate_server_args)
+    from pagedllm.model.resolution import serving_runner
+
     validate_server_args(args)
     config = engine_config_from_args(args)
     server_extras_from_args(args)
+    serving_runner(config)  # an architecture no runner runs: a ValueError here, before any core
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:
