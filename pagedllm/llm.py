@@ -82,7 +82,7 @@ class LLM(PoolingAPI):
     def engine_state(self) -> dict[str, Any]:
         """The block map, queues and block tables now, as the server's dashboard shows them
         (docs/dashboard.md has the schema; `python -m pagedllm.tools.kv_map` draws it)."""
-        return self.llm_engine.dashboard_snapshot()
+        return self.llm_engine.engine_state()
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
