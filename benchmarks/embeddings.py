@@ -1,4 +1,4 @@
-"""Embedding throughput: pagedllm's pooling engine against sentence-transformers' `encode`
+"""Embedding throughput: pagedllm's engine (pooling requests of the one core) against sentence-transformers' `encode`
 (at its best batch size) on the same machine, offline and served.
 
     flock /tmp/pagedllm-cpu.lock python -m benchmarks.embeddings --json-out benchmarks/results/embeddings.json
@@ -66,6 +66,14 @@ def timed(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def timed_offline(folder: str, texts: list[str], threads: int | None, budget: int | None, repeats: int) -> float:
+    """`LLM.embed` of every passage (median of `repeats`); the engine goes when this returns."""
+    from pagedllm import LLM
+
+    llm = LLM(folder, num_threads=threads, max_num_batched_tokens=budget)
+    return timed(lambda: llm.embed(texts, use_tqdm=False), repeats)
 
 
 def serve_and_measure(folder: Path, texts: list[str], clients: int, repeats: int, threads: int | None,
@@ -136,8 +144,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from pagedllm import LLM
-
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     texts = passages(args.passages, seed=0)
@@ -155,15 +161,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{rows[-1]['system']}: {tokens / t:,.0f} tokens/s", flush=True)
         offline, best_budget = 0.0, None
         for budget in args.max_num_batched_tokens:
-            llm = LLM(str(folder), num_threads=args.num_threads, max_num_batched_tokens=budget)
-            t = timed(lambda: llm.embed(texts, use_tqdm=False), args.repeats)
+            t = timed_offline(str(folder), texts, args.num_threads, budget, args.repeats)
             name = f"pagedllm LLM.embed (max_num_batched_tokens={budget or 'default'})"
             rows.append({"system": name, "seconds": t, "tokens_per_s": tokens / t, "vs_st_best": tokens / t / st_best})
             print(f"{name}: {tokens / t:,.0f} tokens/s ({tokens / t / st_best:.2f}x the best "
                   "sentence-transformers batch size)", flush=True)
             if tokens / t > offline:
                 offline, best_budget = tokens / t, budget
-            del llm
         if not args.skip_server:
             t = serve_and_measure(folder, texts, args.clients, args.repeats, args.num_threads, best_budget)
             served = tokens / t

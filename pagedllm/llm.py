@@ -14,7 +14,8 @@ from pagedllm.engine.kv_stats import KVCacheStats
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling.offline import PoolingAPI
-from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagedllm.beam_search_params import BeamSearchParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import apply_chat_template
 
 Conversation = list[dict[str, Any]]
@@ -58,20 +59,14 @@ class LLM(PoolingAPI):
         from pagedllm.model.resolution import model_resolution
 
         config = EngineConfig.from_kwargs(model=model, **kwargs)
-        self.pooling_engine = None
-        self.llm_engine = None
-        resolution = model_resolution(config)  # once: the engine below takes it as is
-        if resolution.is_pooling:
-            from pagedllm.pooling.engine import PoolingEngine
-
-            self.pooling_engine = PoolingEngine(config, resolution)
-        else:
-            self.llm_engine = LLMEngine(config, resolution)
+        # One engine for both kinds of model: a pooling model's requests are the core's too
+        # (engine/core_pooling.py). The model is resolved once: the engine takes it as is.
+        self.llm_engine = LLMEngine(config, model_resolution(config))
         self._request_counter = itertools.count()
 
     def _generation(self) -> LLMEngine:
-        if self.llm_engine is None:
-            raise ValueError(f"{self.pooling_engine.model_name} runs as a pooling model: use embed / classify / "
+        if self.llm_engine.pooling_inputs is not None:
+            raise ValueError(f"{self.llm_engine.model_name} runs as a pooling model: use embed / classify / "
                              "score / encode; generate, chat and beam_search need a generation model.")
         return self.llm_engine
 
@@ -80,8 +75,6 @@ class LLM(PoolingAPI):
         return cls(**{k: getattr(config, k) for k in config.__dataclass_fields__})
 
     def get_tokenizer(self):
-        if self.pooling_engine is not None:
-            return self.pooling_engine.tokenizer
         return self.llm_engine.get_tokenizer()
 
     def kv_cache_stats(self) -> KVCacheStats:
@@ -90,7 +83,7 @@ class LLM(PoolingAPI):
     def engine_state(self) -> dict[str, Any]:
         """The block map, queues and block tables now, as the server's dashboard shows them
         (docs/dashboard.md has the schema; `python -m pagedllm.tools.kv_map` draws it)."""
-        return self.llm_engine.dashboard_snapshot()
+        return self.llm_engine.engine_state()
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()

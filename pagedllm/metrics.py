@@ -257,6 +257,10 @@ class EngineMetrics:
                 seen.last_token_time = now
             if st.finished:
                 del self._seen[st.request_id]
+                if not seen.first_token_recorded:  # finished without a token (a pooling request)
+                    self.v_prompt_tokens[e].inc(st.prompt_len)
+                    if st.num_cached_tokens:
+                        self.v_prompt_cached[e].inc(st.num_cached_tokens)
                 reason = st.finish_reason if st.finish_reason in FINISH_REASONS else "stop"
                 self.v_success[e][reason].inc()
                 self._record_finished(st, m, now, e)

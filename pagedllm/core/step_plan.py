@@ -45,6 +45,11 @@ class SequenceStep(msgspec.Struct, frozen=True, array_like=True, gc=False):
     draft_start: int = 0
     draft_input_ids: list[int] = []
     lora_int_id: int = 0  # its LoRA adapter (0: the base model)
+    # Pooling models (docs/pooling.md): the runner returns this step's final hidden rows of the
+    # sequence (an encoder classifier: its logits row) instead of logits to sample from; a
+    # pooling core's steps pool every sequence.
+    pool: bool = False
+    token_type_ids: list[int] = []  # an encoder's segment ids (a cross-encoder's pair); [] : all 0
 
 
 class StepPlan(msgspec.Struct, frozen=True, gc=False):

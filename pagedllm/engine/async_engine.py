@@ -12,6 +12,10 @@ and fans them out to one `RequestStream` per request.
     async for output in engine.generate(prompt, params, request_id):  # params.output_kind
         ...
 
+A pooling model's requests take the same path (`pool(params, work)`: prepared by
+`pooling_inputs`, one `PoolingRequestOutput` back), so its server has the same metrics and
+dashboard.
+
 Leaving the `generate` iterator early (the client went away, the handler task was cancelled)
 aborts the request: the core drops it and its KV blocks go back to the pool.
 
@@ -37,112 +41,38 @@ import functools
 import itertools
 import json
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.core.scheduler_config import check_request_fits_pool
-from pagedllm.core.kv_cache_groups import hybrid_groups_of_windows
-from pagedllm.engine.stat_logger import PeriodicStatLogger
-from pagedllm.engine.stats_history import StatsHistory
-from pagedllm.engine.core_messages import CoreReady, EngineCoreOutputs
-from pagedllm.engine.core_start import IN_PROCESS_ENV, CoreStart, in_process_requested
+from pagedllm.engine.async_start import check_fits
+from pagedllm.engine.core_messages import EngineCoreOutputs
+from pagedllm.engine.core_start import CoreStart
+from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.errors import STALL_STEPS, SchedulerStallError
-from pagedllm.engine.generation_defaults import load_generation_defaults
 from pagedllm.engine.input_processing import InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.request_stream import RequestStream
 from pagedllm.engine.router import Router
+from pagedllm.engine.stat_logger import PeriodicStatLogger
+from pagedllm.engine.stats_history import StatsHistory
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling.outputs import PoolingRequestOutput
+from pagedllm.pooling.params import PoolingParams
+from pagedllm.pooling.work import PoolingWork
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
     from pagedllm.engine.engine import PromptType
     from pagedllm.metrics import EngineMetrics
+    from pagedllm.pooling.inputs import PoolingInputs
 
 logger = logging.getLogger(__name__)
 
 
-def _config_vocab_size(source: Any) -> int:
-    """The model config's vocabulary size (a core whose hand-shake did not carry one)."""
-    from pagedllm.model_source import load_hf_config
-
-    return int(load_hf_config(source).vocab_size)
-
-
 class EngineDeadError(RuntimeError):
     """The engine core stopped (shutdown, killed, or an error it could not recover from)."""
-
-
-@dataclass
-class EngineInfo:
-    """What the server needs to know of the engine it fronts (from the core's hand-shake)."""
-
-    model_name: str
-    model_root: str
-    max_model_len: int
-    vocab_size: int
-    num_blocks: int
-    block_size: int
-    chat_template: str | None
-    startup_seconds: float
-    kernel_info: dict[str, str]
-    scheduling_policy: str = "fcfs"
-    max_logprobs: int = 20
-    max_num_seqs: int = 256  # bounds n / best_of / the beam width of a request
-    # generation_config.json's sampling defaults (engine/generation_defaults.py)
-    generation_defaults: dict[str, Any] = field(default_factory=dict)
-    # every --served-model-name (model_name is the first); empty: model_name only
-    served_model_names: list[str] = field(default_factory=list)
-    # a hybrid KV cache (the core's KVCacheManager groups) and the step's token budget: the
-    # fit check's peak per sequence (core/scheduler.check_request_fits_pool)
-    kv_cache_groups: Any = None
-    max_num_batched_tokens: int = 0
-
-
-class RequestStream:
-    """The outputs of one request, on the event loop: what was not read yet, or an error.
-    An unread CUMULATIVE output is superseded by the next, an unread DELTA one absorbs it
-    (`RequestOutput.add`). Only the event loop thread touches it."""
-
-    def __init__(self, request_id: str, serial: int = -1, delta: bool = False) -> None:
-        self.request_id = request_id
-        self.serial = serial  # unique per add: tells apart requests that reuse an id
-        self.core_id = f"{serial}:{request_id}"
-        self.engine_index = 0
-        self.finished = False
-        self.delta = delta
-        self._latest: RequestOutput | None = None
-        self._error: BaseException | None = None
-        self._event = asyncio.Event()
-
-    def put(self, output: RequestOutput) -> None:
-        if self.delta and self._latest is not None:
-            self._latest.add(output)
-        else:
-            self._latest = output
-        self._event.set()
-
-    def fail(self, error: BaseException) -> None:
-        self._error = error
-        self._event.set()
-
-    async def get(self) -> RequestOutput:
-        """The next (newest) output; raises the request's error if it failed."""
-        while True:
-            if self._latest is None and self._error is None:
-                self._event.clear()
-                await self._event.wait()
-            if self._latest is not None:
-                out, self._latest = self._latest, None
-                if out.finished:
-                    self.finished = True
-                return out
-            if self._error is not None:
-                self.finished = True
-                raise self._error
 
 
 class AsyncLLMEngine:
@@ -160,7 +90,7 @@ class AsyncLLMEngine:
         self.on_fatal = on_fatal
         self.inputs = InputProcessor(
             tokenizer, info.vocab_size, info.max_model_len,
-            functools.partial(_check_fits, num_blocks=info.num_blocks,
+            functools.partial(check_fits, num_blocks=info.num_blocks,
                               block_size=info.block_size, groups=info.kv_cache_groups,
                               chunk=info.max_num_batched_tokens),
             max_logprobs=info.max_logprobs, scheduling_policy=info.scheduling_policy,
@@ -180,68 +110,21 @@ class AsyncLLMEngine:
         self._constraint_checker = None  # a thread pool of one, on the first constraint
         # Why the engine is unhealthy (a scheduler stall), or None; /health answers 503 with it.
         self.health_error: str | None = None
+        # A pooling model's prompt rule (pooling/inputs.py); None: a generation model.
+        self.pooling_inputs: PoolingInputs | None = None
 
     @classmethod
     def from_engine_config(cls, config: "EngineConfig", with_metrics: bool = True,
                            in_process: bool | None = None,
                            start: CoreStart | None = None) -> "AsyncLLMEngine":
         """Start the core(s) (or take those `start` launched) and wait until they are ready
-        (a ValueError: bad configuration); the tokenizer loads meanwhile."""
-        from pagedllm.tokenizer import load_tokenizer
+        (a ValueError: bad configuration); the tokenizer loads meanwhile (engine/async_start.py)."""
+        from pagedllm.engine.async_start import start_cores
 
-        if start is None:
-            if in_process is None:
-                in_process = in_process_requested()
-            replicas = getattr(config, "data_parallel_size", 1)
-            if in_process and replicas != 1:
-                raise ValueError(f"{IN_PROCESS_ENV}=1 runs one engine core in this process; "
-                                 f"data_parallel_size={replicas} needs core processes.")
-            start = CoreStart(config, in_process=in_process)
-        source, tok_source, config = start.source, start.tok_source, start.config
-        try:
-            tokenizer = load_tokenizer(tok_source.path, tok_source.gguf_file)
-        except BaseException:
-            start.abandon()
-            raise
-        clients = start.clients()
-        ray_replicas = start.ray_replicas
-        for c in clients:
-            logger.info("Engine core %d ready in %.1f s (pid %d)", c.engine_index,
-                        c.ready.startup_seconds, c.ready.pid)
-        ready: CoreReady = clients[0].ready
-        info = EngineInfo(
-            model_name=ready.model_name,
-            model_root=os.path.join(source.path, source.gguf_file) if source.gguf_file
-            else source.path,
-            max_model_len=ready.max_model_len,
-            vocab_size=ready.vocab_size or _config_vocab_size(source),
-            num_blocks=min(c.ready.num_blocks for c in clients),
-            block_size=ready.block_size,
-            chat_template=config.chat_template,
-            startup_seconds=max(c.ready.startup_seconds for c in clients),
-            kernel_info=ready.kernel_info,
-            scheduling_policy=config.scheduling_policy,
-            max_logprobs=config.max_logprobs,
-            max_num_seqs=config.max_num_seqs,
-            generation_defaults=load_generation_defaults(config.generation_config, source.path,
-                                                         bool(source.gguf_file)),
-            served_model_names=config.served_model_names,
-            kv_cache_groups=hybrid_groups_of_windows(ready.hybrid_layer_windows),
-            max_num_batched_tokens=ready.max_num_batched_tokens,
-        )
-        metrics = None
-        if with_metrics:
-            from pagedllm.metrics import (EngineMetrics, cache_config_labels,
-                                          kv_cache_group_attention)
-
-            metrics = EngineMetrics(
-                info.model_name, num_engines=len(clients), kernel_info=info.kernel_info or None,
-                max_model_len=info.max_model_len,
-                cache_info=[cache_config_labels(config, c.ready.num_blocks, c.ready.block_size)
-                            for c in clients],
-                kv_cache_group_attention=kv_cache_group_attention(info.kv_cache_groups))
-        engine = cls(clients, tokenizer, info, metrics)
-        engine.ray_replicas = ray_replicas
+        started = start_cores(config, with_metrics, in_process, start)
+        engine = cls(started.clients, started.tokenizer, started.info, started.metrics)
+        engine.ray_replicas = started.ray_replicas
+        engine.pooling_inputs = started.pooling_inputs
         return engine
 
     # ---- life cycle (event loop) ----------------------------------------------------------
@@ -362,6 +245,28 @@ class AsyncLLMEngine:
             self.output_processor.abort_request(stream.core_id)
             raise
         return stream
+
+    async def pool(self, params: PoolingParams, work: PoolingWork) -> PoolingRequestOutput:
+        """Run one prepared pooling request (`PoolingInputs.prepare_many`) to its output, a
+        request of the core like any other; cancelled (the client went away): aborted."""
+        from pagedllm.engine.engine import pooling_core_request
+
+        live = self._live_engines() if self.is_running else []
+        if not live:
+            raise EngineDeadError("The engine is not running.") from self.dead_error
+        stream = RequestStream(work.request_id, next(self._serials))
+        request = pooling_core_request(stream.core_id, params, work)
+        stream.engine_index = self.router.choose(request, live, None)
+        self.output_processor.add_pooling_request(stream.core_id, work.token_ids, request.arrival_time,
+                                                  external_id=work.request_id)
+        self._streams[stream.core_id] = stream
+        self.router.started(stream.engine_index)
+        self.clients[stream.engine_index].add_request(request)
+        try:
+            return await stream.get()
+        finally:
+            if not stream.finished:
+                self._abort_stream(stream)
 
     def _live_engines(self) -> list[int]:
         return [i for i, c in enumerate(self.clients) if c.alive and i not in self.dead_engines]
@@ -551,11 +456,6 @@ class AsyncLLMEngine:
         if not self._live_engines() and self.on_fatal is not None and not self._fatal_reported:
             self._fatal_reported = True
             self.on_fatal(str(error))
-
-
-def _check_fits(num_tokens: int, num_lockstep_seqs: int = 1, *, num_blocks: int,
-                block_size: int, groups: Any = None, chunk: int = 0) -> None:
-    check_request_fits_pool(num_tokens, num_lockstep_seqs, num_blocks, block_size, groups, chunk)
 
 
 def _request_error(request_id: str, message: str, kind: str) -> BaseException:

@@ -5,7 +5,9 @@ schedule (proposals, then core/scheduler) -> plan (engine/step_planner: the froz
 execute and sample (executor -> worker/model_runner, on its persistent batch) -> update (append
 tokens, check EOS / stop ids / lengths, free finished sequences). It never
 tokenizes or detokenizes: text is the front end's (`engine/output_processor.py`), which also
-checks stop strings and tells the core which samples they ended (`finish_samples`).
+checks stop strings and tells the core which samples they ended (`finish_samples`). A pooling
+model's core (engine/core_pooling.py) runs the same step; its requests finish after their
+prompt with a pooled vector (`EngineCoreOutput.pooled`) instead of a sampled token.
 
 One class serves both homes of the engine: in process under the offline `LLMEngine`, and in
 its own process behind the server (`engine/core_process.py`, over ZeroMQ). Single-threaded.
@@ -21,7 +23,6 @@ from typing import Any, Iterable
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.kv_cache_groups import hybrid_kv_cache_groups
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import SequenceStatus
 from pagedllm.core.scheduler import Scheduler
@@ -30,23 +31,11 @@ from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.core.step_plan import StepPlan
 from pagedllm.engine.beam_search import beam_completions
 from pagedllm.engine.core_stats import CoreCounters
-from pagedllm.engine.core_startup import (
-    bytes_per_block,
-    compile_batch_sizes,
-    draft_max_model_len,
-    draft_model_config,
-    eos_token_ids,
-    log_cache_size,
-    resolve_max_model_len,
-    size_block_pool,
-)
-from pagedllm.engine.core_messages import (
-    CoreStats,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    SampleDelta,
-)
+from pagedllm.engine.core_model import start_model
+from pagedllm.engine.core_pooling import CorePooling, PoolingState, check_request_kind
+from pagedllm.engine.core_startup import compile_batch_sizes, draft_max_model_len, draft_model_config, eos_token_ids
+from pagedllm.engine.core_messages import (CoreStats, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
+                                           SampleDelta)
 from pagedllm.engine.errors import STALL_STEPS, EngineFatalError, SchedulerStallError
 from pagedllm.engine.dashboard_snapshot import core_engine_state
 from pagedllm.engine.input_processing import InputProcessor
@@ -63,7 +52,6 @@ from pagedllm.lora.core_registry import CoreLoRAs, check_lora_enabled
 from pagedllm.lora.request import LoRARequest
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.structured_output import StructuredOutputManager
-from pagedllm.executor import create_executor
 from pagedllm.layers.rotary import long_context_threshold
 from pagedllm.model.resolution import ModelResolution, model_resolution
 from pagedllm.model_source import ModelSource, resolve_tokenizer_source
@@ -86,9 +74,11 @@ class EngineCore:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        self.resolution = (resolution or model_resolution(config)).expect("generate")  # before any load
+        self.resolution = resolution or model_resolution(config)  # before any load
         self.source: ModelSource = self.resolution.source
         self.model_name = (config.served_model_names or [self.source.name])[0]
+        # A pooling model (docs/pooling.md): the same core; its requests finish after the prompt.
+        self.pooling = CorePooling(config, self.resolution) if self.resolution.is_pooling else None
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
@@ -97,40 +87,26 @@ class EngineCore:
         spec = SpeculativeConfig.from_value(config.speculative_config)
         self.draft = (draft_model_config(config, self.hf_config, spec)
                       if spec is not None and spec.method == "draft_model" else None)
-        # Every rank's weights (tensor parallelism: worker processes load their shards meanwhile).
-        self.executor = create_executor(config, self.source.path, self.source.gguf_file, self.hf_config,
-                                        self.dtype, self.device, self.kv_cache_dtype, draft=self.draft)
+        parts = start_model(config, self.source, self.hf_config, self.dtype, self.device, self.kv_cache_dtype,
+                            self.draft, self.pooling)
+        self.executor, self.max_model_len = parts.executor, parts.max_model_len
         self.model = self.executor.model  # rank 0's (its shard under tensor parallelism)
-        self.max_model_len = resolve_max_model_len(self.hf_config, config.max_model_len)
-        self.block_size = config.block_size
-        # Layers grouped by attention type when the model mixes them (docs/hybrid_kv_cache.md):
-        # a block then holds `slots` layers, and sliding groups keep only their window.
-        self.kv_cache_groups = hybrid_kv_cache_groups(self.hf_config,
-                                                      config.disable_hybrid_kv_cache_manager)
-        # One block over every layer (a hybrid cache's: over its slots), a draft model's too.
-        self.bytes_per_block = bytes_per_block(self.hf_config, self.kv_cache_groups, self.draft, self.block_size,
-                                               self.kv_cache_dtype)
-        # GPU: the pool is what the profile (memory_profile) leaves; CPU: kv_cache_space.
-        self.num_blocks, self.memory_profile = size_block_pool(config, self.executor, self.device,
-                                                               self.bytes_per_block, self.max_model_len)
-        self.num_host_blocks = int(config.swap_space * (1 << 30)) // self.bytes_per_block
-        log_cache_size(config, self.kv_cache_groups, self.kv_cache_dtype, self.bytes_per_block, self.num_blocks,
-                       self.num_host_blocks, self.max_model_len)
+        self.block_size, self.kv_cache_groups = config.block_size, parts.kv_cache_groups
+        self.bytes_per_block, self.num_host_blocks = parts.bytes_per_block, parts.num_host_blocks
+        self.num_blocks, self.memory_profile = parts.num_blocks, parts.memory_profile
 
         self.kv_cache_manager = KVCacheManager(
-            self.num_blocks,
-            self.block_size,
-            enable_caching=config.enable_prefix_caching,
-            num_host_blocks=self.num_host_blocks,
-            groups=self.kv_cache_groups,
-        )
+            self.num_blocks, self.block_size,
+            enable_caching=config.enable_prefix_caching if self.pooling is None else self.pooling.prefix_caching,
+            num_host_blocks=self.num_host_blocks, groups=self.kv_cache_groups)
         self.max_num_batched_tokens = config.resolved_max_num_batched_tokens(self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
-                enable_chunked_prefill=config.enable_chunked_prefill,
+                enable_chunked_prefill=(config.enable_chunked_prefill if self.pooling is None
+                                        else self.pooling.chunked_prefill),
                 preemption_mode=config.preemption_mode,
                 policy=config.scheduling_policy,
                 long_context_after=long_context_threshold(self.hf_config, self.max_model_len),
@@ -145,7 +121,8 @@ class EngineCore:
         if self.model_runner.decode_graphs is not None:
             self.model_runner.decode_graphs.request_all()  # in the background, smallest first
         self.sampler = Sampler()  # prompt logprobs (the runner samples the tokens)
-        self.eos_token_ids = eos_token_ids(self.hf_config, self.model, self.source, self._load_tokenizer)
+        self.eos_token_ids = eos_token_ids(self.hf_config, self.model, self.source, self._load_tokenizer,
+                                           generates=self.pooling is None)
         # The core validates again what the front end validated (a request from another
         # process is not trusted); it needs no tokenizer for token ids.
         self.inputs = InputProcessor(None, self.vocab_size, self.max_model_len,
@@ -195,7 +172,12 @@ class EngineCore:
         check_priority(request.priority, self.config.scheduling_policy)
         check_lora_enabled(self.loras, request.lora_request)
         prompt_ids = self.inputs.check_token_ids(request.prompt_token_ids)
-        self.inputs.validate(prompt_ids, request.sampling_params)
+        check_request_kind(request.pooling_params is not None, self.pooling is not None, self.model_name)
+        if self.pooling is not None:
+            self.pooling.check(prompt_ids, request.pooling_params, request.token_type_ids)
+            self.scheduler.check_request_fits(len(prompt_ids))
+        else:
+            self.inputs.validate(prompt_ids, request.sampling_params)
         return prompt_ids
 
     def start_compile(self, request: EngineCoreRequest) -> "Future[Any] | None":
@@ -203,7 +185,7 @@ class EngineCore:
         loop's path): None when it has none; else a future of the compiled grammar, to pass
         to `add_request` once done."""
         self.check_request(request)
-        return self.structured.submit_compile(request.sampling_params)
+        return None if self.pooling is not None else self.structured.submit_compile(request.sampling_params)
 
     def add_request(self, request: EngineCoreRequest, grammar: Any = None) -> None:
         """Validate and queue a tokenized request; one that can never run is a ValueError.
@@ -211,6 +193,8 @@ class EngineCore:
         request_id = request.request_id
         params = request.sampling_params
         prompt_ids = self.check_request(request)
+        if self.pooling is not None:
+            return self._add_pooling(request, prompt_ids)
         beam_params = request.beam_params
         if params.use_beam_search and beam_params is None:
             from pagedllm.engine.beam_search import beam_params_from_sampling
@@ -233,6 +217,15 @@ class EngineCore:
         except BaseException as exc:
             raise EngineFatalError(f"adding request {request_id} to the scheduler failed: "
                                    f"{exc!r}") from exc
+
+    def _add_pooling(self, request: EngineCoreRequest, prompt_ids: list[int]) -> None:
+        """A pooling request: one sequence, finished by its prompt's last step (_update)."""
+        params = self.pooling.check(prompt_ids, request.pooling_params, request.token_type_ids)
+        state = RequestState(request.request_id, prompt_ids, None, request.arrival_time, priority=request.priority,
+                             pooling=PoolingState(params, request.token_type_ids or []))
+        state.seqs.append(self.sequences.make(state, 0, request.cache_salt))
+        self.requests[request.request_id] = state
+        self.scheduler.add_sequence(state.seqs[0])
 
     def abort_requests(self, request_ids: str | Iterable[str]) -> None:
         """Drop requests wherever they are; their blocks return to the pool at once."""
@@ -375,6 +368,13 @@ class EngineCore:
         sample_i = 0  # the next row of `sample_logits`
         for item, step in zip(sched_out.scheduled, plan.sequences):
             state = self.requests[item.seq.request_id]
+            if step.pool:  # a pooling model's prompt: its vector once the last rows are in
+                vec = self.pooling.collect(state.pooling, item.start_pos, runner_out.pooled_hidden[step.seq_id],
+                                           item.sample)
+                if vec is not None:
+                    self.scheduler.finish_sequence(item.seq, SequenceStatus.FINISHED_STOPPED)
+                    self._output_for(outputs, state.request_id).pooled = vec
+                continue
             if step.all_logits:
                 entries = self.updater.add_prompt_logprobs(
                     state, item, runner_out.all_logits[item.seq.seq_id], self.sampler

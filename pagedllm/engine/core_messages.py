@@ -16,10 +16,15 @@ from __future__ import annotations
 
 import enum
 
+import os
+from typing import Any
+
 import msgspec
 
+from pagedllm.core.kv_cache_groups import layer_sliding_windows
 from pagedllm.lora.request import LoRARequest
 from pagedllm.beam_search_params import BeamSearchParams
+from pagedllm.pooling.params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -36,12 +41,15 @@ class EngineCoreRequestType(enum.IntEnum):
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None  # None: a pooling request (`pooling_params`)
     arrival_time: float
     beam_params: BeamSearchParams | None = None
     cache_salt: str | None = None
     priority: int = 0  # lower = earlier, under the "priority" scheduling policy
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    # A pooling model's request (docs/pooling.md): it finishes after its prompt with a vector.
+    pooling_params: PoolingParams | None = None
+    token_type_ids: list[int] | None = None  # an encoder's segment ids (a cross-encoder's pair)
 
 
 # (token id, logprob, rank, top-k [(token id, logprob), ...] in rank order)
@@ -84,6 +92,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None  # the core rejected or failed the request (ValueError text)
     # "invalid" (the client's fault: 400) / "stall" / "internal" (500) / "fatal" (503)
     error_kind: str | None = None
+    pooled: bytes | None = None  # a pooling request's vector: float32, native byte order
 
 
 class CoreStats(msgspec.Struct, array_like=True):
@@ -186,3 +195,24 @@ def request_id_of(data: bytes) -> str | None:
     if isinstance(raw, list) and raw and isinstance(raw[0], str):
         return raw[0]
     return None
+
+
+def ready_info(core: Any) -> CoreReady:
+    """The hand-shake numbers of an in-process core (what a core process sends)."""
+    return CoreReady(
+        ok=True, num_blocks=getattr(core, "num_blocks", 0),
+        block_size=getattr(core, "block_size", 16),
+        max_model_len=getattr(core, "max_model_len", 0),
+        max_num_batched_tokens=getattr(core, "max_num_batched_tokens", 0),
+        model_name=getattr(core, "model_name", ""), vocab_size=getattr(core, "vocab_size", 0),
+        eos_token_ids=sorted(getattr(core, "eos_token_ids", ())),
+        startup_seconds=getattr(core, "startup_seconds", 0.0), pid=os.getpid(),
+        hybrid_layer_windows=hybrid_layer_windows(core),
+    )
+
+
+def hybrid_layer_windows(core: Any) -> list[int | None]:
+    """The hand-shake's per-layer windows: empty unless the core's KV cache is hybrid."""
+    if getattr(core, "kv_cache_groups", None) is None:
+        return []
+    return layer_sliding_windows(core.hf_config)

@@ -37,6 +37,7 @@ from pagedllm.engine.core_messages import (
     decode_any,
     decode_request,
     encode,
+    ready_info,
     request_id_of,
 )
 
@@ -82,7 +83,6 @@ def run_engine_core(config, engine_index: int, addresses: CoreAddresses,
     ready.connect(addresses.ready)
     try:
         from pagedllm.engine.core import EngineCore
-        from pagedllm.engine.core_client import ready_info
         from pagedllm.kernels.status import kernel_status
 
         _bind_replica(config, engine_index)

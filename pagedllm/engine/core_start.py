@@ -46,7 +46,7 @@ class CoreStart:
 
         make: Any = MPCoreClient
         if self.config.distributed_executor_backend == "ray" and replicas > 1:
-            from pagedllm.engine.core_client import RayCoreClient, RayReplicas
+            from pagedllm.engine.core_client_ray import RayCoreClient, RayReplicas
             from pagedllm.worker.device import resolve_device
 
             self.ray_replicas = RayReplicas(replicas, resolve_device(self.config.device).type)

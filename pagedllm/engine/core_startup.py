@@ -146,10 +146,14 @@ def log_cache_size(config: EngineConfig, groups: KVCacheGroups | None, kv_cache_
     )
 
 
-def eos_token_ids(hf_config: Any, model: Any, source: ModelSource, load_tokenizer: Callable[[], Any]) -> set[int]:
+def eos_token_ids(hf_config: Any, model: Any, source: ModelSource, load_tokenizer: Callable[[], Any],
+                  generates: bool = True) -> set[int]:
     """The model's EOS ids: its config's, its generation config's (the model's and the folder's
-    generation_config.json), else the tokenizer's (a GGUF file names it in its metadata)."""
+    generation_config.json), else the tokenizer's (a GGUF file names it in its metadata). None
+    for a pooling model (`generates` False): it never samples a token."""
     ids: set[int] = set()
+    if not generates:
+        return ids
     for src in (hf_config, getattr(model, "generation_config", None)):
         value = getattr(src, "eos_token_id", None) if src is not None else None
         if isinstance(value, int):

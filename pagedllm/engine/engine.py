@@ -26,6 +26,9 @@ from pagedllm.model_source import resolve_tokenizer_source
 from pagedllm.outputs import RequestOutput
 from pagedllm.beam_search_params import BeamSearchParams
 from pagedllm.core.scheduler_config import check_priority
+from pagedllm.pooling.outputs import PoolingRequestOutput
+from pagedllm.pooling.params import PoolingParams
+from pagedllm.pooling.work import PoolingWork
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import load_tokenizer
 
@@ -68,6 +71,12 @@ def prepare_request(
     )
 
 
+def pooling_core_request(core_id: str, params: PoolingParams, work: PoolingWork) -> EngineCoreRequest:
+    """The core's request of a prepared pooling request (offline and in the server)."""
+    return EngineCoreRequest(core_id, work.token_ids, None, work.arrival_time or time.time(),
+                             pooling_params=params, token_type_ids=work.token_type_ids)
+
+
 class LLMEngine:
     """The engine surface: add_request / step / abort_request / has_unfinished_requests."""
 
@@ -80,8 +89,15 @@ class LLMEngine:
         self.config = config
         self.core = EngineCore(config, resolution=resolution)
         core = self.core
-        tok_source = resolve_tokenizer_source(config, core.source)
-        self.tokenizer = load_tokenizer(tok_source.path, tok_source.gguf_file)
+        # A pooling model: its prompt rule (pooling/inputs.py), with the core's KV pool.
+        self.pooling_inputs = None if core.pooling is None else core.pooling.inputs
+        if self.pooling_inputs is not None:
+            if not self.pooling_inputs.is_encoder:
+                self.pooling_inputs.num_kv_blocks = core.num_blocks
+            self.tokenizer = self.pooling_inputs.tokenizer
+        else:
+            tok_source = resolve_tokenizer_source(config, core.source)
+            self.tokenizer = load_tokenizer(tok_source.path, tok_source.gguf_file)
         self.inputs = InputProcessor(self.tokenizer, core.vocab_size, core.max_model_len,
                                      core.scheduler.check_request_fits,
                                      max_logprobs=config.max_logprobs,
@@ -184,6 +200,14 @@ class LLMEngine:
             lora_request=request.lora_request,
         )
 
+    def add_pooling_request(self, params: PoolingParams, work: PoolingWork) -> None:
+        """Queue a prepared pooling request (`PoolingInputs.prepare_many`: validated and
+        tokenized); it finishes with one `PoolingRequestOutput`."""
+        if self.output_processor.has_request(work.request_id) or work.request_id in self.core.requests:
+            raise ValueError(f"Request id {work.request_id!r} is already in use.")
+        self.core.add_request(pooling_core_request(work.request_id, params, work))
+        self.output_processor.add_pooling_request(work.request_id, work.token_ids, work.arrival_time)
+
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Drop requests wherever they are; their blocks return to the pool at once."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -199,7 +223,7 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Run one core step; the outputs of the requests that advanced, as their
         `output_kind` asks (FINAL_ONLY: only the finished)."""
         core_outputs = self.core.step()

@@ -32,6 +32,7 @@ from pagedllm.outputs import (
     RequestOutput,
     make_logprob_dict,
 )
+from pagedllm.pooling.outputs import PoolingRequestOutput, pooling_output
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import (
     IncrementalDetokenizer,
@@ -62,7 +63,7 @@ class RequestOutputState:
     request_id: str  # what the caller knows it by (RequestOutput.request_id)
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | None  # None: a pooling request
     metrics: RequestMetrics
     is_beam: bool
     samples: dict[int, SampleState] = field(default_factory=dict)
@@ -73,6 +74,7 @@ class RequestOutputState:
     kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     held_stop: list[str] = field(default_factory=list)  # DELTA: stop strings to hold back
     lora_request: Any = None  # reported on its RequestOutputs
+    pooled: bytes | None = None  # a pooling request's vector (float32), once the core sent it
 
 
 @dataclass
@@ -140,6 +142,16 @@ class OutputProcessor:
             lora_request=lora_request,
         )
 
+    def add_pooling_request(self, request_id: str, prompt_token_ids: list[int], arrival_time: float,
+                            external_id: str | None = None) -> None:
+        """A pooling model's request: one `PoolingRequestOutput` when the core finishes it."""
+        if request_id in self.requests:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        self.requests[request_id] = RequestOutputState(
+            external_id if external_id is not None else request_id, None, prompt_token_ids, None,
+            RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids)), False,
+            kind=RequestOutputKind.FINAL_ONLY)
+
     def abort_request(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 
@@ -175,6 +187,8 @@ class OutputProcessor:
             if out.beam_completions is not None:
                 state.beam_outputs = self._beam_outputs(state, out)
                 advanced = True
+            if out.pooled is not None:
+                state.pooled = out.pooled
             if advanced:
                 if m.first_token_time is None:
                     m.first_token_time = now
@@ -203,6 +217,8 @@ class OutputProcessor:
             longest = max((len(s.token_ids) for s in state.samples.values()), default=0)
             first = state.samples.get(0)
             reason = first.finish_reason if first is not None else None
+            if state.pooled is not None:
+                reason = "stop"  # vLLM's finished_reason for a pooled request
         return RequestStepStats(state.request_id, len(state.prompt_token_ids),
                                 state.num_cached_tokens, state.metrics, longest,
                                 state.finished, reason)
@@ -267,8 +283,8 @@ class OutputProcessor:
         return True
 
     def _all_samples_finished(self, state: RequestOutputState) -> bool:
-        if state.is_beam:
-            return False  # a beam search ends with the core's final output
+        if state.is_beam or state.params is None:
+            return False  # a beam search or a pooling request ends with the core's final output
         samples = state.samples
         return len(samples) >= state.params.n and all(
             s.finish_reason is not None for s in samples.values()
@@ -304,10 +320,12 @@ class OutputProcessor:
             ))
         return completions
 
-    def _to_output(self, state: RequestOutputState) -> RequestOutput | None:
+    def _to_output(self, state: RequestOutputState) -> RequestOutput | PoolingRequestOutput | None:
         """The output the request's kind asks for now; None: nothing to send yet."""
         if state.kind is RequestOutputKind.FINAL_ONLY and not state.finished:
             return None
+        if state.params is None:
+            return pooling_output(state.request_id, state.pooled, state.prompt_token_ids)
         if state.is_beam:
             completions = state.beam_outputs or []
         elif state.kind is RequestOutputKind.DELTA:

@@ -17,13 +17,14 @@ if TYPE_CHECKING:
     from pagedllm.engine.beam_search import BeamSearchRequest
     from pagedllm.structured_output import RequestConstraint
     from pagedllm.engine.core_messages import BeamCompletion
+    from pagedllm.engine.core_pooling import PoolingState
 
 
 @dataclass
 class RequestState:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | None  # None: a pooling request (`pooling`)
     arrival_time: float
     seqs: list[SequenceState] = field(default_factory=list)
     priority: int = 0  # the request's scheduling priority (lower = earlier)
@@ -43,9 +44,12 @@ class RequestState:
     fork_seq_ids: list[int] = field(default_factory=list)
     # Multi-LoRA: the adapter every sequence of the request runs with (None: the base model).
     lora_request: Any = None
+    # A pooling request (engine/core_pooling.py): its parameters and the rows pooled so far.
+    pooling: PoolingState | None = None
 
     @property
     def finished(self) -> bool:
         if self.beam is not None:
             return self.beam.search.done or all(s.is_finished for s in self.seqs)
-        return all(s.is_finished for s in self.seqs) and (self.forked or self.params.n == 1)
+        return all(s.is_finished for s in self.seqs) and (
+            self.params is None or self.forked or self.params.n == 1)

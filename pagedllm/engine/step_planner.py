@@ -40,6 +40,9 @@ class StepPlanner:
         steps = []
         for item in scheduled:
             state = self.requests[item.seq.request_id]
+            if state.pooling is not None:
+                steps.append(sequence_step(item, pool=True, token_type_ids=state.pooling.token_type_ids))
+                continue
             steps.append(sequence_step(
                 item, state.num_prompt_logprobs is not None and not state.prompt_logprobs_done,
                 *drafts.get(item.seq.seq_id, (0, []))))
@@ -67,11 +70,12 @@ class StepPlanner:
 
 
 def sequence_step(item: ScheduledSequence, all_logits: bool = False, draft_start: int = 0,
-                  draft_input_ids: list[int] | None = None) -> SequenceStep:
+                  draft_input_ids: list[int] | None = None, pool: bool = False,
+                  token_type_ids: list[int] | None = None) -> SequenceStep:
     """The runner's part of one scheduled sequence."""
     return SequenceStep(item.seq.seq_id, item.token_ids, item.start_pos, item.blocks_from, item.new_block_ids,
                         item.sample, all_logits, item.seq_len, item.group_deltas, item.draft_token_ids,
-                        draft_start, draft_input_ids or [], item.lora_int_id)
+                        draft_start, draft_input_ids or [], item.lora_int_id, pool, token_type_ids or [])
 
 
 def plan_of(sched_out: SchedulerOutput, steps: list[SequenceStep] | None = None, **engine_parts: Any) -> StepPlan:

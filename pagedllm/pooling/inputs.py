@@ -1,11 +1,13 @@
 """PoolingInputs: the request rule of a pooling model, without the model: what the model
 is (encoder / decoder / cross-encoder, its tasks, its maximum length, its pooling
 configuration) and how a prompt becomes token ids (the model's special tokens, the
-sentence-transformers prompt, truncation, the limits). The offline engine inherits it; the
-server's front end holds one while the engine runs in its own process."""
+sentence-transformers prompt, truncation, the limits). The front ends (the offline `LLM`, the
+server's `AsyncLLMEngine`) tokenize with it; the engine core reads the model's description
+from it (engine/core_pooling.py) and loads no tokenizer."""
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -34,14 +36,13 @@ class PromptError(ValueError):
 class PoolingInputs:
     """The model's description and `prepare_many` / `prepare`: validated, tokenized work."""
 
-    def __init__(self, config: EngineConfig, resolution: ModelResolution | None = None) -> None:
+    def __init__(self, config: EngineConfig, resolution: ModelResolution | None = None,
+                 num_kv_blocks: int | None = None) -> None:
+        """`num_kv_blocks`: a decoder's KV pool (the core's), for the rule of what can ever
+        fit; None: no such check (an encoder, or the core before its pool is sized)."""
         from pagedllm.model.resolution import model_resolution
-        from pagedllm.model_source import resolve_tokenizer_source
-        from pagedllm.pooling.decoder_runner import decoder_num_blocks
-        from pagedllm.tokenizer import load_tokenizer
         from pagedllm.worker.device import resolve_device, resolve_dtype
 
-        t0 = time.perf_counter()
         if config.tensor_parallel_size != 1 or config.data_parallel_size != 1:
             raise ValueError("pooling models run on one device: tensor_parallel_size and data_parallel_size "
                              "must be 1.")
@@ -55,22 +56,27 @@ class PoolingInputs:
         self.hf_config = resolution.hf_config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        tok = resolve_tokenizer_source(config, self.source)
-        self.tokenizer = load_tokenizer(tok.path, tok.gguf_file)
         self.architecture = resolution.architecture
         self.is_encoder = resolution.is_encoder
         self.is_classifier = resolution.is_classifier
         self.pooler: PoolerConfig = load_pooler_config(self.source.path, self.is_encoder, config.pooler_config)
         self.max_model_len = self._max_model_len()
-        # a decoder's KV pool, for the rule of what can ever fit (the runner allocates it)
-        self.num_kv_blocks = None if self.is_encoder else decoder_num_blocks(config, self.hf_config, self.dtype)
+        self.num_kv_blocks = None if self.is_encoder else num_kv_blocks
         self.embedding_size = embedding_dimensions(self.pooler, int(self.hf_config.hidden_size))
         if self.pooler.dimensions is not None and self.pooler.dimensions > self.embedding_size:
             raise ValueError(f"pooler_config dimensions={self.pooler.dimensions} is larger than the model's "
                              f"embedding size {self.embedding_size}.")
         self.matryoshka = getattr(self.hf_config, "matryoshka_dimensions", None)
         self.num_labels = int(getattr(self.hf_config, "num_labels", 0) or 0) if self.is_classifier else 0
-        self.startup_seconds = time.perf_counter() - t0
+
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        """Loaded on first use: the engine core reads the description only."""
+        from pagedllm.model_source import resolve_tokenizer_source
+        from pagedllm.tokenizer import load_tokenizer
+
+        tok = resolve_tokenizer_source(self.config, self.source)
+        return load_tokenizer(tok.path, tok.gguf_file)
 
     # ---- what the model does --------------------------------------------------------------
 

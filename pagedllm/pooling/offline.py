@@ -1,5 +1,6 @@
 """The offline pooling API that `LLM` carries (vLLM's names): `encode`, `embed`, `classify`,
-`score`; one batch loop over the `PoolingEngine`."""
+`score`; one batch loop over the `LLMEngine`, whose core runs pooling requests like any other
+(engine/core_pooling.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any, Sequence as SequenceT
 import torch
 from tqdm.auto import tqdm
 
-from pagedllm.pooling.engine import PoolingEngine
+from pagedllm.engine.engine import LLMEngine
+from pagedllm.pooling.inputs import PoolingInputs
 from pagedllm.pooling.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -43,16 +45,17 @@ def _with_task(params: PoolingParams | None, task: str, truncate: int | None) ->
 
 
 class PoolingAPI:
-    """Mixed into `LLM`; `self.pooling_engine` is set when the model runs as a pooling model."""
+    """Mixed into `LLM`; a pooling model's engine has `pooling_inputs` (its prompt rule)."""
 
-    pooling_engine: PoolingEngine | None
+    llm_engine: LLMEngine
     _pool_counter = itertools.count()
 
-    def _pooling(self) -> PoolingEngine:
-        if self.pooling_engine is None:
+    def _pooling(self) -> PoolingInputs:
+        inputs = self.llm_engine.pooling_inputs
+        if inputs is None:
             raise ValueError("This model runs as a generation model: embed / classify / score / encode need a "
                              "pooling model (LLM(model, runner='pooling')).")
-        return self.pooling_engine
+        return inputs
 
     def encode(self, prompts: Any, pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
                truncate_prompt_tokens: int | None = None, pooling_task: str = "encode") -> list[PoolingRequestOutput]:
@@ -107,14 +110,15 @@ class PoolingAPI:
 
     def _run_pooling(self, items: list[tuple[Any, str | None]], params: PoolingParams,
                      use_tqdm: bool) -> list[PoolingRequestOutput]:
-        engine = self._pooling()
+        inputs = self._pooling()
+        engine = self.llm_engine
         ids = [f"pool-{next(self._pool_counter)}" for _ in items]
         pairs = [pair for _, pair in items]
-        prepared = engine.prepare_many(ids, [prompt for prompt, _ in items], params,
+        prepared = inputs.prepare_many(ids, [prompt for prompt, _ in items], params,
                                        pairs if any(p is not None for p in pairs) else None)
         try:
             for p, work in prepared:
-                engine.add_prepared(p, work)
+                engine.add_pooling_request(p, work)
         except BaseException:
             engine.abort_request(ids)  # nothing half-submitted stays in the engine
             raise
@@ -126,7 +130,7 @@ class PoolingAPI:
                     results[out.request_id] = out
                     bar.update(1)
                 if not engine.has_unfinished_requests() and len(results) < len(ids):
-                    raise RuntimeError("The pooling engine stopped with requests unfinished.")
+                    raise RuntimeError("The engine stopped with pooling requests unfinished.")
         except BaseException:
             engine.abort_request([r for r in ids if r not in results])
             raise

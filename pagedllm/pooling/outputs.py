@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+import numpy as np
 import torch
 
 
@@ -65,6 +66,14 @@ class PoolingRequestOutput(Generic[T]):
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+def pooling_output(request_id: str, pooled: bytes | None, prompt_token_ids: list[int]) -> PoolingRequestOutput:
+    """The front end's output of a request the core finished with its vector (float32 bytes)."""
+    if pooled is None:
+        raise ValueError(f"request {request_id} finished without its pooled vector")
+    data = torch.from_numpy(np.frombuffer(pooled, dtype=np.float32).copy())
+    return PoolingRequestOutput(request_id, PoolingOutput(data), prompt_token_ids)
 
 
 class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):

@@ -43,7 +43,6 @@ from torch import nn
 
 from pagedllm.core.kv_cache_groups import KVCacheGroups
 from pagedllm.core.step_plan import SequenceStep, StepPlan
-from pagedllm.spec_decode.verify import rows_to_keep
 from pagedllm.layers.attention import Attention, AttentionMetadata
 from pagedllm.layers.sampler import Sampler
 from pagedllm.layers.sampling_logprobs import SamplerOutput
@@ -53,7 +52,8 @@ from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.cpu_decode_step import CpuDecodeStep
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.decode_graphs import DecodeGraphs
-from pagedllm.worker.input_batch import InputBatch, sample_batch
+from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.step_sampling import sample_step
 
 
 @dataclass
@@ -70,6 +70,8 @@ class ModelRunnerOutput:
     num_accepted: dict[int, int] = field(default_factory=dict)
     # A draft model's proposals this step: seq id -> the draft tokens it verified.
     draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # Pooling models: seq id -> this step's final hidden rows of each sequence with `pool`.
+    pooled_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -376,6 +378,8 @@ class ModelRunner:
         scheduled = plan.sequences
         if not scheduled:
             return ModelRunnerOutput(torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device))
+        if scheduled[0].pool:
+            return self.execute_pooling(plan)
         if self.lora is not None:  # the step's adapters into slots (loaded on demand)
             self.lora.begin_step(plan.lora_requests)
         inp = self.prepare_input(scheduled)  # applies the table changes the draft reads too
@@ -393,7 +397,7 @@ class ModelRunner:
             sample_logits = logits[torch.tensor(inp.sample_indices, dtype=torch.long, device=self.device)]
         all_logits = {seq_id: logits[at : at + n] for seq_id, at, n in inp.all_logits_slices}
         out = ModelRunnerOutput(sample_logits=sample_logits, all_logits=all_logits, draft_token_ids=drafts)
-        out.sampled = self._sample(plan, sample_logits, out.num_accepted, drafts)
+        out.sampled = sample_step(self.sampler, self.input_batch, plan, sample_logits, out.num_accepted, drafts)
         return out
 
     def _fill_drafts(self, inp: ModelInput, scheduled: list[SequenceStep], drafts: dict[int, list[int]]) -> None:
@@ -409,70 +413,18 @@ class ModelRunner:
         inp.input_ids[torch.tensor(rows, dtype=torch.long, device=self.device)] = torch.tensor(
             values, dtype=inp.input_ids.dtype, device=self.device)
 
-    def _sample(self, plan: StepPlan, sample_logits: torch.Tensor, num_accepted: dict[int, int],
-                draft_tokens: dict[int, list[int]] | None = None) -> SamplerOutput | None:
-        """One token for every sampled sequence with a row (and its forks at the first sample),
-        after the structured-output masks the core filled during the forward. A sequence with
-        draft tokens draws one at each verified position (spec_decode/verify.py); its accepted
-        drafts and the next token are kept, their counts go to `num_accepted`."""
-        batch = self.input_batch
-        rows: list[int] = []
-        logits_rows: list[int] = []
-        mask_keys: list[int] = []
-        extras: list[list[int]] = []
-        spans: list[tuple[int, list[int]]] = []  # per sampled row group: first row, drafts
-        spec_seqs: list[int] = []
-        j = 0
-        for s in plan.sequences:
-            if not s.sample:
-                continue
-            seq_id = s.seq_id
-            drafts = (draft_tokens or {}).get(seq_id) or s.draft_token_ids
-            if seq_id in batch:
-                if drafts:
-                    row = batch.row_of[seq_id]
-                    spans.append((len(rows), drafts))
-                    spec_seqs.append(seq_id)
-                    for p in range(len(drafts) + 1):
-                        rows.append(row)
-                        logits_rows.append(j + p)
-                        mask_keys.append((seq_id, p))  # the mask after its first p drafts
-                        extras.append(drafts[:p])
-                else:
-                    for row in batch.start_rows(seq_id):
-                        spans.append((len(rows), []))
-                        rows.append(row)
-                        logits_rows.append(j)
-                        mask_keys.append(seq_id)
-                        extras.append([])
-            j += 1 + len(drafts)
-        if not rows:
-            return None
-        masks = plan.token_masks.result() if plan.token_masks is not None else None
-        if not spec_seqs:
-            return sample_batch(self.sampler, batch, sample_logits, rows, logits_rows, mask_keys, masks)
-        out = sample_batch(self.sampler, batch, sample_logits, rows, logits_rows, mask_keys, masks,
-                           extra_outputs=extras)
-        keep, accepted = rows_to_keep(out.sampled_token_ids, spans)
-        num_accepted.update(zip(spec_seqs, (n for (_, d), n in zip(spans, accepted) if d)))
-        out = SamplerOutput(*([column[i] for i in keep] for column in (
-            out.sampled_token_ids, out.sampled_logprobs, out.sampled_ranks, out.top_logprobs)))
-        batch.record([rows[i] for i in keep], out.sampled_token_ids)
-        return out
-
-    def execute_hidden(self, plan: StepPlan) -> list[torch.Tensor]:
-        """Pooling models (pagedllm/pooling/): the final hidden states of each scheduled
-        sequence's tokens this step, in scheduled order; no logits, no sampling rows."""
-        for seq_id in plan.released_seq_ids:
-            for table in self.block_tables:
-                table.release(seq_id)
+    def execute_pooling(self, plan: StepPlan) -> ModelRunnerOutput:
+        """A pooling model's step (docs/pooling.md): every sequence pools; its final hidden
+        rows of this step come back (`pooled_hidden`), no logits, no sampling rows."""
         scheduled = plan.sequences
-        if not scheduled:
-            return []
+        if not all(s.pool for s in scheduled):
+            raise ValueError("a step mixes pooling and sampled sequences: a core serves one kind of model")
         inp = self.prepare_input(scheduled)
         with torch.inference_mode():
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)
-        return [hidden[first:first + len(s.token_ids)] for first, s in zip(inp.first_rows, scheduled)]
+        empty = torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        return ModelRunnerOutput(empty, pooled_hidden={s.seq_id: hidden[first:first + len(s.token_ids)]
+                                                       for first, s in zip(inp.first_rows, scheduled)})
 
     def run_model(self, inp: ModelInput) -> torch.Tensor | None:
         """float32 logits of the rows `inp.logits_rows`: from a compiled decode graph where one

@@ -145,9 +145,9 @@ def test_prefix_cache_serves_shared_prefix_of_last_token_embedder(folders):
     texts = [prefix + t for t in TEXTS]
     warm = LLM(str(folders / "qwen3"), runner="pooling", num_kv_blocks=64, block_size=8)
     warm.embed(texts[:1], use_tqdm=False)
-    hits_before = warm.pooling_engine.runner.kv_cache_manager.prefix_cache_hits
+    hits_before = warm.llm_engine.core.kv_cache_manager.prefix_cache_hits
     got = _embed(warm, texts)
-    assert warm.pooling_engine.runner.kv_cache_manager.prefix_cache_hits > hits_before
+    assert warm.llm_engine.core.kv_cache_manager.prefix_cache_hits > hits_before
     cold = _embed(LLM(str(folders / "qwen3"), runner="pooling", num_kv_blocks=64, block_size=8,
                       enable_prefix_caching=False), texts)
     assert (got - cold).abs().max().item() <= 1e-5
@@ -170,8 +170,8 @@ def test_offline_refusals_are_value_errors_and_lose_nothing(folders):
     ]:
         with pytest.raises(ValueError, match=match):
             call()
-        assert not llm.pooling_engine.has_unfinished_requests()
-    assert llm.pooling_engine.runner.kv_cache_manager.num_free_blocks == 64
+        assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.llm_engine.core.kv_cache_manager.num_free_blocks == 64
     out = llm.embed(["paris " * 100], truncate_prompt_tokens=16, use_tqdm=False)
     assert out[0].num_prompt_tokens == 16 and len(out[0].outputs.embedding) == 64
     ce = LLM(str(folders / "ce-bert"))
@@ -200,7 +200,7 @@ def test_hub_id_resolves_sentence_transformers_folder(folders, tmp_path, monkeyp
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     llm = LLM("org/tiny-st-embed", download_dir=str(cache))
-    assert llm.pooling_engine.pooler.source == "sentence-transformers"
+    assert llm.llm_engine.pooling_inputs.pooler.source == "sentence-transformers"
     got = _embed(llm, TEXTS)
     assert _compare(got, torch.tensor(ref.encode(TEXTS)))[1] <= 1e-4
     files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())

@@ -12,7 +12,9 @@ import time
 
 import pytest
 
-from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineInfo, RequestStream
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.engine.engine_info import EngineInfo
+from pagedllm.engine.request_stream import RequestStream
 from pagedllm.engine.core_client import InprocCoreClient
 from pagedllm.engine.core_messages import (
     CoreStats,

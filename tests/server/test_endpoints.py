@@ -186,7 +186,7 @@ def test_chat_template_flag_reaches_the_server(tmp_path):
 
             return Template(chat_template).render(messages=conversation)
 
-    from pagedllm.engine.async_engine import EngineInfo
+    from pagedllm.engine.engine_info import EngineInfo
 
     info = EngineInfo(model_name="m", model_root="/x", max_model_len=8, vocab_size=10,
                       num_blocks=4, block_size=16, chat_template=config.chat_template,

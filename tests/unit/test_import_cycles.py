@@ -1,8 +1,7 @@
 """No import circles among pagedllm's modules (issue 44), read with `ast` by
 scripts/import_cycles.py: a circle makes import order matter and hides which module is the lower
-layer. Module-level imports must form none; counting function-local imports too, only the
-circles listed in `_LOCAL_CIRCLES_LEFT` may remain (`if TYPE_CHECKING:` imports never run and are
-not counted)."""
+layer. Module-level imports must form none, and none may hide behind a function-local import
+either (`if TYPE_CHECKING:` imports never run and are not counted)."""
 
 from __future__ import annotations
 
@@ -17,22 +16,13 @@ sys.modules["import_cycles"] = import_cycles  # dataclasses look their module up
 _spec.loader.exec_module(import_cycles)
 
 
-# Held apart by a function-local import in files another change of issue 44 rewrites (the
-# pooling merge): core_process imports core_client's `ready_info`, pooling_server imports
-# api_server's app builders. Remove an entry once its circle is gone.
-_LOCAL_CIRCLES_LEFT = [
-    ["pagedllm.engine.core_client", "pagedllm.engine.core_process"],
-    ["pagedllm.entrypoints.openai.api_server", "pagedllm.entrypoints.openai.pooling_server"],
-]
-
-
 def test_no_module_level_import_circles():
     assert import_cycles.circles() == []
 
 
 def test_no_new_circle_behind_a_function_local_import():
     found = import_cycles.circles({import_cycles.MODULE_LEVEL, import_cycles.LOCAL})
-    assert [c for c in found if c not in _LOCAL_CIRCLES_LEFT] == []
+    assert found == []
 
 
 def test_finds_a_circle_and_sorts_imports_by_when_they_run(tmp_path):

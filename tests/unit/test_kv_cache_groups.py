@@ -104,7 +104,7 @@ def test_the_hand_shake_gives_the_front_end_the_cores_groups():
     from types import SimpleNamespace as NS
 
     from pagedllm.core.kv_cache_groups import hybrid_groups_of_windows, hybrid_kv_cache_groups
-    from pagedllm.engine.core_client import ready_info
+    from pagedllm.engine.core_messages import ready_info
     from pagedllm.engine.core_messages import CoreReady, decode_ready, encode
 
     gemma = NS(model_type="gemma2", num_hidden_layers=4, sliding_window=16,

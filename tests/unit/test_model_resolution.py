@@ -64,12 +64,17 @@ def test_llava_is_refused_by_name_through_llm_and_a_direct_engine_core(tmp_path)
         EngineCore(EngineConfig(model=folder))
 
 
-def test_a_direct_engine_core_refuses_a_pooling_model_before_loading_it(tmp_path):
+def test_a_direct_engine_core_of_a_pooling_model_is_a_pooling_core(tmp_path):
+    """Pooling is a task of the one core (engine/core_pooling.py): an encoder's resolution makes
+    the core a pooling core, which refuses generation requests by name."""
     from pagedllm.engine.core import EngineCore
+    from pagedllm.engine.core_messages import EngineCoreRequest
+    from pagedllm.sampling_params import SamplingParams
 
-    with pytest.raises(ValueError, match=r"BertModel runs as a pooling model \(runner='pooling'\); this engine "
-                                         r"runs generate models"):
-        EngineCore(EngineConfig(model=_tiny_bert(tmp_path / "bert")))
+    core = EngineCore(EngineConfig(model=_tiny_bert(tmp_path / "bert")))
+    assert core.pooling is not None and core.pooling.is_encoder and core.resolution.architecture == "BertModel"
+    with pytest.raises(ValueError, match="is a pooling model: it does not serve generation requests"):
+        core.add_request(EngineCoreRequest("g", [1, 2], SamplingParams(), 0.0))
 
 
 # ---- the decision ----------------------------------------------------------------------------

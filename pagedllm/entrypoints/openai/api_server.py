@@ -25,13 +25,9 @@ is a 408; a request's own chat template needs --trust-request-chat-template (cha
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import secrets
-import signal
-import socket
 import sys
-import time
 from contextlib import asynccontextmanager
 
 from dataclasses import dataclass, field
@@ -54,12 +50,8 @@ from pagedllm.entrypoints.openai.errors import (
     error_response,
     install_error_handlers,
 )
-from pagedllm.entrypoints.openai.http_limits import (
-    HTTPLimits,
-    RequestBodyMiddleware,
-    limited_h11_protocol,
-)
-from pagedllm.entrypoints.openai.pooling_routes import add_generation_model_refusals
+from pagedllm.entrypoints.openai.http_limits import HTTPLimits, RequestBodyMiddleware
+from pagedllm.entrypoints.openai.pooling_routes import PoolingRoutes, add_generation_model_refusals
 from pagedllm.entrypoints.openai.lora_models import ServedLoRAs, runtime_updating_allowed
 from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.completion_protocol import CompletionRequest
@@ -74,6 +66,7 @@ from pagedllm.entrypoints.openai.request_fields import IGNORED_FIELDS_HEADER, RE
 from pagedllm.entrypoints.openai.serving import ServerOptions, ServingContext, with_cancellation
 from pagedllm.entrypoints.openai.serve_start import ServeStart, bind_socket
 from pagedllm.entrypoints.openai.tokenization import TokenizationServer
+from pagedllm.entrypoints.openai.uvicorn_serving import Lifecycle, serve_app
 from pagedllm.tokenizer import max_chars_per_token
 
 logger = logging.getLogger("pagedllm.server")
@@ -108,16 +101,6 @@ class APIKeyMiddleware:
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
-
-
-class Lifecycle:
-    """Draining after SIGTERM and the process's exit code; counts the HTTP requests in flight."""
-
-    def __init__(self) -> None:
-        self.in_flight = 0
-        self.draining_since: float | None = None
-        self.exit_code = 0
-        self.fatal: str | None = None
 
 
 class InFlightMiddleware:
@@ -200,11 +183,6 @@ def build_app(ctx: ServingContext, api_key: str | list[str] | None = None,
     engine = ctx.async_engine
     lifecycle = lifecycle if lifecycle is not None else Lifecycle()
     opts = http_options or HTTPOptions()
-    completions = CompletionServer(ctx)
-    chat = ChatServer(ctx, opts.templates)
-    tokenization = TokenizationServer(ctx, opts.templates)
-    # read here, before the tokenizer thread owns ctx.tokenizer: the event loop reads a number
-    chars_per_token = max_chars_per_token(ctx.tokenizer)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -264,6 +242,20 @@ def build_app(ctx: ServingContext, api_key: str | list[str] | None = None,
 
     if opts.dashboard:
         install_dashboard(app, engine)
+    if engine.pooling_inputs is not None:  # a pooling model: its endpoints, generation's refused
+        PoolingRoutes(engine, ctx.model_names).install(app)
+        return app
+    _install_generation_routes(app, ctx, opts)
+    return app
+
+
+def _install_generation_routes(app: FastAPI, ctx: ServingContext, opts: HTTPOptions) -> None:
+    """Completions, chat, tokenize / detokenize; the pooling endpoints refused by name."""
+    completions = CompletionServer(ctx)
+    chat = ChatServer(ctx, opts.templates)
+    tokenization = TokenizationServer(ctx, opts.templates)
+    # read here, before the tokenizer thread owns ctx.tokenizer: the event loop reads a number
+    chars_per_token = max_chars_per_token(ctx.tokenizer)
 
     @app.post("/v1/completions")
     @with_cancellation
@@ -289,7 +281,6 @@ def build_app(ctx: ServingContext, api_key: str | list[str] | None = None,
         return (await tokenization.detokenize(request)).model_dump()
 
     add_generation_model_refusals(app, ctx.model_name)
-    return app
 
 
 def _runtime_loras(ctx: ServingContext):
@@ -302,49 +293,6 @@ def _runtime_loras(ctx: ServingContext):
 
 # ------------------------------------------------------------------------------ start-up
 
-
-class _Server:
-    """uvicorn's server with pagedllm's life cycle: the first SIGTERM drains instead of
-    closing the listening socket (so that new requests get a 503, not a refused connection)."""
-
-    def __new__(cls, config, lifecycle: Lifecycle, drain_timeout: float):
-        import uvicorn
-
-        class Server(uvicorn.Server):
-            def handle_exit(self, sig, frame) -> None:
-                if sig == signal.SIGTERM and lifecycle.draining_since is None \
-                        and lifecycle.fatal is None:
-                    lifecycle.draining_since = time.monotonic()
-                    logger.info("SIGTERM: draining (%d request(s) in flight, up to %.0f s)",
-                                lifecycle.in_flight, drain_timeout)
-                    return
-                super().handle_exit(sig, frame)
-
-        return Server(config)
-
-
-FATAL_LINGER_S = 1.0  # after the engine died: answer 503 this long, then exit 1
-
-
-async def _watch_lifecycle(server, lifecycle: Lifecycle, drain_timeout: float) -> None:
-    """Ends the server when a drain is over, or shortly after the engine is gone (meanwhile
-    every request, /health included, gets a 503 naming why)."""
-    fatal_since = None
-    while not server.should_exit:
-        await asyncio.sleep(0.05)
-        if lifecycle.fatal is not None:
-            fatal_since = fatal_since or time.monotonic()
-            if time.monotonic() - fatal_since >= FATAL_LINGER_S:
-                server.should_exit = True
-        elif lifecycle.draining_since is not None:
-            waited = time.monotonic() - lifecycle.draining_since
-            if lifecycle.in_flight == 0 or waited >= drain_timeout:
-                if lifecycle.in_flight:
-                    logger.warning("Drain timeout: %d request(s) still in flight are cut",
-                                   lifecycle.in_flight)
-                server.should_exit = True
-
-
 def _http_options(args: argparse.Namespace, limits: HTTPLimits, templates: RequestTemplates) -> HTTPOptions:
     return HTTPOptions(
         allowed_origins=getattr(args, "allowed_origins", ["*"]),
@@ -356,41 +304,6 @@ def _http_options(args: argparse.Namespace, limits: HTTPLimits, templates: Reque
         limits=limits, templates=templates,
         dashboard=not getattr(args, "disable_dashboard", False),
     )
-
-
-def serve_app(app: FastAPI, sock: socket.socket, args: argparse.Namespace, limits: HTTPLimits,
-              lifecycle: Lifecycle, model_name: str, api_key: str | None) -> None:
-    """Serve `app` with uvicorn on the bound socket until a drain or an interrupt ends it."""
-    import uvicorn
-
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    ssl_keyfile = getattr(args, "ssl_keyfile", None)
-    scheme = "https" if ssl_keyfile else "http"
-    logger.info("Serving %s on %s://%s:%d (OpenAI API under /v1)%s", model_name, scheme,
-                shown, port, "; API key required" if api_key else "")
-    drain_timeout = float(getattr(args, "drain_timeout", 30.0))
-    ssl_kwargs = {}
-    if ssl_keyfile:
-        ssl_kwargs = dict(ssl_keyfile=ssl_keyfile, ssl_certfile=args.ssl_certfile,
-                          ssl_ca_certs=getattr(args, "ssl_ca_certs", None),
-                          ssl_cert_reqs=getattr(args, "ssl_cert_reqs", 0))
-    server = _Server(uvicorn.Config(
-        app, http=limited_h11_protocol(limits), log_level=args.uvicorn_log_level,
-        timeout_keep_alive=5,
-        timeout_graceful_shutdown=5,
-        access_log=not getattr(args, "disable_uvicorn_access_log", False),
-        **ssl_kwargs,
-    ), lifecycle, drain_timeout)
-
-    async def serve() -> None:
-        watcher = asyncio.ensure_future(_watch_lifecycle(server, lifecycle, drain_timeout))
-        try:
-            await server.serve(sockets=[sock])
-        finally:
-            watcher.cancel()
-
-    asyncio.run(serve())
 
 
 def run_server(args: argparse.Namespace, started: ServeStart | None = None) -> int:
@@ -424,7 +337,8 @@ def _run_server(args: argparse.Namespace, started: ServeStart | None) -> int:
                                      DEFAULT_RENDER_TIMEOUT_S))
         config = engine_config_from_args(args)
         lora_modules, tool_config = server_extras_from_args(args)
-        runner = started.runner if started is not None else serving_runner(config)
+        if started is None:  # an architecture no runner runs: refused before any core starts
+            serving_runner(config)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -436,10 +350,6 @@ def _run_server(args: argparse.Namespace, started: ServeStart | None) -> int:
         except OSError as exc:
             print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
             return 2
-    if runner == "pooling":
-        from pagedllm.entrypoints.openai.pooling_server import serve_pooling
-
-        return serve_pooling(args, config, sock, limits, _http_options(args, limits, templates))
     try:
         async_engine = AsyncLLMEngine.from_engine_config(
             config, start=started.claim() if started is not None else None)

@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
-from pagedllm.engine.async_engine import RequestStream
+from pagedllm.engine.request_stream import RequestStream
 from pagedllm.entrypoints.openai.errors import OpenAIError, as_openai_error, sse_error
 from pagedllm.entrypoints.openai.logprobs import completion_logprobs
 from pagedllm.entrypoints.openai.completion_protocol import (

@@ -1,6 +1,6 @@
 """The pooling endpoints (docs/pooling.md): POST /v1/embeddings (OpenAI), /pooling,
 /classify, /score and /v1/score, /rerank, /v1/rerank and /v2/rerank (Jina / Cohere), served
-by an `AsyncPoolingEngine`; and the refusals by name: a pooling model refuses the generation
+by the one `AsyncLLMEngine` (a pooling request is a request of its engine core); and the refusals by name: a pooling model refuses the generation
 endpoints, a generation model the pooling ones (OpenAI-style 400s)."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pagedllm.entrypoints.openai.pooling_protocol import (
 )
 from pagedllm.entrypoints.openai.protocol_base import random_uuid
 from pagedllm.entrypoints.openai.serving import with_cancellation
-from pagedllm.pooling.async_engine import AsyncPoolingEngine, PoolingEngineDeadError
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.pooling.inputs import PromptError
 from pagedllm.pooling.params import PoolingParams
 
@@ -71,8 +71,11 @@ def _params(request: Any, task: str, **extra: Any) -> PoolingParams:
 
 
 class PoolingRoutes:
-    def __init__(self, engine: AsyncPoolingEngine, model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_names: list[str]) -> None:
+        if engine.pooling_inputs is None:
+            raise ValueError("the pooling endpoints need a pooling model's engine")
         self.engine = engine
+        self.inputs = engine.pooling_inputs
         self.model_names = model_names
 
     @property
@@ -85,7 +88,7 @@ class PoolingRoutes:
 
     def _check_task(self, task: str) -> None:
         try:
-            self.engine.inputs.check_task(task)
+            self.inputs.check_task(task)
         except ValueError as exc:
             raise OpenAIError(str(exc), 400) from None
 
@@ -99,7 +102,7 @@ class PoolingRoutes:
             raise OpenAIError(f"{field} has {len(prompts)} items; at most {MAX_INPUTS} per request.", 400, field)
         base = f"{prefix}-{random_uuid()}"
         try:
-            return self.engine.inputs.prepare_many([f"{base}-{i}" for i in range(len(prompts))], prompts, params,
+            return self.inputs.prepare_many([f"{base}-{i}" for i in range(len(prompts))], prompts, params,
                                                    pairs)
         except PromptError as exc:
             where = field if len(prompts) == 1 else f"{field}[{exc.index}]"
@@ -111,10 +114,10 @@ class PoolingRoutes:
             raise OpenAIError(message, 400, name) from None
 
     async def _run(self, prepared: list[tuple[PoolingParams, Any]]) -> list:
-        tasks = [asyncio.ensure_future(self.engine.submit(p, w)) for p, w in prepared]
+        tasks = [asyncio.ensure_future(self.engine.pool(p, w)) for p, w in prepared]
         try:
             return await asyncio.gather(*tasks)
-        except PoolingEngineDeadError as exc:
+        except EngineDeadError as exc:
             raise OpenAIError(str(exc), 503) from None
         finally:
             for t in tasks:  # a failure or a client gone: the rest are aborted
@@ -166,7 +169,7 @@ class PoolingRoutes:
         params = _params(request, "classify")
         inputs = [request.input] if isinstance(request.input, str) else list(request.input)
         outs = await self._run(self._prepare("classify", inputs, params))
-        id2label = getattr(self.engine.inputs.hf_config, "id2label", None) or {}
+        id2label = getattr(self.inputs.hf_config, "id2label", None) or {}
         data = []
         for i, o in enumerate(outs):
             probs = o.outputs.data.tolist()
@@ -193,7 +196,7 @@ class PoolingRoutes:
             raise OpenAIError(f"{q_field} and {d_field} pair one to one: got {len(queries)} and {len(docs)}.",
                               400, q_field)
         params = _params(request, "score")
-        if self.engine.inputs.is_classifier:
+        if self.inputs.is_classifier:
             outs = await self._run(self._prepare("score", queries, params, pairs=docs, field=d_field))
             return [float(o.outputs.data.reshape(-1)[0]) for o in outs], sum(len(o.prompt_token_ids) for o in outs)
         unique = list(dict.fromkeys(queries + docs))

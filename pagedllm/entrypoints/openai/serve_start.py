@@ -22,12 +22,10 @@ from pagedllm.model.resolution import serving_runner
 
 @dataclass
 class ServeStart:
-    """The bound listening socket, the runner the model runs under (model/resolution.py) and
-    the cores already launched (None: the server launches them itself: a pooling model, or an
-    in-process core)."""
+    """The bound listening socket and the cores already launched, a pooling model's too (None:
+    the server launches them itself: an in-process core)."""
 
     sock: socket.socket
-    runner: str
     cores: Any = None
     claimed: bool = False
 
@@ -63,15 +61,15 @@ def start_serving(args: argparse.Namespace) -> ServeStart:
     validate_server_args(args)
     config = engine_config_from_args(args)
     server_extras_from_args(args)
-    runner = serving_runner(config)  # an architecture no runner runs: a ValueError here, before any core
+    serving_runner(config)  # an architecture no runner runs: a ValueError here, before any core
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc}") from exc
-    if runner == "pooling" or in_process_requested():
-        return ServeStart(sock, runner)
+    if in_process_requested():
+        return ServeStart(sock)
     try:
-        return ServeStart(sock, runner, CoreStart(config))
+        return ServeStart(sock, CoreStart(config))
     except BaseException:
         sock.close()
         raise
