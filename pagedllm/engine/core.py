@@ -3,8 +3,7 @@
 Token ids in (`EngineCoreRequest`), token deltas out (`EngineCoreOutputs`, one per step):
 schedule (proposals, then core/scheduler) -> plan (engine/step_planner: the frozen StepPlan) ->
 execute and sample (executor -> worker/model_runner, on its persistent batch) -> update (append
-tokens, check EOS / stop ids / lengths, free finished sequences). It never
-tokenizes or detokenizes: text is the front end's (`engine/output_processor.py`), which also
+tokens, check EOS / stop ids / lengths, free finished sequences). It never tokenizes or detokenizes: text is the front end's (`engine/output_processor.py`), which also
 checks stop strings and tells the core which samples they ended (`finish_samples`). A pooling
 model's core (engine/core_pooling.py) runs the same step; its requests finish after their
 prompt with a pooled vector (`EngineCoreOutput.pooled`) instead of a sampled token.
@@ -181,9 +180,8 @@ class EngineCore:
         return prompt_ids
 
     def start_compile(self, request: EngineCoreRequest) -> "Future[Any] | None":
-        """Validate the request and start compiling its grammar off this thread (the busy
-        loop's path): None when it has none; else a future of the compiled grammar, to pass
-        to `add_request` once done."""
+        """Validate; start compiling its grammar off this thread (the busy loop's path): None
+        when it has none, else the compiled grammar's future for `add_request`."""
         self.check_request(request)
         return None if self.pooling is not None else self.structured.submit_compile(request.sampling_params)
 
