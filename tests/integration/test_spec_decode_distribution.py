@@ -213,7 +213,7 @@ def test_the_test_rejects_a_wrong_sampler(spec_llm, tiny, joint, monkeypatch, wr
     keep_every_draw: accepted_prefix says every draft matched, so the tokens drawn after a
     rejected draft (conditioned on it) are emitted too."""
     if wrong == "accept_every_draft":
-        monkeypatch.setattr("pagedllm.worker.model_runner.rows_to_keep", _accept_every_draft)
+        monkeypatch.setattr("pagedllm.worker.step_sampling.rows_to_keep", _accept_every_draft)
     else:
         monkeypatch.setattr("pagedllm.spec_decode.verify.accepted_prefix", lambda drawn, drafts: len(drafts))
     tokens, (drafted, accepted) = _draw(spec_llm, tiny[2])
