@@ -50,9 +50,9 @@ class DraftModelRunner:
         wanted: dict[int, int] = {}
         starts: dict[int, int] = {}
         for s in scheduled:
-            ids = getattr(s, "draft_input_ids", None)
+            ids = s.draft_input_ids
             seq_id = s.seq_id
-            n_drafts = len(getattr(s, "draft_token_ids", ()))
+            n_drafts = len(s.draft_token_ids)
             if not ids:
                 if n_drafts:
                     raise ValueError(f"sequence {seq_id}: {n_drafts} draft placeholders but no draft inputs")
