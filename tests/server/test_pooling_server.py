@@ -3,12 +3,16 @@ behind a real `pagedllm serve`, with the official openai client: /v1/embeddings 
 base64, the client's default, token ids, dimensions, usage), /pooling, /score and /rerank by
 cosine similarity, hostile bodies as 400s naming the field (nothing lost: a plain request
 succeeds after them), and the refusals by name both ways (pooling model: generation
-endpoints; generation model: pooling endpoints)."""
+endpoints; generation model: pooling endpoints). The pooling server is the one engine's server:
+its embedding requests count in the vLLM-named series of /metrics (success, prompt tokens,
+end-to-end latency; nothing left running or holding a KV block), the dashboard's snapshot
+answers, and hostile values are 4xx that leave the engine serving the next plain request."""
 
 from __future__ import annotations
 
 import base64
 import concurrent.futures
+import time
 
 import numpy as np
 import pytest
@@ -16,6 +20,7 @@ import torch
 
 from tests.integration.pooling_fixtures import save_decoder_embedder
 from tests.server.conftest import serving
+from tests.server.helpers import read_metrics
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
 
@@ -164,3 +169,60 @@ def test_generation_model_refuses_pooling_endpoints(http):
         r = http.post(path, json={"input": "hi"})
         assert r.status_code == 400, r.text
         assert path in r.json()["error"]["message"] and "generation model" in r.json()["error"]["message"]
+
+
+def _value(values: dict, name: str, **labels: str) -> float:
+    return values.get((name, tuple(sorted({"model_name": NAME, "engine": "0", **labels}.items()))), 0.0)
+
+
+def _idle_metrics(http, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = read_metrics(http)
+        if (_value(m, "vllm:num_requests_running") == 0 and _value(m, "pagedllm:kv_cache_used_blocks") == 0) \
+                or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def test_embeddings_count_in_metrics_and_dashboard_answers(clients):
+    client, http = clients
+    before = _idle_metrics(http)
+    out = client.embeddings.create(model=NAME, input=["the cat", "a dog and a tree"], encoding_format="float")
+    assert len(out.data) == 2 and out.usage.prompt_tokens > 0
+    after = _idle_metrics(http)
+    assert _value(after, "vllm:request_success_total", finished_reason="stop") \
+        - _value(before, "vllm:request_success_total", finished_reason="stop") == 2
+    assert _value(after, "vllm:prompt_tokens_total") - _value(before, "vllm:prompt_tokens_total") \
+        == out.usage.prompt_tokens
+    assert _value(after, "vllm:e2e_request_latency_seconds_count") \
+        - _value(before, "vllm:e2e_request_latency_seconds_count") == 2
+    assert _value(after, "vllm:num_requests_running") == 0  # the series exists and the requests left
+    assert _value(after, "pagedllm:kv_cache_used_blocks") == 0  # their blocks went back
+    snap = http.get("/v1/internal/engine_state")
+    assert snap.status_code == 200, snap.text
+    state = snap.json()
+    assert "engines" in state or "num_blocks" in str(state), state
+    assert http.get("/dashboard").status_code == 200
+
+
+@pytest.mark.parametrize("body, status", [
+    ({"input": "the cat", "dimensions": 0}, 400),
+    ({"input": "the cat", "dimensions": -3}, 400),
+    ({"input": "the cat", "dimensions": 10**9}, 400),
+    ({"input": "the cat", "dimensions": "wide"}, 400),
+    ({"input": [[]]}, 400),
+    ({"input": []}, 400),
+    ({"input": "paris " * 50_000}, 400),
+    ({"input": ["ok", "paris " * 200]}, 400),
+    ({"input": [[1, 10**9]]}, 400),
+])
+def test_hostile_values_are_4xx_and_a_plain_request_succeeds_after(clients, body, status):
+    client, http = clients
+    r = http.post("/v1/embeddings", json={"model": NAME, **body})
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["message"], r.text
+    ok = client.embeddings.create(model=NAME, input="a plain request", encoding_format="float")
+    assert len(ok.data[0].embedding) == 64
+    m = _idle_metrics(http)
+    assert _value(m, "pagedllm:kv_cache_used_blocks") == 0
