@@ -73,6 +73,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # default: max(2048, max_num_seqs)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Image inputs (docs/multimodal.md, core/encoder_cache.py): embedding rows the vision encoder
+    # may compute per step, and rows the encoder cache holds; 0: max(max_num_batched_tokens, 16384).
+    max_num_encoder_input_tokens: int = 0
+    encoder_cache_size: int = 0
     # None: swap out a preempted request with several running sequences (n > 1, beam
     # search), recompute a single one; "swap" / "recompute" force one for every preemption.
     preemption_mode: str | None = None

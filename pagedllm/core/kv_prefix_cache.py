@@ -1,7 +1,8 @@
 """Prefix caching: full blocks hashed by their tokens, looked up and shared by later sequences.
 
 A block's chain hash covers every token before it (the first block keyed by `cache_salt`, the
-long-context regime and the LoRA adapter); a hit serves every KV cache group (a sliding group
+long-context regime and the LoRA adapter; a block an image's rows fill keyed by the image's
+content hash); a hit serves every KV cache group (a sliding group
 only the blocks its window reads). Apart from allocation because hashing and lookup are
 their own rules (what may be shared), while allocation decides what is held.
 """
@@ -31,6 +32,13 @@ class KVPrefixCache(KVBlockTables):
         if index == 0 and (seq.cache_salt is not None or seq.long_context or seq.lora_key is not None):
             extra = ((seq.cache_salt,) + (("long-context",) if seq.long_context else ())
                      + (("lora", seq.lora_key) if seq.lora_key is not None else ()))
+        if seq.mm_features:
+            # An image's placeholder tokens are the same for every image: the blocks its rows
+            # fill are keyed by its content hash too (two images never share a block).
+            images = tuple(("image", f.content_hash) for f in seq.mm_features
+                           if f.overlaps(start, start + self.block_size))
+            if images:
+                extra = (extra or ()) + images
         return hash_block_tokens(parent_hash, tokens, extra)
 
     @staticmethod

@@ -62,6 +62,9 @@ class SequenceState:
     # hold other K/V than the same tokens under another or under the base, and must never match).
     lora_int_id: int = 0
     lora_key: str | None = None
+    # Its prompt's images (multimodal/inputs.py), shared by every sequence of the request: the
+    # encoder cache and the prefix-cache hashes of the blocks their runs touch read them.
+    mm_features: tuple[Any, ...] = ()
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING

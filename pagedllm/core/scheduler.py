@@ -57,7 +57,9 @@ from __future__ import annotations
 from collections import deque
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.encoder_cache import EncoderCacheManager
 from pagedllm.core.request import SequenceState, SequenceStatus
+from pagedllm.multimodal.inputs import runs_in
 from pagedllm.core.scheduler_admission import SchedulerAdmission
 from pagedllm.core.scheduler_config import SchedulerConfig, check_request_fits_pool
 from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -84,6 +86,8 @@ class Scheduler(SchedulerAdmission, SchedulerPreemption):
         # Requests whose sequences advance together (beam search: a beam waits until all its
         # siblings have their row). They are preempted and admitted whole, never split.
         self._lockstep: set[str] = set()
+        # Image inputs: which images' rows the runner holds, and each step's encoder work.
+        self.encoder_cache = EncoderCacheManager(config.encoder_cache_size, config.max_num_encoder_input_tokens)
 
     def check_request_fits(self, num_tokens: int, num_lockstep_seqs: int = 1) -> None:
         """Refuse (ValueError) a request that could never run, even alone in the whole pool.
@@ -132,6 +136,7 @@ class Scheduler(SchedulerAdmission, SchedulerPreemption):
         budget = self.config.max_num_batched_tokens
         steps: list[tuple[SequenceState, int]] = []  # (seq, num_new_tokens), in emission order
         preempted: list[int] = []
+        self.encoder_cache.begin_step()
 
         # 1. Running sequences, oldest first. Victims come from the end of `running`: either
         #    after `index`, or a group that holds `seq` itself (then the loop ends).
@@ -145,7 +150,9 @@ class Scheduler(SchedulerAdmission, SchedulerPreemption):
                 steps = [(t, n) for t, n in steps if t not in gone]
                 continue  # `running` lost the sequence (and its group): `index` is the next one
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new <= 0:  # nothing to run until the engine appends a token
+            if seq.mm_features and num_new > 0 and seq.num_computed_tokens < seq.prompt_len:
+                num_new = self.encoder_cache.fit_chunk(seq, seq.num_computed_tokens, num_new)
+            if num_new <= 0:  # nothing to run until the engine appends a token (or its image's rows)
                 index += 1
                 continue
             if num_new == 1 and seq.spec_token_ids:  # a decode with a proposal: as budget allows
@@ -193,8 +200,11 @@ class Scheduler(SchedulerAdmission, SchedulerPreemption):
                                    for g in range(1, len(kv.groups))) if kv.is_hybrid else (),
                 draft_token_ids=drafts,
                 lora_int_id=seq.lora_int_id,
+                mm_runs=runs_in(seq.mm_features, seq.num_computed_tokens, seq.num_computed_tokens + known)
+                if seq.mm_features else [],
             ))
         swap_out, swap_in = kv.take_pending_swaps()
+        encoder_inputs, freed_encoder_hashes = self.encoder_cache.take_step()
         return SchedulerOutput(
             scheduled=scheduled,
             block_copies=kv.take_pending_copies(),
@@ -204,6 +214,8 @@ class Scheduler(SchedulerAdmission, SchedulerPreemption):
             blocks_to_swap_in=swap_in,
             released_seq_ids=kv.take_released(),
             finished_seq_ids=self._take_finished(),
+            encoder_inputs=encoder_inputs,
+            freed_encoder_hashes=freed_encoder_hashes,
         )
 
     def _take_finished(self) -> list[int]:
@@ -235,6 +247,8 @@ class Scheduler(SchedulerAdmission, SchedulerPreemption):
                 # the accepted drafts and the token sampled after them: num_computed + 1 slots
                 kv.trim(seq, seq.num_computed_tokens + 1)
             kv.cache_full_blocks(seq)
+            if seq.mm_features:
+                self.encoder_cache.release_passed(seq)
 
     # ---- finishing ------------------------------------------------------------------------
 
@@ -256,6 +270,7 @@ class Scheduler(SchedulerAdmission, SchedulerPreemption):
         seq.status = status
         self._finished_ids.append(seq.seq_id)
         self.kv_cache_manager.free(seq)
+        self.encoder_cache.release_all(seq)
         seqs = self._requests.get(seq.request_id)
         if seqs is not None:
             seqs.remove(seq)

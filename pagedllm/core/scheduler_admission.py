@@ -55,6 +55,11 @@ class SchedulerAdmission(SchedulerQueues):
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
+            if seq.mm_features:  # the images the chunk overlaps must have their rows
+                num_new = self.encoder_cache.fit_chunk(seq, seq.num_computed_tokens + num_hit_tokens, num_new)
+                if num_new <= 0:
+                    self.encoder_cache.release_all(seq)
+                    break
             if seq.request_id in self._lockstep:
                 group = [s for s in self.waiting if s.request_id == seq.request_id]
                 if len(group) > 1:
@@ -66,6 +71,7 @@ class SchedulerAdmission(SchedulerQueues):
                         loras.add(seq.lora_int_id)
                     continue
             if not kv.allocate_slots(seq, num_new, hit_blocks or None):
+                self.encoder_cache.release_all(seq)
                 break
             del self.waiting[i]
             self._start_running(seq, num_hit_tokens)
@@ -112,9 +118,13 @@ class SchedulerAdmission(SchedulerQueues):
             self._set_context_regime(seq)
             hits, num_hit_tokens = kv.get_computed_blocks(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens - num_hit_tokens, left)
+            if seq.mm_features:
+                n = self.encoder_cache.fit_chunk(seq, seq.num_computed_tokens + num_hit_tokens, n)
             plans.append((seq, hits, num_hit_tokens, n))
             left -= n
         if kv.num_blocks_to_admit([(s, h, n) for s, h, _, n in plans]) > kv.num_free_blocks:
+            for seq in group:
+                self.encoder_cache.release_all(seq)
             return None
         # Pin every member's prefix hits first, so that no member's fresh blocks evict a block
         # that a later member was counted as hitting; then allocate the chunks.

@@ -76,6 +76,11 @@ class SchedulerConfig:
     # adapter slots, `max_loras`); 0: LoRA off. A waiting request whose adapter would be one
     # more waits (later ones with a running adapter, or the base model, may go ahead), as vLLM.
     max_loras: int = 0
+    # Image inputs (core/encoder_cache.py): the embedding rows the encoder may compute in one
+    # step, and the rows the runner's encoder cache holds. 0: max(max_num_batched_tokens, 16384),
+    # so that one large image (Qwen2-VL's largest is 16384 rows) always fits.
+    max_num_encoder_input_tokens: int = 0
+    encoder_cache_size: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -85,6 +90,11 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be at least 0 (0: the default), got {getattr(self, name)}")
+            if getattr(self, name) == 0:
+                setattr(self, name, max(self.max_num_batched_tokens, 16384))
         if self.long_context_after is not None and self.long_context_after < 1:
             raise ValueError(f"long_context_after must be at least 1, got {self.long_context_after}")
         if self.preemption_mode not in (None, "recompute", "swap"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from pagedllm.core.request import SequenceState
+from pagedllm.multimodal.inputs import MultiModalFeature
 
 
 class ScheduledSequence(msgspec.Struct, frozen=True):
@@ -37,6 +38,9 @@ class ScheduledSequence(msgspec.Struct, frozen=True):
     draft_token_ids: list[int] = []
     # Multi-LoRA: the adapter it runs with (0: the base model).
     lora_int_id: int = 0
+    # Image inputs: (content hash, position, length, first row) of the image rows this chunk
+    # takes in place of its placeholder tokens (multimodal/inputs.py `runs_in`).
+    mm_runs: list[tuple[bytes, int, int, int]] = []
 
 
 class SchedulerOutput(msgspec.Struct, frozen=True):
@@ -53,6 +57,10 @@ class SchedulerOutput(msgspec.Struct, frozen=True):
     # Sequences that left for good (finished, aborted) since the previous step: the runner
     # drops their sampling rows (a preempted sequence keeps its row: it comes back).
     finished_seq_ids: list[int] = []
+    # Image inputs (core/encoder_cache.py): the images the runner encodes this step, after
+    # dropping the rows of `freed_encoder_hashes`.
+    encoder_inputs: list[MultiModalFeature] = []
+    freed_encoder_hashes: list[bytes] = []
 
     @property
     def has_cache_ops(self) -> bool:

@@ -26,6 +26,7 @@ class SchedulerPreemption(SchedulerQueues):
         sequences sit at the front of the waiting queue, oldest first.
         """
         self.kv_cache_manager.free(seq)
+        self.encoder_cache.release_all(seq)
         seq.spec_token_ids = []  # a proposal is for the step it was made for
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -98,6 +99,7 @@ class SchedulerPreemption(SchedulerQueues):
         for s in reversed(group):
             self.running.remove(s)
             self.kv_cache_manager.free(s)
+            self.encoder_cache.release_all(s)
             self.num_long_context_recomputes += 1
             self._requeue_for_recompute(s)
         return group
@@ -120,6 +122,7 @@ class SchedulerPreemption(SchedulerQueues):
                 self.swapped.pop(0)
                 for seq in group:
                     kv.free(seq)
+                    self.encoder_cache.release_all(seq)
                     self._requeue_for_recompute(seq)
                 continue
             if blocks > kv.num_free_blocks or (

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.inputs import MultiModalFeature
 
 
 class SequenceStep(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -50,6 +51,9 @@ class SequenceStep(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # pooling core's steps pool every sequence.
     pool: bool = False
     token_type_ids: list[int] = []  # an encoder's segment ids (a cross-encoder's pair); [] : all 0
+    # Image inputs: (content hash, position, length, first row) of the image rows that replace
+    # the embedding of placeholder tokens in this chunk (worker/mm_embeddings.py).
+    mm_runs: list[tuple[bytes, int, int, int]] = []
 
 
 class StepPlan(msgspec.Struct, frozen=True, gc=False):
@@ -66,6 +70,10 @@ class StepPlan(msgspec.Struct, frozen=True, gc=False):
     finished_seq_ids: list[int] = []
     # The adapters of this step's sequences, by id: a runner loads any it does not hold.
     lora_requests: dict[int, LoRARequest] = {}
+    # Image inputs (core/encoder_cache.py): every rank drops the rows of `freed_encoder_hashes`,
+    # then encodes `encoder_inputs` into its encoder cache, before the forward.
+    encoder_inputs: list[MultiModalFeature] = []
+    freed_encoder_hashes: list[bytes] = []
     # Rank 0 only. The sampling rows of sequences new since the previous step
     # (worker/input_batch.SamplingRowSpec), and the grammar masks: a future the core fills while
     # the forward runs (seq id, or (seq id, j) after j drafts -> packed allowed-token row).
@@ -80,7 +88,8 @@ class StepPlan(msgspec.Struct, frozen=True, gc=False):
     def has_work(self) -> bool:
         """Whether a runner has anything to do: sequences, cache operations, tables or rows to drop."""
         return bool(self.sequences or self.has_cache_ops or self.released_seq_ids
-                    or self.finished_seq_ids or self.new_sampling_rows)
+                    or self.finished_seq_ids or self.new_sampling_rows or self.encoder_inputs
+                    or self.freed_encoder_hashes)
 
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -125,6 +125,7 @@ class AsyncLLMEngine:
         engine = cls(started.clients, started.tokenizer, started.info, started.metrics)
         engine.ray_replicas = started.ray_replicas
         engine.pooling_inputs = started.pooling_inputs
+        engine.inputs.multimodal = started.multimodal
         return engine
 
     # ---- life cycle (event loop) ----------------------------------------------------------

@@ -28,6 +28,7 @@ class StartedCores:
     metrics: Any
     ray_replicas: Any
     pooling_inputs: Any  # a pooling model's PoolingInputs; None for a generation model
+    multimodal: Any = None  # a multimodal model's processor (multimodal/processing.py)
 
 
 def check_fits(num_tokens: int, num_lockstep_seqs: int = 1, *, num_blocks: int,
@@ -46,6 +47,7 @@ def _config_vocab_size(source: Any) -> int:
 def start_cores(config: Any, with_metrics: bool, in_process: bool | None, start: CoreStart | None) -> StartedCores:
     """Start the core(s) (or take those `start` launched) and wait until they are ready (a
     ValueError: bad configuration); the tokenizer loads meanwhile."""
+    from pagedllm.multimodal.processing import multimodal_processor
     from pagedllm.tokenizer import load_tokenizer
 
     if start is None:
@@ -57,7 +59,7 @@ def start_cores(config: Any, with_metrics: bool, in_process: bool | None, start:
                              f"data_parallel_size={replicas} needs core processes.")
         start = CoreStart(config, in_process=in_process)
     source, tok_source, config = start.source, start.tok_source, start.config
-    pooling_inputs = None
+    pooling_inputs = multimodal = None
     try:
         if serving_runner(config) == "pooling":
             from pagedllm.pooling.inputs import PoolingInputs
@@ -66,6 +68,7 @@ def start_cores(config: Any, with_metrics: bool, in_process: bool | None, start:
             tokenizer = pooling_inputs.tokenizer
         else:
             tokenizer = load_tokenizer(tok_source.path, tok_source.gguf_file)
+            multimodal = multimodal_processor(config, source)
     except BaseException:
         start.abandon()
         raise
@@ -104,4 +107,4 @@ def start_cores(config: Any, with_metrics: bool, in_process: bool | None, start:
             max_model_len=info.max_model_len,
             cache_info=[cache_config_labels(config, c.ready.num_blocks, c.ready.block_size) for c in clients],
             kv_cache_group_attention=kv_cache_group_attention(info.kv_cache_groups))
-    return StartedCores(clients, tokenizer, info, metrics, start.ray_replicas, pooling_inputs)
+    return StartedCores(clients, tokenizer, info, metrics, start.ray_replicas, pooling_inputs, multimodal)

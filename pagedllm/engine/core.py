@@ -54,6 +54,7 @@ from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.layers.rotary import long_context_threshold
 from pagedllm.model.resolution import ModelResolution, model_resolution
 from pagedllm.model_source import ModelSource, resolve_tokenizer_source
+from pagedllm.multimodal.checks import check_mm_features
 from pagedllm.tokenizer import load_tokenizer
 from pagedllm.worker.device import resolve_device, resolve_dtype
 from pagedllm.worker.model_runner import ModelRunnerOutput
@@ -110,6 +111,8 @@ class EngineCore:
                 policy=config.scheduling_policy,
                 long_context_after=long_context_threshold(self.hf_config, self.max_model_len),
                 max_loras=config.max_loras if config.enable_lora else 0,
+                max_num_encoder_input_tokens=config.max_num_encoder_input_tokens,
+                encoder_cache_size=config.encoder_cache_size,
             ),
             self.kv_cache_manager,
         )
@@ -171,6 +174,8 @@ class EngineCore:
         check_priority(request.priority, self.config.scheduling_policy)
         check_lora_enabled(self.loras, request.lora_request)
         prompt_ids = self.inputs.check_token_ids(request.prompt_token_ids)
+        check_mm_features(request.mm_features, len(prompt_ids), self.resolution.mm_config is not None,
+                          self.scheduler.encoder_cache, self.max_num_batched_tokens, self.model_name)
         check_request_kind(request.pooling_params is not None, self.pooling is not None, self.model_name)
         if self.pooling is not None:
             self.pooling.check(prompt_ids, request.pooling_params, request.token_type_ids)

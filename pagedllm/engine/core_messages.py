@@ -23,6 +23,7 @@ import msgspec
 
 from pagedllm.core.kv_cache_groups import layer_sliding_windows
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.beam_search_params import BeamSearchParams
 from pagedllm.pooling.params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -50,6 +51,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # A pooling model's request (docs/pooling.md): it finishes after its prompt with a vector.
     pooling_params: PoolingParams | None = None
     token_type_ids: list[int] | None = None  # an encoder's segment ids (a cross-encoder's pair)
+    # Its images (docs/multimodal.md): tensors, content hashes and placeholder runs, in prompt order.
+    mm_features: list[MultiModalFeature] | None = None
 
 
 # (token id, logprob, rank, top-k [(token id, logprob), ...] in rank order)

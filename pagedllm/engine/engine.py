@@ -16,6 +16,7 @@ from pagedllm.engine.beam_search import beam_params_from_sampling, sampling_para
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.core_messages import EngineCoreRequest
 from pagedllm.engine.dashboard_snapshot import add_request_timings
+from pagedllm.multimodal.processing import multimodal_processor
 from pagedllm.engine.input_processing import InputProcessor, PromptType
 from pagedllm.engine.generation_defaults import load_generation_defaults
 from pagedllm.engine.kv_stats import KVCacheStats
@@ -55,7 +56,7 @@ def prepare_request(
         params = sampling_params_from_beam(beam_params)
     params = params.clone() if params is not None else SamplingParams()
     cache_salt = inputs.cache_salt(prompt, cache_salt)
-    prompt_text, prompt_ids = inputs.tokenize(prompt)
+    prompt_text, prompt_ids, mm_features = inputs.process_prompt(prompt)
     inputs.validate(prompt_ids, params)
     if params.use_beam_search and beam_params is None:
         beam_params = beam_params_from_sampling(params, params.max_tokens)
@@ -68,6 +69,7 @@ def prepare_request(
         cache_salt=cache_salt,
         priority=priority,
         lora_request=lora_request,
+        mm_features=mm_features,
     )
 
 
@@ -103,6 +105,8 @@ class LLMEngine:
                                      max_logprobs=config.max_logprobs,
                                      scheduling_policy=config.scheduling_policy,
                                      max_num_seqs=config.max_num_seqs)
+        if core.resolution.mm_config is not None:
+            self.inputs.multimodal = multimodal_processor(config, core.source)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_seconds = core.startup_seconds
         # generation_config.json's sampling defaults (EngineConfig.generation_config)

@@ -50,6 +50,23 @@ class InputProcessor:
         self.max_logprobs = max_logprobs
         self.scheduling_policy = scheduling_policy
         self.max_num_seqs = max_num_seqs
+        # A multimodal model's processor (multimodal/processing.py); None: text only.
+        self.multimodal: Any = None
+
+    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int], list[Any] | None]:
+        """(prompt text, token ids, image features or None) of any prompt: a dict with
+        `multi_modal_data` goes through the model's processor (its placeholders expanded)."""
+        if not (isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None):
+            return (*self.tokenize(prompt), None)
+        if self.multimodal is None:
+            raise ValueError("This model takes text only: multi_modal_data (images) is not supported for it.")
+        text = prompt.get("prompt")
+        if not isinstance(text, str):
+            raise ValueError("A prompt with multi_modal_data needs its text as 'prompt' (a string with the model's "
+                             "image placeholder per image); 'prompt_token_ids' with images is not supported.")
+        check_prompt_chars(text, self.max_model_len, max_chars_per_token(self.tokenizer))
+        ids, features = self.multimodal.process(text, prompt["multi_modal_data"])
+        return text, self.check_token_ids(ids), features or None
 
     @property
     def logprobs_limit(self) -> int:

@@ -44,6 +44,7 @@ class RequestState:
     fork_seq_ids: list[int] = field(default_factory=list)
     # Multi-LoRA: the adapter every sequence of the request runs with (None: the base model).
     lora_request: Any = None
+    mm_features: tuple[Any, ...] = ()  # the prompt's images (multimodal/inputs.py)
     # A pooling request (engine/core_pooling.py): its parameters and the rows pooled so far.
     pooling: PoolingState | None = None
 

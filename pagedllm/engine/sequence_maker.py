@@ -40,6 +40,7 @@ class SequenceMaker:
             priority=request.priority,
             constraint=constraint,
             lora_request=lora,
+            mm_features=tuple(request.mm_features or ()),
         )
         if beam_params is not None:
             seq = self.new_beam(state, request.cache_salt, [])
@@ -74,6 +75,7 @@ class SequenceMaker:
             output_token_ids=list(output_token_ids),
             lora_int_id=0 if lora is None else lora.lora_int_id,
             lora_key=None if lora is None else lora_cache_key(lora),
+            mm_features=state.mm_features,
         )
 
     def new_sample(self, state: RequestState, cache_salt: str | None) -> SequenceState:

@@ -75,7 +75,8 @@ def sequence_step(item: ScheduledSequence, all_logits: bool = False, draft_start
     """The runner's part of one scheduled sequence."""
     return SequenceStep(item.seq.seq_id, item.token_ids, item.start_pos, item.blocks_from, item.new_block_ids,
                         item.sample, all_logits, item.seq_len, item.group_deltas, item.draft_token_ids,
-                        draft_start, draft_input_ids or [], item.lora_int_id, pool, token_type_ids or [])
+                        draft_start, draft_input_ids or [], item.lora_int_id, pool, token_type_ids or [],
+                        item.mm_runs)
 
 
 def plan_of(sched_out: SchedulerOutput, steps: list[SequenceStep] | None = None, **engine_parts: Any) -> StepPlan:
@@ -85,4 +86,5 @@ def plan_of(sched_out: SchedulerOutput, steps: list[SequenceStep] | None = None,
         steps = [sequence_step(item) for item in sched_out.scheduled]
     return StepPlan(steps, sched_out.num_batched_tokens, sched_out.block_copies, sched_out.blocks_to_swap_out,
                     sched_out.blocks_to_swap_in, sched_out.released_seq_ids, sched_out.finished_seq_ids,
+                    encoder_inputs=sched_out.encoder_inputs, freed_encoder_hashes=sched_out.freed_encoder_hashes,
                     **engine_parts)

@@ -138,14 +138,19 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         self.embed_scale = float(torch.tensor(config.hidden_size**0.5).to(dtype))
         self.final_logit_softcapping = check_soft_cap(getattr(config, "final_logit_softcapping", None))
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Gemma scales its embedding by sqrt(hidden size) (an image's rows are not scaled)."""
+        return self.model.embed_tokens(input_ids) * self.embed_scale
+
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids) * self.embed_scale
+        hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         tables = self.model.rotary_tables(positions, attn_metadata)
         residual = None
         for layer, kv_cache, (cos, sin) in zip(self.model.layers, kv_caches, tables, strict=True):

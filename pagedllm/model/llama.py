@@ -266,13 +266,20 @@ class LlamaForCausalLM(LlamaCheckpointLoading, nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
+        """Final hidden states; `inputs_embeds` (a step with image rows, worker/mm_embeddings.py)
+        replaces the embedding of `input_ids`."""
+        hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.model.rotary_emb(positions, attn_metadata)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn_metadata)
         return self.model.norm(hidden, residual)[0]
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embedding of token ids as the first layer takes it (Gemma scales it)."""
+        return self.model.embed_tokens(input_ids)
 
     @classmethod
     def check_tensor_parallel(cls, config: Any, world: int) -> None:

@@ -29,6 +29,14 @@ GENERATE_ARCHS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
+# generate runner, multimodal (docs/multimodal.md): HF architecture -> the model_type of the text
+# model it must have (its pagedllm class comes from `_MODEL_TYPE_TO_ARCH`); the vision encoder is
+# model/vision_encoders.py's. Their configs reach the engine as the text config with the whole
+# config as `multimodal_config` (model/resolution.py).
+MULTIMODAL_ARCHS: dict[str, tuple[str, ...]] = {
+    "LlavaForConditionalGeneration": ("llama", "mistral", "qwen2"),
+}
+
 # pooling runner, decoders: headless classes (no LM head), paged like generation
 HEADLESS_ARCHS: dict[str, tuple[str, str]] = {
     "LlamaModel": ("decoder_embedders", "LlamaModel"),
@@ -72,7 +80,7 @@ _MODEL_TYPE_TO_ARCH = {
 
 def supported_architectures() -> dict[str, list[str]]:
     """What each runner runs: {"generate": [...], "pooling": [...]}."""
-    return {"generate": list(GENERATE_ARCHS),
+    return {"generate": list(GENERATE_ARCHS) + list(MULTIMODAL_ARCHS),
             "pooling": [*ENCODER_EMBED_ARCHS, *ENCODER_CLASSIFY_ARCHS, *HEADLESS_ARCHS, *HEADLESS_OF]}
 
 
@@ -101,6 +109,9 @@ def architecture_of(hf_config: Any) -> str:
 def get_model_class(hf_config: Any) -> type[nn.Module]:
     """pagedllm's class for the config's generation or headless decoder architecture (which
     runner may run it is model/resolution.py's decision); ValueError for any other."""
+    mm_config = getattr(hf_config, "multimodal_config", None)
+    if mm_config is not None:
+        return model_class(mm_config.architectures[0], hf_config)
     archs = architecture_names(getattr(hf_config, "architectures", None), getattr(hf_config, "model_type", None))
     for arch in archs:
         if arch in GENERATE_ARCHS or arch in HEADLESS_ARCHS:
@@ -108,8 +119,23 @@ def get_model_class(hf_config: Any) -> type[nn.Module]:
     raise unsupported_error(archs)
 
 
-def model_class(arch: str) -> type[nn.Module]:
-    """pagedllm's class for a generation or headless decoder architecture (imported now)."""
+def text_architecture(mm_arch: str, text_config: Any) -> str:
+    """The generation architecture of a multimodal model's text part; ValueError if pagedllm
+    does not run that text model under this architecture."""
+    model_type = getattr(text_config, "model_type", None)
+    if model_type not in MULTIMODAL_ARCHS[mm_arch]:
+        raise ValueError(f"{mm_arch} with a {model_type!r} language model is not supported; its text model "
+                         f"must be one of {list(MULTIMODAL_ARCHS[mm_arch])}.")
+    return _MODEL_TYPE_TO_ARCH[model_type]
+
+
+def model_class(arch: str, text_config: Any = None) -> type[nn.Module]:
+    """pagedllm's class for a generation or headless decoder architecture (imported now); a
+    multimodal one's is its text model's class with the vision encoder (model/multimodal.py)."""
+    if arch in MULTIMODAL_ARCHS:
+        from pagedllm.model.multimodal import multimodal_class
+
+        return multimodal_class(arch, model_class(text_architecture(arch, text_config)))
     module_name, class_name = GENERATE_ARCHS.get(arch) or HEADLESS_ARCHS[arch]
     module = importlib.import_module(f"pagedllm.model.{module_name}")
     return getattr(module, class_name)

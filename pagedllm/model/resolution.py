@@ -78,7 +78,12 @@ class ModelResolution:
         (`AutoModel` / `AutoModelForSequenceClassification`, pooling/encoder_runner.py)."""
         if self.is_encoder:
             raise ValueError(f"{self.architecture} is an encoder: transformers loads it, not a pagedllm class.")
-        return registry.model_class(self.architecture)
+        return registry.model_class(self.architecture, self.hf_config)
+
+    @property
+    def mm_config(self) -> Any:
+        """The whole config of a multimodal model (None: text only); `hf_config` is its text part."""
+        return getattr(self.hf_config, "multimodal_config", None)
 
 
 def choose_architecture(archs: list[str], requested: str, is_gguf: bool) -> ArchitectureChoice:
@@ -93,6 +98,14 @@ def choose_architecture(archs: list[str], requested: str, is_gguf: bool) -> Arch
             return _pooling_only(arch, requested, is_gguf, is_encoder=True)
         if arch in registry.HEADLESS_ARCHS:
             return _pooling_only(arch, requested, is_gguf, is_encoder=False)
+        if arch in registry.MULTIMODAL_ARCHS:
+            if requested == "pooling":
+                raise ValueError(f"{arch} runs only as a generation model (runner='generate'); pooling over "
+                                 "image inputs is not supported.")
+            if is_gguf:
+                raise ValueError(f"{arch} from a GGUF file is not supported (its vision tower lives in a separate "
+                                 "mmproj file); use the model's safetensors folder or Hub id.")
+            return ArchitectureChoice(arch, "generate", False)
         if arch in registry.GENERATE_ARCHS:
             if requested != "pooling":
                 return ArchitectureChoice(arch, "generate", False)
@@ -122,7 +135,22 @@ def model_resolution(config: EngineConfig, source: ModelSource | None = None) ->
     archs = registry.architecture_names(getattr(hf_config, "architectures", None),
                                         getattr(hf_config, "model_type", None))
     choice = choose_architecture(archs, config.requested_runner, source.is_gguf)
+    if choice.architecture in registry.MULTIMODAL_ARCHS:
+        hf_config = text_config_of(hf_config, choice.architecture)
     return ModelResolution(source, hf_config, choice.architecture, choice.runner, choice.is_encoder)
+
+
+def text_config_of(mm_config: Any, architecture: str) -> Any:
+    """A multimodal config as the engine sizes it: its text config (layers, heads, vocabulary,
+    positions), carrying the whole config as `multimodal_config` for the model and the front
+    end's processing; a text model pagedllm does not run under it is a ValueError."""
+    text = mm_config.get_text_config()
+    registry.text_architecture(architecture, text)
+    text.multimodal_config = mm_config
+    for name in ("tie_word_embeddings",):  # kept on the outer config by some checkpoints
+        if name in mm_config.to_dict() and name not in text.to_dict():
+            setattr(text, name, getattr(mm_config, name))
+    return text
 
 
 def serving_runner(config: EngineConfig) -> Runner:

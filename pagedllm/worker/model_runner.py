@@ -53,6 +53,8 @@ from pagedllm.worker.cpu_decode_step import CpuDecodeStep
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.decode_graphs import DecodeGraphs
 from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.mm_embeddings import MultiModalEmbeddings
+from pagedllm.model.multimodal import is_multimodal
 from pagedllm.worker.step_sampling import sample_step
 
 
@@ -90,6 +92,9 @@ class ModelInput:
     decode_only: bool = False
     # Multi-LoRA: each token's adapter slot (int32, -1: the base model); None: LoRA off.
     lora_indices: torch.Tensor | None = None
+    # Image inputs: the step's input embeddings when a chunk holds image rows (the eager model
+    # then embeds nothing itself); None: the ids are embedded as always.
+    inputs_embeds: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -165,6 +170,8 @@ class ModelRunner:
         self.cpu_decode_step: CpuDecodeStep | None = None
         if cpu_decode_step and self.device.type == "cpu" and self.kv_cache_groups is None and not compile_batch_sizes:
             self.cpu_decode_step = CpuDecodeStep.create(model, self.kv_caches, block_size)
+        # Image inputs (worker/mm_embeddings.py): the encoder cache of a multimodal model.
+        self.mm_embeddings = MultiModalEmbeddings(model, self.device) if is_multimodal(model) else None
         self.cuda_graphs: CudaGraphRunner | None = None
         if cuda_graph_sizes:
             self.cuda_graphs = CudaGraphRunner(model, self.kv_caches, block_size, max_len, scratch_block=num_blocks,
@@ -375,6 +382,8 @@ class ModelRunner:
             cache.swap_in(plan.blocks_to_swap_in)
             if plan.block_copies:
                 cache.copy_blocks(plan.block_copies)
+        if self.mm_embeddings is not None:  # the encoder cache: frees, then this step's images
+            self.mm_embeddings.apply(plan)
         scheduled = plan.sequences
         if not scheduled:
             return ModelRunnerOutput(torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device))
@@ -383,6 +392,10 @@ class ModelRunner:
         if self.lora is not None:  # the step's adapters into slots (loaded on demand)
             self.lora.begin_step(plan.lora_requests)
         inp = self.prepare_input(scheduled)  # applies the table changes the draft reads too
+        if self.mm_embeddings is not None:
+            inp.inputs_embeds = self.mm_embeddings.inputs_embeds(inp.input_ids, inp.first_rows, scheduled)
+            if inp.inputs_embeds is not None:
+                inp.decode_only = False  # graphs and the C decode step embed ids themselves
         drafts = self.drafter.propose(scheduled) if self.drafter is not None else {}
         if drafts:
             self._fill_drafts(inp, scheduled, drafts)
@@ -447,7 +460,11 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.context.set(inp.lora_indices, self.lora.config.max_loras)
             with torch.inference_mode():
-                hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)
+                if inp.inputs_embeds is not None:
+                    hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata,
+                                        inputs_embeds=inp.inputs_embeds)
+                else:
+                    hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)
         if not inp.logits_rows:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         if inp.logits_rows == list(range(hidden.shape[0])):

@@ -44,15 +44,15 @@ def test_serve_on_an_unsupported_architecture_exits_2_naming_it(gpt2_folder, ent
     assert "EngineCore" not in proc.stderr and "Traceback" not in proc.stderr  # refused before any core
 
 
-def test_serve_on_llava_exits_2_naming_it(tmp_path):
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+def test_serve_on_an_unsupported_multimodal_model_exits_2_naming_it(tmp_path):
+    from transformers import GemmaConfig, PaliGemmaConfig, SiglipVisionConfig
 
-    text = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
-    vision = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
-    config = LlavaConfig(text_config=text.to_dict(), vision_config=vision.to_dict())
-    config.architectures = ["LlavaForConditionalGeneration"]
+    text = GemmaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    config = PaliGemmaConfig(text_config=text.to_dict(), vision_config=vision.to_dict())
+    config.architectures = ["PaliGemmaForConditionalGeneration"]
     config.save_pretrained(tmp_path)
     proc = _serve("pagedllm.entrypoints.cli serve", str(tmp_path))
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "error: Model architecture(s) ['LlavaForConditionalGeneration'] are not supported" in proc.stderr
+    assert "error: Model architecture(s) ['PaliGemmaForConditionalGeneration'] are not supported" in proc.stderr
     assert "vocab_size" not in proc.stderr

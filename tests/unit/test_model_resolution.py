@@ -1,6 +1,6 @@
 """model/resolution.py decides, once, what a model is and how it runs. Folders saved by
 transformers' own classes: GPT-2 (no runner runs it) was told it "cannot run as a pooling model"
-when asked to generate; LLaVA crashed in `EngineCore.__init__` on `hf_config.vocab_size`."""
+when asked to generate; LLaVA (before it ran, issue 45) crashed in `EngineCore.__init__` on `hf_config.vocab_size`."""
 
 from __future__ import annotations
 
@@ -19,15 +19,16 @@ def _tiny_gpt2(folder, headless: bool) -> str:
     return str(folder)
 
 
-def _tiny_llava(folder) -> str:
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+def _tiny_paligemma(folder) -> str:
+    """A multimodal architecture pagedllm does not run (LLaVA, which this test used, now runs)."""
+    from transformers import GemmaConfig, PaliGemmaConfig, PaliGemmaForConditionalGeneration, SiglipVisionConfig
 
-    text = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                       num_attention_heads=2, max_position_embeddings=64)
-    vision = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                              image_size=28, patch_size=14)
-    LlavaForConditionalGeneration(LlavaConfig(text_config=text.to_dict(), vision_config=vision.to_dict())
-                                  ).save_pretrained(folder)
+    text = GemmaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64)
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    PaliGemmaForConditionalGeneration(PaliGemmaConfig(text_config=text.to_dict(), vision_config=vision.to_dict())
+                                      ).save_pretrained(folder)
     return str(folder)
 
 
@@ -52,12 +53,12 @@ def test_gpt2_asked_to_generate_is_told_it_is_unsupported_with_each_runners_list
     assert "pooling model" not in str(err.value)
 
 
-def test_llava_is_refused_by_name_through_llm_and_a_direct_engine_core(tmp_path):
+def test_an_unsupported_multimodal_model_is_refused_by_name_through_llm_and_a_direct_engine_core(tmp_path):
     from pagedllm import LLM
     from pagedllm.engine.core import EngineCore
 
-    folder = _tiny_llava(tmp_path / "llava")
-    expected = rf"\['LlavaForConditionalGeneration'\] are not supported by pagedllm. {SUPPORTED_LISTS}"
+    folder = _tiny_paligemma(tmp_path / "paligemma")
+    expected = rf"\['PaliGemmaForConditionalGeneration'\] are not supported by pagedllm. {SUPPORTED_LISTS}"
     with pytest.raises(ValueError, match=expected):
         LLM(folder)
     with pytest.raises(ValueError, match=expected):

@@ -1,0 +1,1 @@
+"""Image inputs (docs/multimodal.md): the request side (features, processing, media loading)."""

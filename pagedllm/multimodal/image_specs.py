@@ -1,0 +1,61 @@
+"""Per architecture, what the shared processing (multimodal/processing.py) cannot know: how to
+call the model's processor, which of its outputs belong to which image, how many placeholder
+runs one image fills, the placeholder token, and whether an image must be prefilled in one
+chunk. The vision towers themselves are the models' business (model/vision_encoders.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ImageSpec:
+    """The default: one image = one run of the image token; per-image tensors are the rows of
+    every batched processor output whose first dimension is the number of images."""
+
+    whole_in_one_chunk = False
+    # Processor outputs that describe the text, not the images.
+    text_keys = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+
+    def call_processor(self, processor: Any, text: str, images: list) -> Any:
+        return processor(text=[text], images=images or None, return_tensors="pt")
+
+    def image_token_id(self, mm_config: Any, processor: Any) -> int:
+        for name in ("image_token_id", "image_token_index"):
+            value = getattr(mm_config, name, None)
+            if value is not None:
+                return int(value)
+        return int(processor.image_token_id)
+
+    def split_items(self, out: Any, num_images: int, mm_config: Any) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = [{} for _ in range(num_images)]
+        for key, value in out.items():
+            if key in self.text_keys or not hasattr(value, "shape"):
+                continue
+            if value.shape[0] != num_images:
+                raise ValueError(f"processor output {key!r} has {value.shape[0]} rows for {num_images} images")
+            for i in range(num_images):
+                items[i][key] = value[i:i + 1]
+        return items
+
+    def runs_per_item(self, item: dict[str, Any], mm_config: Any) -> int:
+        return 1
+
+
+# HF architecture -> its spec (architectures absent here use the default).
+_SPECS: dict[str, ImageSpec] = {}
+
+
+def register(*architectures: str):
+    def wrap(cls: type[ImageSpec]) -> type[ImageSpec]:
+        for arch in architectures:
+            _SPECS[arch] = cls()
+        return cls
+    return wrap
+
+
+_DEFAULT = ImageSpec()
+
+
+def image_spec_for(architecture: str) -> ImageSpec:
+    return _SPECS.get(architecture, _DEFAULT)

@@ -1,0 +1,57 @@
+"""The runner's side of image inputs: the encoder cache (content hash -> an image's embedding
+rows, exactly the entries the scheduler's `EncoderCacheManager` lists: a plan's
+`freed_encoder_hashes` go, its `encoder_inputs` are encoded) and the step's input embeddings,
+the text embedding with each placeholder position's row replaced by its image row.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedllm.core.step_plan import SequenceStep, StepPlan
+
+
+class MultiModalEmbeddings:
+    def __init__(self, model: Any, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.rows: dict[bytes, torch.Tensor] = {}
+
+    def apply(self, plan: StepPlan) -> None:
+        """Drop the freed entries, then encode this step's images (one at a time: an image's
+        rows do not depend on what else is batched)."""
+        for h in plan.freed_encoder_hashes:
+            self.rows.pop(h, None)
+        for feature in plan.encoder_inputs:
+            data = {name: t.to_torch() for name, t in feature.data.items()}
+            rows = self.model.embed_multimodal(data)
+            if rows.dim() != 2 or rows.shape[0] != feature.num_rows:
+                raise ValueError(f"the vision encoder gave {tuple(rows.shape)} rows for an image with "
+                                 f"{feature.num_rows} placeholder positions")
+            self.rows[feature.content_hash] = rows
+
+    def inputs_embeds(self, input_ids: torch.Tensor, first_rows: list[int],
+                      scheduled: list[SequenceStep]) -> torch.Tensor | None:
+        """The step's input embeddings when a chunk holds image positions (None otherwise: the
+        model embeds the ids itself, the text-only path unchanged)."""
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        for first, s in zip(first_rows, scheduled):
+            for h, pos, length, row in s.mm_runs:
+                rows = self.rows.get(h)
+                if rows is None:
+                    raise ValueError(f"sequence {s.seq_id}: the rows of image {h.hex()[:12]} are not in the encoder "
+                                     "cache (the scheduler and the runner disagree)")
+                at = first + pos - s.start_pos
+                targets.append(torch.arange(at, at + length, device=self.device))
+                sources.append(rows[row:row + length])
+        if not targets:
+            return None
+        index = torch.cat(targets)
+        ids = input_ids.clone()
+        ids[index] = 0  # a placeholder id may lie outside the text vocabulary: its row is replaced
+        embeds = self.model.embed_input_ids(ids)
+        embeds[index] = torch.cat(sources).to(embeds.dtype)
+        return embeds
