@@ -53,6 +53,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=True)
+    g.add_argument("--max-num-encoder-input-tokens", type=int, default=0,
+                   help="image inputs: embedding rows the vision encoder may compute per step "
+                        "(0: max(max-num-batched-tokens, 16384))")
+    g.add_argument("--encoder-cache-size", type=int, default=0,
+                   help="image inputs: embedding rows the encoder cache holds (0: as above)")
     g.add_argument("--preemption-mode", default=None, choices=list(SUPPORTED_PREEMPTION_MODES),
                    help="force recompute or swap (default: swap groups, recompute singles)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -287,6 +292,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "scheduling_policy", "generation_config", "max_logprobs", "structured_outputs_timeout",
         "revision", "tokenizer_revision", "download_dir", "gguf_file", "speculative_config",
         "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "runner", "task", "pooler_config",
+        "max_num_encoder_input_tokens", "encoder_cache_size",
     ):
         kwargs[name] = getattr(args, name)
     positional, model = getattr(args, "model_tag", None), args.model
