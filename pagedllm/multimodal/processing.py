@@ -98,6 +98,8 @@ class MultiModalProcessor:
                 raise ValueError(f"The model's processor refused the prompt and its {len(images)} image(s): {exc}") from None
         ids = [int(t) for t in out["input_ids"][0].tolist()]
         if not images:
+            if self.image_token_id in ids:
+                raise ValueError("The prompt holds the model's image placeholder but no image was given.")
             return ids, []
         return ids, self.features(ids, out, len(images))
 
