@@ -40,7 +40,8 @@ def _tokenizer(smollm2_gguf: str, path: Path, named: dict[str, str], extra: list
 
     hf_tokenizer(smollm2_gguf).save_pretrained(path)  # the cached one is shared: never change it
     tok = AutoTokenizer.from_pretrained(path, extra_special_tokens=dict(named))
-    missing = [t for t in list(named.values()) + list(extra) if t not in tok.get_vocab()]
+    vocab = tok.get_vocab()  # a fresh dict of 49k entries each call
+    missing = [t for t in list(named.values()) + list(extra) if t not in vocab]
     if missing:
         tok.add_special_tokens({"extra_special_tokens": missing}, replace_extra_special_tokens=False)
     for t in list(named.values()) + list(extra):
