@@ -162,7 +162,7 @@ def _gemma3(tok) -> tuple[Any, Any]:
                                layer_types=["sliding_attention", "full_attention"])
     # SigLIP 32x32 / patch 4 = 8x8 patches, average-pooled to 4x4 = 16 tokens per image (or crop).
     vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                   image_size=32, patch_size=4)
+                                   image_size=32, patch_size=4, vision_use_head=False)  # as Gemma3's
     config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16,
                              boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id,
                              image_token_index=tok.image_token_id)
