@@ -156,3 +156,27 @@ def test_bad_image_inputs_are_refused_by_name_and_the_engine_goes_on(llava, llm)
     assert not core.scheduler.has_unfinished() and not any(core.scheduler.encoder_cache.users.values())
     assert [list(o.outputs[0].token_ids) for o in generate(llm, [(prompt, [im])])] == \
         reference(llava, [(prompt, [im])])
+
+
+def test_hub_checkpoint_names_load(llava, tmp_path):
+    """Hub LLaVA checkpoints name tensors as transformers 4 saved them (`language_model.model.*`,
+    `language_model.lm_head.*`, `vision_tower.vision_model.*`, `multi_modal_projector.*`)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "hub-names"
+    shutil.copytree(llava, folder)
+    renames = (("model.vision_tower.", "vision_tower.vision_model."), ("model.multi_modal_projector.",
+               "multi_modal_projector."), ("model.language_model.", "language_model.model."),
+               ("lm_head.", "language_model.lm_head."))
+    state = load_file(folder / "model.safetensors")
+    out = {}
+    for key, tensor in state.items():
+        new = next((n + key[len(o):] for o, n in renames if key.startswith(o)), key)
+        out[new] = tensor
+    assert set(out) != set(state)
+    save_file(out, folder / "model.safetensors", metadata={"format": "pt"})
+    engine = LLM(model=str(folder), num_kv_blocks=32, block_size=8)
+    prompts = [(prompt_of(llava, "Names?"), [im]) for im in sample_images(1, seed=9)]
+    assert [list(o.outputs[0].token_ids) for o in generate(engine, prompts)] == reference(llava, prompts)
