@@ -158,18 +158,21 @@ def test_bad_image_inputs_are_refused_by_name_and_the_engine_goes_on(llava, llm)
         reference(llava, [(prompt, [im])])
 
 
-def test_hub_checkpoint_names_load(llava, tmp_path):
-    """Hub LLaVA checkpoints name tensors as transformers 4 saved them (`language_model.model.*`,
-    `language_model.lm_head.*`, `vision_tower.vision_model.*`, `multi_modal_projector.*`)."""
+@pytest.mark.parametrize("spelling", ["transformers-5", "vision_model-wrapper"])
+def test_both_checkpoint_spellings_load(llava, tmp_path, spelling):
+    """transformers 5 saves LLaVA as 4 did (`language_model.model.*`, `vision_tower.*`); its
+    in-memory names (`model.language_model.*`, `model.vision_tower.*`, `lm_head.*`) and hub
+    checkpoints' CLIP wrapper (`vision_tower.vision_model.*`) must load the same."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    folder = tmp_path / "hub-names"
+    folder = tmp_path / spelling
     shutil.copytree(llava, folder)
-    renames = (("model.vision_tower.", "vision_tower.vision_model."), ("model.multi_modal_projector.",
-               "multi_modal_projector."), ("model.language_model.", "language_model.model."),
-               ("lm_head.", "language_model.lm_head."))
+    renames = {"transformers-5": (("language_model.model.", "model.language_model."),
+                                  ("language_model.lm_head.", "lm_head."), ("vision_tower.", "model.vision_tower."),
+                                  ("multi_modal_projector.", "model.multi_modal_projector.")),
+               "vision_model-wrapper": (("vision_tower.", "vision_tower.vision_model."),)}[spelling]
     state = load_file(folder / "model.safetensors")
     out = {}
     for key, tensor in state.items():
