@@ -17,6 +17,7 @@ import base64
 import binascii
 import io
 import os
+import re
 import stat
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -146,10 +147,15 @@ def _read_file_url(url: str, policy: MediaPolicy) -> bytes:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
     except OSError as exc:
         raise ValueError(f"Image URL {show_url(url)!r}: cannot open the file ({exc.strerror}).") from None
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ValueError(f"Image URL {show_url(url)!r}: not a regular file.")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"Image URL {show_url(url)!r}: not a regular file.")
         if st.st_size > policy.max_image_bytes:
             raise ValueError(f"Image URL {show_url(url)!r}: the file is {st.st_size} bytes, more than "
                              f"{policy.max_image_bytes} (--max-image-bytes).")
@@ -167,9 +173,13 @@ def decode_image(data: bytes, policy: MediaPolicy, source: str = "the image") ->
 
     try:
         img = Image.open(io.BytesIO(data), formats=SUPPORTED_IMAGE_FORMATS)
-    except Image.DecompressionBombError as exc:  # PIL's own cap, above ours by default
-        raise ValueError(f"{source}: too many pixels ({exc}); the limit is "
-                         f"{policy.max_image_pixels} (--max-image-pixels).") from None
+    except Image.DecompressionBombError as exc:  # PIL's own cap (2 x Image.MAX_IMAGE_PIXELS),
+        # checked from the header inside open(), above ours unless --max-image-pixels is raised
+        found = re.search(r"\((\d+) pixels\)", str(exc))
+        count = f"{found.group(1)} pixels" if found else "too many pixels"
+        raise ValueError(f"{source}: {count}, more than the limit of {policy.max_image_pixels} "
+                         f"(--max-image-pixels; PIL refuses more than {2 * Image.MAX_IMAGE_PIXELS} "
+                         "in any case).") from None
     except Exception:
         raise ValueError(f"{source}: {_unreadable(data)}") from None
     width, height = img.size
