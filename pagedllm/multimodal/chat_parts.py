@@ -29,11 +29,6 @@ class ImageRef:
     image: Any = None  # PIL.Image.Image
     detail: str | None = None  # OpenAI's "auto" / "low" / "high"; the processor decides the size
 
-    def describe(self) -> str:
-        from pagedllm.multimodal.media import show_url
-
-        return show_url(self.url) if self.url is not None else "an image_pil part"
-
 
 @dataclass
 class ChatInputs:

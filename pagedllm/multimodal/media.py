@@ -29,6 +29,7 @@ from pagedllm.multimodal.limits import (
     DEFAULT_MAX_IMAGE_PIXELS,
     DEFAULT_MEDIA_FETCH_TIMEOUT_S,
 )
+from pagedllm.multimodal.urls import show_url
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -59,14 +60,6 @@ class MediaPolicy:
             max_image_bytes=config.max_image_bytes,
             max_image_pixels=config.max_image_pixels,
         )
-
-
-def show_url(url: str, limit: int = 120) -> str:
-    """A URL as error messages quote it: a data URL by its header only."""
-    if url[:5].lower() == "data:":
-        head = url.split(",", 1)[0]
-        return f"{head[:limit]},... ({len(url)} characters)"
-    return url if len(url) <= limit else url[:limit] + "..."
 
 
 def load_image_url(url: str, policy: MediaPolicy) -> Image.Image:

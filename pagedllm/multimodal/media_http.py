@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from pagedllm.multimodal.media import show_url
+from pagedllm.multimodal.urls import show_url
 
 if TYPE_CHECKING:
     from pagedllm.multimodal.media import MediaPolicy

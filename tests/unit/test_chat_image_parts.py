@@ -351,3 +351,33 @@ def test_takes_images(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl", "vision_config": {}}))
     assert folder_takes_images(str(tmp_path))
     assert not folder_takes_images(None)
+
+
+def test_offline_chat_builds_the_prompt_dict():
+    from pagedllm.llm import LLM
+
+    tok = _TemplateTokenizer()
+    llm = LLM.__new__(LLM)  # no model: the engine's parts LLM.chat reads
+    llm.llm_engine = SimpleNamespace(
+        config=EngineConfig(limit_mm_per_prompt={"image": 2}), model_name="vlm", pooling_inputs=None,
+        generation_defaults={}, get_tokenizer=lambda: tok)
+    llm._takes_images = True
+    llm._media_policy = MediaPolicy()
+    submitted = []
+    llm._run = lambda prompts, params, use_tqdm, lora_request=None: submitted.extend(prompts) or []
+    pil = Image.new("L", (5, 5), 9)
+    llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": pil},
+                                           {"type": "text", "text": "and"}, _image_part(_data_url())]}],
+             use_tqdm=False)
+    (prompt,) = submitted
+    assert prompt["prompt"] == "<|user|><image>and<image><|assistant|>"
+    assert [im.mode for im in prompt["multi_modal_data"]["image"]] == ["RGB", "RGB"]
+    assert prompt["multi_modal_data"]["image"][0].getpixel((0, 0)) == (9, 9, 9)
+    submitted.clear()
+    llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)  # text: token ids as before
+    assert submitted[0]["prompt"] == "<|user|>hi<|assistant|>" and submitted[0]["prompt_token_ids"]
+    with pytest.raises(ValueError, match="At most 2 image"):
+        llm.chat([{"role": "user", "content": [_image_part("data:x")] * 3}], use_tqdm=False)
+    llm._takes_images = False
+    with pytest.raises(ValueError, match="'image_pil' are not supported: vlm takes text only"):
+        llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": pil}]}], use_tqdm=False)
