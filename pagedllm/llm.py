@@ -14,7 +14,6 @@ from pagedllm.engine.kv_stats import KVCacheStats
 from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal.chat_parts import load_images, multimodal_prompt, parse_conversation
 from pagedllm.multimodal.media import MediaPolicy
-from pagedllm.multimodal.model_info import takes_images
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling.offline import PoolingAPI
 from pagedllm.beam_search_params import BeamSearchParams
@@ -68,7 +67,7 @@ class LLM(PoolingAPI):
         self.llm_engine = LLMEngine(config, resolution)
         self._request_counter = itertools.count()
         # image inputs in chat (docs/multimodal.md)
-        self._takes_images = takes_images(resolution.hf_config)
+        self._takes_images = resolution.mm_config is not None
         self._media_policy = MediaPolicy.from_config(config)
 
     def _generation(self) -> LLMEngine:

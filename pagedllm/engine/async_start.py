@@ -17,7 +17,6 @@ from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.generation_defaults import load_generation_defaults
 from pagedllm.model.resolution import serving_runner
 from pagedllm.multimodal.media import MediaPolicy
-from pagedllm.multimodal.model_info import folder_takes_images
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +96,7 @@ def start_cores(config: Any, with_metrics: bool, in_process: bool | None, start:
         served_model_names=config.served_model_names,
         kv_cache_groups=hybrid_groups_of_windows(ready.hybrid_layer_windows),
         max_num_batched_tokens=ready.max_num_batched_tokens,
-        takes_images=not source.gguf_file and folder_takes_images(source.path),
+        takes_images=multimodal is not None,
         limit_mm_per_prompt=dict(config.limit_mm_per_prompt or {}),
         media_policy=MediaPolicy.from_config(config),
     )
