@@ -9,7 +9,7 @@ import io
 
 import pytest
 
-from tests.integration.vlm_fixtures import chat_prompt, hf_greedy, sample_images, tiny_vlm_folder, user_turn
+from tests.integration.vlm_fixtures import chat_prompt, hf_greedy, sample_images, user_turn
 
 MAX_TOKENS = 8
 QUESTION = "What is in the picture?"
@@ -22,8 +22,8 @@ def _png(img) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def llava(tmp_path_factory, smollm2_gguf):
-    return tiny_vlm_folder(tmp_path_factory, smollm2_gguf, "llava")
+def llava(tiny_vlm):
+    return tiny_vlm("llava")
 
 
 def test_chat_image_parts_match_transformers(llava, tmp_path):

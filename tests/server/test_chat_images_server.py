@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.integration.vlm_fixtures import chat_prompt, hf_greedy, sample_images, tiny_vlm_folder, user_turn
+from tests.integration.vlm_fixtures import chat_prompt, hf_greedy, sample_images, user_turn
 from tests.server.conftest import serving
 
 MAX_TOKENS = 6
@@ -57,8 +57,8 @@ def image_host():
 
 
 @pytest.fixture(scope="module")
-def vlm_server(tmp_path_factory, smollm2_gguf):
-    folder = tiny_vlm_folder(tmp_path_factory, smollm2_gguf, "llava")
+def vlm_server(tiny_vlm):
+    folder = tiny_vlm("llava")
     with serving(["-m", "pagedllm.entrypoints.cli", "serve", folder, "--max-model-len", "512",
                   "--kv-cache-space", "0.05", "--allowed-media-domains", "127.0.0.1",
                   "--media-fetch-timeout", "2", "--limit-mm-per-prompt", '{"image": 1}']) as srv:
