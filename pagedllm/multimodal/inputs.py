@@ -11,10 +11,6 @@ import hashlib
 
 import msgspec
 
-# The modalities pagedllm takes; vLLM's others are refused by name where a request names them.
-SUPPORTED_MODALITIES = ("image",)
-UNSUPPORTED_MODALITIES = ("video", "audio")
-
 
 class TensorData(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """A tensor as bytes (no pickle): its dtype name (torch's, e.g. "float32"), shape, data."""

@@ -238,9 +238,16 @@ def _chat_server(takes_images: bool, limits=None, policy=None):
                       num_blocks=64, block_size=16, chat_template=None, startup_seconds=0.0,
                       kernel_info={}, takes_images=takes_images,
                       limit_mm_per_prompt=limits or {}, media_policy=policy)
+    def process_prompt(prompt):  # the engine's processor: records what it got and where it ran
+        import threading
+
+        got["processed"] = (prompt, threading.current_thread().name)
+        return prompt["prompt"], [1, 2, 3], ["feature"]
+
     engine = SimpleNamespace(
         info=info, tokenizer=_TemplateTokenizer(), add_request=add_request,
-        inputs=SimpleNamespace(scheduling_policy="fcfs", resolve_num_logprobs=lambda v, name: v))
+        inputs=SimpleNamespace(scheduling_policy="fcfs", resolve_num_logprobs=lambda v, name: v,
+                               process_prompt=process_prompt))
     ctx = ServingContext(engine)
     return ChatServer(ctx), got, Stop
 
@@ -258,8 +265,12 @@ def test_server_hands_the_engine_text_and_images():
             asyncio.run(server.create_chat_completion(req, raw))
         prompt = got["prompt"]
         assert prompt["prompt"] == "<|system|>sys<|user|><image>vs<image><|assistant|>"
-        assert "prompt_token_ids" not in prompt and prompt["cache_salt"] == "salt"
-        images = prompt["multi_modal_data"]["image"]
+        # processed (placeholders expanded, features made) in the tokenizer thread, then handed on
+        assert prompt["prompt_token_ids"] == [1, 2, 3] and prompt["mm_features"] == ["feature"]
+        assert prompt["cache_salt"] == "salt"
+        processed, thread = got["processed"]
+        assert thread.startswith("pagedllm-tok")
+        images = processed["multi_modal_data"]["image"]
         assert [im.size for im in images] == [(6, 4), (8, 8)]
         assert [im.getpixel((0, 0)) for im in images] == [(255, 0, 0), (0, 0, 255)]
         # rendered in the tokenizer thread, never on the event loop

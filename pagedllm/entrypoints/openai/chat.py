@@ -136,7 +136,8 @@ class ChatServer:
         params = fields.params
         if inputs.images:
             prompt_text, prompt = await self._render_with_images(request, inputs, template)
-            prompt_len = 0  # known once the processor has expanded the image placeholders
+            fit_default_max_tokens(ctx, params, len(prompt["prompt_token_ids"]))
+            prompt_len = len(prompt["prompt_token_ids"])
         else:
             prompt_text, prompt_ids = await ctx.run_tokenizer(self._render, request,
                                                               inputs.messages, template)
@@ -182,7 +183,10 @@ class ChatServer:
         for result in (text, images):
             if isinstance(result, BaseException):
                 raise result
-        return text, multimodal_prompt(text, images)
+        # The model's processor (image resizing, placeholder expansion) off the event loop too.
+        processed = await ctx.run_tokenizer(ctx.async_engine.inputs.process_prompt, multimodal_prompt(text, images))
+        _, ids, features = processed
+        return text, {"prompt": text, "prompt_token_ids": ids, "mm_features": features or []}
 
     def _render_text(self, request: ChatCompletionRequest, conversation,
                      template: tuple[str | None, dict[str, Any]] | None = None) -> str:
