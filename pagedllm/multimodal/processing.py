@@ -76,9 +76,7 @@ class MultiModalProcessor:
 
     @cached_property
     def processor(self):
-        from transformers import AutoProcessor
-
-        return AutoProcessor.from_pretrained(self.model_path, **self.processor_kwargs)
+        return self.spec.load_processor(self.model_path, **self.processor_kwargs)
 
     @cached_property
     def image_token_id(self) -> int:
@@ -99,7 +97,7 @@ class MultiModalProcessor:
         ids = [int(t) for t in out["input_ids"][0].tolist()]
         if not images:
             return ids, []
-        return ids, self.features(ids, out, len(images))
+        return ids, self.spec.finish(out, self.features(ids, out, len(images)), self.mm_config)
 
     def features(self, ids: list[int], out: Any, num_images: int) -> list[MultiModalFeature]:
         runs = placeholder_runs(ids, self.image_token_id)
