@@ -67,9 +67,13 @@ def register(*architectures: str):
 _DEFAULT = ImageSpec()
 
 
+# Modules with the specs of further architectures (they register when imported).
+SPEC_MODULES = ("pagedllm.multimodal.qwen2_vl_spec",)
+
+
 def image_spec_for(architecture: str) -> ImageSpec:
+    import importlib
+
+    for name in SPEC_MODULES:
+        importlib.import_module(name)
     return _SPECS.get(architecture, _DEFAULT)
-
-
-# Architectures whose specs live in their own modules register on import.
-from pagedllm.multimodal import qwen2_vl_spec  # noqa: E402,F401

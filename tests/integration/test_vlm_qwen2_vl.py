@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.vlm_fixtures import chat_prompt, hf_greedy, hf_prompt_ids, sample_images, tiny_vlm_folder, user_turn
+from tests.integration.vlm_fixtures import (
+    chat_prompt,
+    hf_greedy,
+    hf_prompt_ids,
+    load_reference,
+    sample_images,
+    tiny_vlm_folder,
+    user_turn,
+)
 
 MAX_TOKENS = 8
 CHUNK = 5  # max_num_batched_tokens of the chunked engine: boundaries fall inside every image
@@ -80,8 +88,6 @@ def test_prefix_cache_hits_keep_positions(folder, llm):
 
 
 def _chunk_ends_inside_image(folder: str, prompt: str, images: list) -> bool:
-    from tests.integration.vlm_fixtures import load_reference
-
     ids = hf_prompt_ids(folder, prompt, images)
     image_token = load_reference(folder)[1].config.image_token_id
     return any(ids[end - 1] == image_token and ids[end] == image_token for end in range(CHUNK, len(ids), CHUNK))
