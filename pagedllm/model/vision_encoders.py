@@ -18,6 +18,8 @@ from torch import nn
 # HF architecture -> (module under pagedllm.model, encoder class), imported when asked for.
 VISION_ENCODERS: dict[str, tuple[str, str]] = {
     "LlavaForConditionalGeneration": ("vision_encoders", "LlavaVisionEncoder"),
+    "Qwen2VLForConditionalGeneration": ("vision_qwen2_vl", "Qwen2VLVisionEncoder"),
+    "Qwen2_5_VLForConditionalGeneration": ("vision_qwen2_vl", "Qwen2_5_VLVisionEncoder"),
 }
 
 

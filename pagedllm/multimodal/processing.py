@@ -69,9 +69,7 @@ class MultiModalProcessor:
 
     @cached_property
     def processor(self):
-        from transformers import AutoProcessor
-
-        return AutoProcessor.from_pretrained(self.model_path, **self.processor_kwargs)
+        return self.spec.load_processor(self.model_path, **self.processor_kwargs)
 
     @cached_property
     def image_token_id(self) -> int:
@@ -92,7 +90,7 @@ class MultiModalProcessor:
             if self.image_token_id in ids:
                 raise ValueError("The prompt holds the model's image placeholder but no image was given.")
             return ids, []
-        return ids, self.features(ids, out, len(images))
+        return ids, self.spec.finish(out, self.features(ids, out, len(images)), self.mm_config)
 
     def features(self, ids: list[int], out: Any, num_images: int) -> list[MultiModalFeature]:
         runs = placeholder_runs(ids, self.image_token_id)
