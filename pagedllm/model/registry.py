@@ -35,6 +35,9 @@ GENERATE_ARCHS: dict[str, tuple[str, str]] = {
 # config as `multimodal_config` (model/resolution.py).
 MULTIMODAL_ARCHS: dict[str, tuple[str, ...]] = {
     "LlavaForConditionalGeneration": ("llama", "mistral", "qwen2"),
+    "LlavaNextForConditionalGeneration": ("llama", "mistral", "qwen2"),
+    "Idefics3ForConditionalGeneration": ("llama",),
+    "SmolVLMForConditionalGeneration": ("llama",),
 }
 
 # pooling runner, decoders: headless classes (no LM head), paged like generation

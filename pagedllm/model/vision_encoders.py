@@ -18,6 +18,9 @@ from torch import nn
 # HF architecture -> (module under pagedllm.model, encoder class), imported when asked for.
 VISION_ENCODERS: dict[str, tuple[str, str]] = {
     "LlavaForConditionalGeneration": ("vision_encoders", "LlavaVisionEncoder"),
+    "LlavaNextForConditionalGeneration": ("vision_llava_next", "LlavaNextVisionEncoder"),
+    "Idefics3ForConditionalGeneration": ("vision_idefics3", "Idefics3VisionEncoder"),
+    "SmolVLMForConditionalGeneration": ("vision_idefics3", "Idefics3VisionEncoder"),
 }
 
 

@@ -6,6 +6,7 @@ chunk. The vision towers themselves are the models' business (model/vision_encod
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 
@@ -16,6 +17,11 @@ class ImageSpec:
     whole_in_one_chunk = False
     # Processor outputs that describe the text, not the images.
     text_keys = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+
+    def load_processor(self, path: str, **kwargs: Any) -> Any:
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(path, **kwargs)
 
     def call_processor(self, processor: Any, text: str, images: list) -> Any:
         return processor(text=[text], images=images or None, return_tensors="pt")
@@ -59,3 +65,8 @@ _DEFAULT = ImageSpec()
 
 def image_spec_for(architecture: str) -> ImageSpec:
     return _SPECS.get(architecture, _DEFAULT)
+
+
+# Architectures whose specs live in their own modules (each registers itself on import).
+for _module in ("image_specs_idefics3", "image_specs_llava_next"):
+    importlib.import_module(f"pagedllm.multimodal.{_module}")

@@ -76,9 +76,7 @@ class MultiModalProcessor:
 
     @cached_property
     def processor(self):
-        from transformers import AutoProcessor
-
-        return AutoProcessor.from_pretrained(self.model_path, **self.processor_kwargs)
+        return self.spec.load_processor(self.model_path, **self.processor_kwargs)
 
     @cached_property
     def image_token_id(self) -> int:
