@@ -39,6 +39,9 @@ MULTIMODAL_ARCHS: dict[str, tuple[str, ...]] = {
     "LlavaForConditionalGeneration": ("llama", "mistral", "qwen2"),
     "Qwen2VLForConditionalGeneration": ("qwen2_vl_text",),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl_text",),
+    "LlavaNextForConditionalGeneration": ("llama", "mistral", "qwen2"),
+    "Idefics3ForConditionalGeneration": ("llama",),
+    "SmolVLMForConditionalGeneration": ("llama",),
 }
 
 # pooling runner, decoders: headless classes (no LM head), paged like generation

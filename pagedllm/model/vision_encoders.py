@@ -20,6 +20,9 @@ VISION_ENCODERS: dict[str, tuple[str, str]] = {
     "LlavaForConditionalGeneration": ("vision_encoders", "LlavaVisionEncoder"),
     "Qwen2VLForConditionalGeneration": ("vision_qwen2_vl", "Qwen2VLVisionEncoder"),
     "Qwen2_5_VLForConditionalGeneration": ("vision_qwen2_vl", "Qwen2_5_VLVisionEncoder"),
+    "LlavaNextForConditionalGeneration": ("vision_llava_next", "LlavaNextVisionEncoder"),
+    "Idefics3ForConditionalGeneration": ("vision_idefics3", "Idefics3VisionEncoder"),
+    "SmolVLMForConditionalGeneration": ("vision_idefics3", "Idefics3VisionEncoder"),
 }
 
 

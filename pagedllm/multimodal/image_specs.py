@@ -6,6 +6,7 @@ chunk. The vision towers themselves are the models' business (model/vision_encod
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 
@@ -68,7 +69,8 @@ _DEFAULT = ImageSpec()
 
 
 # Modules with the specs of further architectures (they register when imported).
-SPEC_MODULES = ("pagedllm.multimodal.qwen2_vl_spec",)
+SPEC_MODULES = ("pagedllm.multimodal.qwen2_vl_spec", "pagedllm.multimodal.image_specs_idefics3",
+                "pagedllm.multimodal.image_specs_llava_next")
 
 
 def image_spec_for(architecture: str) -> ImageSpec:
@@ -77,3 +79,4 @@ def image_spec_for(architecture: str) -> ImageSpec:
     for name in SPEC_MODULES:
         importlib.import_module(name)
     return _SPECS.get(architecture, _DEFAULT)
+

@@ -21,7 +21,7 @@ import torch
 
 from tests.integration import vlm_templates
 
-ARCHS = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3", "idefics3")
+ARCHS = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3", "idefics3", "smolvlm")
 # Gemma3's pan-and-scan is a per-call processor option in transformers 5.25 (Gemma3Processor.images_kwargs
 # overrides the image processor's saved values): pass these as `processor_kwargs` to crop images whose
 # aspect ratio is >= 1.2 into 2-3 crops of at least 16 pixels, each its own 16 image tokens.
@@ -189,6 +189,20 @@ def _idefics3(tok) -> tuple[Any, Any]:
     return tf.Idefics3ForConditionalGeneration(config), processor
 
 
+def _smolvlm(tok) -> tuple[Any, Any]:
+    import transformers as tf
+
+    # SmolVLM's model (its own classes, Idefics3's layout) with Idefics3's processor: SmolVLMProcessor
+    # needs torchvision (its video processor) and num2words, which this project does not install; for
+    # images both expand `<image>` into the same crop runs (transformers' processing_smolvlm.py).
+    model, processor = _idefics3(tok)
+    vision = tf.SmolVLMVisionConfig(**{k: getattr(model.config.vision_config, k) for k in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size", "patch_size")})
+    config = tf.SmolVLMConfig(vision_config=vision, text_config=model.config.text_config,
+                              image_token_id=model.config.image_token_id, scale_factor=2)
+    return tf.SmolVLMForConditionalGeneration(config), processor
+
+
 _QWEN_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|video_pad|>", "<|vision_end|>"]
 # arch: (builder, the tokenizer's named special tokens, its other added special tokens)
 _BUILDERS: dict[str, tuple[Callable, dict[str, str], list[str]]] = {
@@ -201,6 +215,7 @@ _BUILDERS: dict[str, tuple[Callable, dict[str, str], list[str]]] = {
     "idefics3": (_idefics3, {}, ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
                  + [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]),
 }
+_BUILDERS["smolvlm"] = (_smolvlm, *_BUILDERS["idefics3"][1:])
 
 
 def _perturb(model, seed: int) -> None:
