@@ -19,6 +19,20 @@ class MultiModalEmbeddings:
         self.device = device
         self.rows: dict[bytes, torch.Tensor] = {}
 
+    @classmethod
+    def of(cls, model: Any, device: torch.device) -> MultiModalEmbeddings | None:
+        """The runner's image side for a multimodal model; None for a text-only one."""
+        from pagedllm.model.multimodal import is_multimodal
+
+        return cls(model, device) if is_multimodal(model) else None
+
+    def attach(self, inp: Any, scheduled: list[SequenceStep]) -> None:
+        """Set the step's `inputs_embeds` when it holds image rows; such a step runs eager
+        (compiled graphs and the C decode step embed ids themselves)."""
+        inp.inputs_embeds = self.inputs_embeds(inp.input_ids, inp.first_rows, scheduled)
+        if inp.inputs_embeds is not None:
+            inp.decode_only = False
+
     def apply(self, plan: StepPlan) -> None:
         """Drop the freed entries, then encode this step's images (one at a time: an image's
         rows do not depend on what else is batched)."""
