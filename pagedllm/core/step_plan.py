@@ -22,7 +22,19 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal.inputs import MultiModalFeature
 
 
-class SequenceStep(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
+class StepImages(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A chunk's image part (docs/multimodal.md); one field of `SequenceStep`, None without images."""
+
+    # (content hash, position, length, first row) of the image rows that replace the embedding
+    # of placeholder tokens in this chunk (worker/mm_embeddings.py).
+    runs: list[tuple[bytes, int, int, int]] = []
+    # M-RoPE models (Qwen2-VL; multimodal/mrope.py): the rotary positions [3][k] of the chunk's
+    # first k tokens where it overlaps an image; every other token's is its position + delta.
+    mrope_positions: list[list[int]] = []
+    mrope_delta: int = 0
+
+
+class SequenceStep(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """One scheduled sequence's part of the step."""
 
     seq_id: int
@@ -51,13 +63,9 @@ class SequenceStep(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     # pooling core's steps pool every sequence.
     pool: bool = False
     token_type_ids: list[int] = []  # an encoder's segment ids (a cross-encoder's pair); [] : all 0
-    # Image inputs: (content hash, position, length, first row) of the image rows that replace
-    # the embedding of placeholder tokens in this chunk (worker/mm_embeddings.py).
-    mm_runs: list[tuple[bytes, int, int, int]] = []
-    # M-RoPE models (Qwen2-VL; multimodal/mrope.py): the rotary positions [3][k] of the chunk's
-    # first k tokens where it overlaps an image; every other token's is its position + delta.
-    mrope_positions: list[list[int]] = []
-    mrope_delta: int = 0
+    # A prompt with images: this chunk's image rows and rotary positions (one byte when None:
+    # a decode step's message stays a few bytes a sequence).
+    images: StepImages | None = None
 
 
 class StepPlan(msgspec.Struct, frozen=True, gc=False):

@@ -53,7 +53,7 @@ class MultiModalEmbeddings:
         targets: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
         for first, s in zip(first_rows, scheduled):
-            for h, pos, length, row in s.mm_runs:
+            for h, pos, length, row in (s.images.runs if s.images is not None else ()):
                 rows = self.rows.get(h)
                 if rows is None:
                     raise ValueError(f"sequence {s.seq_id}: the rows of image {h.hex()[:12]} are not in the encoder "

@@ -18,21 +18,22 @@ from pagedllm.core.step_plan import SequenceStep
 def mrope_positions(positions: torch.Tensor, steps: list[SequenceStep], first_rows: list[int]) -> torch.Tensor:
     """`positions` [T] (host, the KV positions of the step's tokens; `steps[j]`'s start at row
     `first_rows[j]`) -> the rotary positions: [T], or [3, T] where some chunk has 3-D ones."""
-    moved = [(first, s) for first, s in zip(first_rows, steps) if s.mrope_delta or s.mrope_positions]
+    moved = [(first, s.images, len(s.token_ids), s.seq_id) for first, s in zip(first_rows, steps)
+             if s.images is not None and (s.images.mrope_delta or s.images.mrope_positions)]
     if not moved:
         return positions
     out = positions.clone()
-    for first, s in moved:
-        if s.mrope_delta:
-            out[first:first + len(s.token_ids)] += s.mrope_delta
-    if not any(s.mrope_positions for _, s in moved):
+    for first, im, n, _ in moved:
+        if im.mrope_delta:
+            out[first:first + n] += im.mrope_delta
+    if not any(im.mrope_positions for _, im, _, _ in moved):
         return out
     out = out.expand(3, -1).clone()
-    for first, s in moved:
-        if s.mrope_positions:
-            k = len(s.mrope_positions[0])
-            if k > len(s.token_ids) or any(len(axis) != k for axis in s.mrope_positions):
-                raise ValueError(f"sequence {s.seq_id}: M-RoPE positions for {k} tokens of a chunk of "
-                                 f"{len(s.token_ids)} (3 equal axes, at most the chunk)")
-            out[:, first:first + k] = torch.tensor(s.mrope_positions, dtype=out.dtype)
+    for first, im, n, seq_id in moved:
+        if im.mrope_positions:
+            k = len(im.mrope_positions[0])
+            if k > n or any(len(axis) != k for axis in im.mrope_positions):
+                raise ValueError(f"sequence {seq_id}: M-RoPE positions for {k} tokens of a chunk of "
+                                 f"{n} (3 equal axes, at most the chunk)")
+            out[:, first:first + k] = torch.tensor(im.mrope_positions, dtype=out.dtype)
     return out

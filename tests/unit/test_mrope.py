@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.core.step_plan import SequenceStep
+from pagedllm.core.step_plan import SequenceStep, StepImages
 from pagedllm.layers.mrope import MRotaryEmbedding
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.multimodal.inputs import MultiModalFeature, PlaceholderRun
@@ -97,9 +97,10 @@ def test_image_in_several_runs_is_refused():
 
 
 def test_runner_positions():
-    steps = [SequenceStep(1, [5], 40, 0, [], True, mrope_delta=-9),  # a decode step
+    steps = [SequenceStep(1, [5], 40, 0, [], True, images=StepImages(mrope_delta=-9)),  # a decode step
              SequenceStep(2, [5, 5, 5], 0, 0, [], True),  # text only: unchanged
-             SequenceStep(3, [5, 5, 5, 5], 10, 0, [], True, mrope_positions=[[3, 3], [3, 4], [5, 5]], mrope_delta=-2)]
+             SequenceStep(3, [5, 5, 5, 5], 10, 0, [], True,
+                          images=StepImages(mrope_positions=[[3, 3], [3, 4], [5, 5]], mrope_delta=-2))]
     positions = torch.tensor([40, 0, 1, 2, 10, 11, 12, 13])
     flat = mrope_positions(positions[:4], steps[:2], [0, 1])
     assert flat.tolist() == [31, 0, 1, 2] and positions[0] == 40  # 1-D; the KV positions untouched
