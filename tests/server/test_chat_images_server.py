@@ -129,3 +129,61 @@ def test_slow_image_url_blocks_no_other_request(http, image_host):
     assert results["slow"].status_code == 400
     assert "within 2 s (--media-fetch-timeout)" in results["slow"].json()["error"]["message"]
     assert done["text"] < done["slow"]  # served while the image was still being fetched
+
+
+def test_official_client_streams_an_image_chat_and_the_engine_shows_it(vlm_server):
+    """The official client with a data URL, streamed and not: the same tokens as transformers;
+    /metrics counts the image (vllm:mm_cache_*), a repeat is an encoder-cache hit or a prefix
+    hit, and the dashboard's state shows a running request's image span."""
+    import openai
+
+    srv, folder = vlm_server
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=srv.api_key, max_retries=0, timeout=120.0)
+    (im,) = sample_images(1, seed=21)
+    url = "data:image/png;base64," + base64.b64encode(_png(im)).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url, "detail": "low"}},
+                                             {"type": "text", "text": QUESTION}]}]
+    expected = hf_greedy(folder, chat_prompt(folder, user_turn(QUESTION, 1)), [im], MAX_TOKENS)
+    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(folder)
+    model = client.models.list().data[0].id
+    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    assert plain.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
+    assert plain.usage.prompt_tokens > 16  # the 16 image rows are prompt tokens
+    chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    text, usage = "", None
+    for chunk in chunks:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        usage = chunk.usage or usage
+    assert text == plain.choices[0].message.content
+    assert usage.prompt_tokens == plain.usage.prompt_tokens
+    metrics = {line.split(" ")[0].split("{")[0]: float(line.rsplit(" ", 1)[1])
+               for line in __import__("httpx").get(f"{srv.url}/metrics", headers=srv.headers).text.splitlines()
+               if line.startswith(("vllm:mm_cache", "pagedllm:mm_images_encoded", "vllm:prefix_cache_hits"))}
+    assert metrics["vllm:mm_cache_queries_total"] >= 1 and metrics["pagedllm:mm_images_encoded_total"] >= 1
+    assert metrics["vllm:prefix_cache_hits_total"] > 0  # the second time: the image's blocks were shared
+
+
+def test_hostile_image_values_are_400s_and_a_plain_request_still_succeeds(http):
+    import io
+
+    from PIL import Image
+
+    bomb = io.BytesIO()
+    Image.new("1", (5000, 5000)).save(bomb, "PNG")  # 25M pixels over the 16.7M default cap, a few KB
+    hostile = [
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(bomb.getvalue()).decode()}},
+         "pixels"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,!!!not base64!!!"}}, "base64"),
+        ({"type": "image_url", "image_url": {"url": ""}}, "url"),
+        ({"type": "image_url", "image_url": "not an object"}, "unsupported scheme"),
+        ({"type": "video_url", "video_url": {"url": "http://127.0.0.1/v.mp4"}}, "video_url"),
+        ({"type": "image_url", "image_url": {"url": "ftp://127.0.0.1/a.png"}}, "ftp"),
+    ]
+    for part, word in hostile:
+        r = http.post("/v1/chat/completions", json=_body(part))
+        assert r.status_code == 400, (part, r.text)
+        assert word in r.json()["error"]["message"].lower() or word in str(r.json()["error"].get("param")), r.json()
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 200, r.text
