@@ -35,6 +35,7 @@ GENERATE_ARCHS: dict[str, tuple[str, str]] = {
 # config as `multimodal_config` (model/resolution.py).
 MULTIMODAL_ARCHS: dict[str, tuple[str, ...]] = {
     "LlavaForConditionalGeneration": ("llama", "mistral", "qwen2"),
+    "Gemma3ForConditionalGeneration": ("gemma3_text",),
 }
 
 # pooling runner, decoders: headless classes (no LM head), paged like generation

@@ -18,6 +18,7 @@ from torch import nn
 # HF architecture -> (module under pagedllm.model, encoder class), imported when asked for.
 VISION_ENCODERS: dict[str, tuple[str, str]] = {
     "LlavaForConditionalGeneration": ("vision_encoders", "LlavaVisionEncoder"),
+    "Gemma3ForConditionalGeneration": ("vision_gemma3", "Gemma3VisionEncoder"),
 }
 
 
@@ -32,6 +33,9 @@ class VisionEncoder(nn.Module):
     `model.` prefix (`vision_tower.*`, `multi_modal_projector.*`, ...), and define `embed`."""
 
     parts: nn.Module
+    # Whether the text model attends bidirectionally among one image block's tokens at prefill
+    # (Gemma 3): the runner then marks the blocks in the attention metadata.
+    bidirectional_images: bool = False
 
     def __init__(self, mm_config: Any) -> None:
         super().__init__()

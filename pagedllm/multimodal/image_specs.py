@@ -59,3 +59,7 @@ _DEFAULT = ImageSpec()
 
 def image_spec_for(architecture: str) -> ImageSpec:
     return _SPECS.get(architecture, _DEFAULT)
+
+
+# Architectures whose specs live in their own modules (imported here: they register themselves).
+from pagedllm.multimodal import image_spec_gemma3  # noqa: E402,F401

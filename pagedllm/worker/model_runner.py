@@ -396,6 +396,7 @@ class ModelRunner:
             inp.inputs_embeds = self.mm_embeddings.inputs_embeds(inp.input_ids, inp.first_rows, scheduled)
             if inp.inputs_embeds is not None:
                 inp.decode_only = False  # graphs and the C decode step embed ids themselves
+                self.mm_embeddings.mark_bidirectional(inp.attn_metadata, inp.first_rows, scheduled)
         drafts = self.drafter.propose(scheduled) if self.drafter is not None else {}
         if drafts:
             self._fill_drafts(inp, scheduled, drafts)
