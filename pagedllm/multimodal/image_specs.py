@@ -6,6 +6,7 @@ chunk. The vision towers themselves are the models' business (model/vision_encod
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 
@@ -62,4 +63,6 @@ def image_spec_for(architecture: str) -> ImageSpec:
 
 
 # Architectures whose specs live in their own modules (imported here: they register themselves).
-from pagedllm.multimodal import image_spec_gemma3  # noqa: E402,F401
+SPEC_MODULES = ("image_spec_gemma3",)
+for _module in SPEC_MODULES:
+    importlib.import_module(f"pagedllm.multimodal.{_module}")
