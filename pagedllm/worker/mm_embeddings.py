@@ -35,6 +35,15 @@ class MultiModalEmbeddings:
                                  f"{feature.num_rows} placeholder positions")
             self.rows[feature.content_hash] = rows
 
+    def prepare(self, inp: Any, scheduled: list[SequenceStep]) -> None:
+        """A step's image inputs on its `ModelInput` (worker/model_runner.py): the input
+        embeddings (a step with them runs eager: CUDA graphs and the C decode step embed ids
+        themselves) and the attention metadata's bidirectional image spans."""
+        inp.inputs_embeds = self.inputs_embeds(inp.input_ids, inp.first_rows, scheduled)
+        if inp.inputs_embeds is not None:
+            inp.decode_only = False
+            self.mark_bidirectional(inp.attn_metadata, inp.first_rows, scheduled)
+
     def inputs_embeds(self, input_ids: torch.Tensor, first_rows: list[int],
                       scheduled: list[SequenceStep]) -> torch.Tensor | None:
         """The step's input embeddings when a chunk holds image positions (None otherwise: the

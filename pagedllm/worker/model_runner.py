@@ -392,11 +392,8 @@ class ModelRunner:
         if self.lora is not None:  # the step's adapters into slots (loaded on demand)
             self.lora.begin_step(plan.lora_requests)
         inp = self.prepare_input(scheduled)  # applies the table changes the draft reads too
-        if self.mm_embeddings is not None:
-            inp.inputs_embeds = self.mm_embeddings.inputs_embeds(inp.input_ids, inp.first_rows, scheduled)
-            if inp.inputs_embeds is not None:
-                inp.decode_only = False  # graphs and the C decode step embed ids themselves
-                self.mm_embeddings.mark_bidirectional(inp.attn_metadata, inp.first_rows, scheduled)
+        if self.mm_embeddings is not None:  # image rows into the input embeddings, image spans
+            self.mm_embeddings.prepare(inp, scheduled)
         drafts = self.drafter.propose(scheduled) if self.drafter is not None else {}
         if drafts:
             self._fill_drafts(inp, scheduled, drafts)
