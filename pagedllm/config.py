@@ -12,6 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.engine.generation_defaults import check_generation_config
+from pagedllm.multimodal.limits import (
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MEDIA_FETCH_TIMEOUT_S,
+    check_media_knobs,
+    parse_limit_mm_per_prompt,
+)
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUPPORTED_DEVICES = ("auto", "cpu", "cuda")
@@ -140,6 +147,18 @@ class EngineConfig:
     runner: str = "auto"
     task: str | None = None
     pooler_config: Any = None
+    # Image inputs (docs/multimodal.md), vLLM's knobs: images per prompt (limit_mm_per_prompt,
+    # {"image": n} or its JSON; default 999, as vLLM), file:// images only under
+    # allowed_local_media_path (""), http(s) images only from the hosts in allowed_media_domains
+    # (None: no remote image, unlike vLLM, which fetches from anywhere), each fetch within
+    # media_fetch_timeout seconds (vLLM's VLLM_IMAGE_FETCH_TIMEOUT) and max_image_bytes, each
+    # image at most max_image_pixels (checked before decoding).
+    limit_mm_per_prompt: Any = None
+    allowed_local_media_path: str = ""
+    allowed_media_domains: list[str] | None = None
+    media_fetch_timeout: float = DEFAULT_MEDIA_FETCH_TIMEOUT_S
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     def __post_init__(self) -> None:
         self.validate()
@@ -242,6 +261,10 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be an integer >= -1 (-1: the whole vocabulary), "
                              f"got {self.max_logprobs!r}.")
         self._validate_lora()
+        self.limit_mm_per_prompt = parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
+        self.allowed_media_domains = check_media_knobs(
+            self.allowed_local_media_path, self.allowed_media_domains, self.media_fetch_timeout,
+            self.max_image_bytes, self.max_image_pixels)
         timeout = self.structured_outputs_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
                 or not 0 < timeout < float("inf"):

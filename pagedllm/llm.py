@@ -12,6 +12,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.engine import LLMEngine, PromptType
 from pagedllm.engine.kv_stats import KVCacheStats
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.chat_parts import load_images, multimodal_prompt, parse_conversation
+from pagedllm.multimodal.media import MediaPolicy
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling.offline import PoolingAPI
 from pagedllm.beam_search_params import BeamSearchParams
@@ -61,8 +63,12 @@ class LLM(PoolingAPI):
         config = EngineConfig.from_kwargs(model=model, **kwargs)
         # One engine for both kinds of model: a pooling model's requests are the core's too
         # (engine/core_pooling.py). The model is resolved once: the engine takes it as is.
-        self.llm_engine = LLMEngine(config, model_resolution(config))
+        resolution = model_resolution(config)
+        self.llm_engine = LLMEngine(config, resolution)
         self._request_counter = itertools.count()
+        # image inputs in chat (docs/multimodal.md)
+        self._takes_images = resolution.mm_config is not None
+        self._media_policy = MediaPolicy.from_config(config)
 
     def _generation(self) -> LLMEngine:
         if self.llm_engine.pooling_inputs is not None:
@@ -159,7 +165,12 @@ class LLM(PoolingAPI):
         add_generation_prompt: bool = True,
         lora_request: LoRARequest | SequenceT[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate."""
+        """Render each conversation with the model's chat template, then generate.
+
+        Content may be a string or OpenAI's content parts: `text`, `image_url` (data:, and
+        http(s):// or file:// as the media knobs allow) and vLLM's `image_pil` (a PIL image),
+        for a model that takes images (docs/multimodal.md); such a conversation becomes
+        `{"prompt": text, "multi_modal_data": {"image": [...]}}`."""
         self._generation()
         if not messages:
             raise ValueError("chat() needs at least one message.")
@@ -167,10 +178,16 @@ class LLM(PoolingAPI):
         template = chat_template or self.llm_engine.config.chat_template
         prompts: list[PromptType] = []
         for conv in conversations:
+            inputs = parse_conversation(conv, self._takes_images,
+                                        self.llm_engine.config.limit_mm_per_prompt, allow_pil=True,
+                                        model_name=self.llm_engine.model_name)
             text = apply_chat_template(
-                self.get_tokenizer(), conv, chat_template=template,
+                self.get_tokenizer(), inputs.messages, chat_template=template,
                 add_generation_prompt=add_generation_prompt,
             )
+            if inputs.images:  # the engine's processor expands the image placeholders
+                prompts.append(multimodal_prompt(text, load_images(inputs.images, self._media_policy)))
+                continue
             # The template already holds the special tokens (BOS etc.): do not add them again.
             ids = self.get_tokenizer().encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})

@@ -207,6 +207,17 @@ class EngineMetrics:
         self.sliding_blocks_freed = counter(
             "pagedllm:kv_cache_sliding_blocks_freed",
             "Blocks that sliding-window groups gave back as their windows moved on.")
+        # Image inputs (core/encoder_cache.py): vLLM's multi-modal cache counters, in images.
+        self.v_mm_queries = counter("vllm:mm_cache_queries",
+                                    "Multi-modal cache queries: a sequence's first need of an image's embedding.")
+        self.v_mm_hits = counter("vllm:mm_cache_hits",
+                                 "Multi-modal cache hits: needs served by rows already encoded.")
+        self.mm_images_encoded = counter("pagedllm:mm_images_encoded",
+                                         "Images run through the vision encoder (rate: images per second).")
+        self.mm_rows_encoded = counter("pagedllm:mm_embedding_rows_encoded",
+                                       "Embedding rows the vision encoder produced.")
+        self.encoder_cache_usage = gauge("pagedllm:encoder_cache_usage_perc",
+                                         "Encoder cache usage (rows held / capacity). 1 means 100 percent usage.")
         # Speculative decoding (vllm/v1/spec_decode/metrics.py's names and labels).
         self.v_spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.v_spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
@@ -303,12 +314,18 @@ class EngineMetrics:
         self.v_kv_usage[e].set(usage)
         self.num_requests_swapped[e].set(stats.num_swapped)
         self.kv_cache_used_blocks[e].set(stats.kv_used_blocks)
+        if stats.encoder_cache_capacity:
+            self.encoder_cache_usage[e].set(stats.encoder_cache_rows / stats.encoder_cache_capacity)
         last = self._last[e]
         for counters, name in (
             ((self.v_prefix_queries,), "prefix_cache_queries"),
             ((self.v_prefix_hits,), "prefix_cache_hits"),
             ((self.v_preemptions,), "num_preemptions"),
             ((self.sliding_blocks_freed,), "sliding_blocks_freed"),
+            ((self.v_mm_queries,), "mm_cache_queries"),
+            ((self.v_mm_hits,), "mm_cache_hits"),
+            ((self.mm_images_encoded,), "mm_images_encoded"),
+            ((self.mm_rows_encoded,), "mm_rows_encoded"),
             ((self.v_spec_drafts,), "spec_num_drafts"),
             ((self.v_spec_draft_tokens,), "spec_num_draft_tokens"),
             ((self.v_spec_accepted,), "spec_num_accepted_tokens"),

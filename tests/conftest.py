@@ -82,6 +82,15 @@ def tiny_llama_folder(smollm2_gguf, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm(smollm2_gguf, tmp_path_factory):
+    """`tiny_vlm(arch) -> folder`: a tiny random vision-language checkpoint with its processor
+    (tests/integration/vlm_fixtures.py; arch in its ARCHS), each built once per run on first use."""
+    from tests.integration.vlm_fixtures import tiny_vlm_folder
+
+    return lambda arch: tiny_vlm_folder(tmp_path_factory, smollm2_gguf, arch)
+
+
+@pytest.fixture(scope="session")
 def smollm2_kquant_gguf(smollm2_gguf, tmp_path_factory) -> str:
     """The default model re-encoded as llama.cpp's Q4_K_M would lay it out (Q5_0 / Q5_1 / Q8_0 and
     Q4_K / Q6_K matrices; tests/gguf_files.py), made once per run (about 6 s)."""

@@ -54,6 +54,10 @@ class SequenceStep(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # Image inputs: (content hash, position, length, first row) of the image rows that replace
     # the embedding of placeholder tokens in this chunk (worker/mm_embeddings.py).
     mm_runs: list[tuple[bytes, int, int, int]] = []
+    # M-RoPE models (Qwen2-VL; multimodal/mrope.py): the rotary positions [3][k] of the chunk's
+    # first k tokens where it overlaps an image; every other token's is its position + delta.
+    mrope_positions: list[list[int]] = []
+    mrope_delta: int = 0
 
 
 class StepPlan(msgspec.Struct, frozen=True, gc=False):

@@ -16,6 +16,7 @@ from pagedllm.engine.core_start import IN_PROCESS_ENV, CoreStart, in_process_req
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.generation_defaults import load_generation_defaults
 from pagedllm.model.resolution import serving_runner
+from pagedllm.multimodal.media import MediaPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,9 @@ def start_cores(config: Any, with_metrics: bool, in_process: bool | None, start:
         served_model_names=config.served_model_names,
         kv_cache_groups=hybrid_groups_of_windows(ready.hybrid_layer_windows),
         max_num_batched_tokens=ready.max_num_batched_tokens,
+        takes_images=multimodal is not None,
+        limit_mm_per_prompt=dict(config.limit_mm_per_prompt or {}),
+        media_policy=MediaPolicy.from_config(config),
     )
     if pooling_inputs is not None and not pooling_inputs.is_encoder:
         pooling_inputs.num_kv_blocks = info.num_blocks

@@ -129,6 +129,14 @@ class CoreStats(msgspec.Struct, array_like=True):
     max_lora: int = 0
     running_lora_adapters: list[str] = []
     waiting_lora_adapters: list[str] = []
+    # Image inputs (core/encoder_cache.py), cumulative but the rows held: each sequence's first
+    # need of an image and the hits among them (vLLM's vllm:mm_cache_*), images and rows encoded.
+    mm_cache_queries: int = 0
+    mm_cache_hits: int = 0
+    mm_images_encoded: int = 0
+    mm_rows_encoded: int = 0
+    encoder_cache_rows: int = 0
+    encoder_cache_capacity: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

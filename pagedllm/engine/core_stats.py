@@ -56,9 +56,18 @@ class CoreCounters:
             kv_used_blocks_by_group=kv.num_used_blocks_by_group if kv.is_hybrid else [],
             sliding_blocks_freed=kv.num_dead_blocks_freed,
             iteration_tokens=step_tokens,
+            **self._encoder_cache_fields(),
             **(self.speculation.stats_fields() if self.speculation is not None else {}),
             **self._lora_fields(),
         )
+
+    def _encoder_cache_fields(self) -> dict[str, Any]:
+        enc = self.scheduler.encoder_cache
+        if not enc.queries and not enc.used:
+            return {}
+        return dict(mm_cache_queries=enc.queries, mm_cache_hits=enc.hits, mm_images_encoded=enc.images_encoded,
+                    mm_rows_encoded=enc.rows_encoded, encoder_cache_rows=enc.used,
+                    encoder_cache_capacity=enc.capacity)
 
     def _lora_fields(self) -> dict[str, Any]:
         """vllm:lora_requests_info's labels: the adapters of running and of waiting requests."""

@@ -97,6 +97,9 @@ def core_engine_state(core: "EngineCore") -> dict[str, Any]:
             "num_host_blocks": len(host_blocks),
             "n": len(seqs),
             "is_beam_search": bool(state is not None and state.beam is not None),
+            # Image inputs: each image's prompt span [start, end) and its content hash's head;
+            # the page marks the blocks the span fills.
+            "image_spans": [[f.start, f.end, f.content_hash.hex()[:12]] for f in seqs[0].mm_features],
             "seqs": entries,
         })
     return {
@@ -121,6 +124,10 @@ def core_engine_state(core: "EngineCore") -> dict[str, Any]:
             "num_swapped_in_blocks": kv.num_swapped_in,
             "num_steps": core.counters.num_steps,
             "num_batched_tokens_total": core.counters.num_batched_tokens_total,
+            "mm_cache_queries": sched.encoder_cache.queries,
+            "mm_cache_hits": sched.encoder_cache.hits,
+            "mm_images_encoded": sched.encoder_cache.images_encoded,
+            "encoder_cache_rows": sched.encoder_cache.used,
         },
         "queues": queues,
         "requests": requests,

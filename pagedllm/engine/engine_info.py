@@ -30,3 +30,8 @@ class EngineInfo:
     # fit check's peak per sequence (core/scheduler.check_request_fits_pool)
     kv_cache_groups: Any = None
     max_num_batched_tokens: int = 0
+    # image inputs (docs/multimodal.md): whether the model takes them, limit_mm_per_prompt,
+    # and where images may come from (multimodal/media.MediaPolicy; None: the defaults)
+    takes_images: bool = False
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    media_policy: Any = None

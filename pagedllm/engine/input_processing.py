@@ -56,8 +56,16 @@ class InputProcessor:
     def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int], list[Any] | None]:
         """(prompt text, token ids, image features or None) of any prompt: a dict with
         `multi_modal_data` goes through the model's processor (its placeholders expanded)."""
+        if isinstance(prompt, dict) and prompt.get("mm_features") is not None:
+            # Processed already (the server's tokenizer thread, `MultiModalProcessor.process`):
+            # the core checks the features again, their hashes included.
+            return prompt.get("prompt"), self.check_token_ids(prompt["prompt_token_ids"]), list(prompt["mm_features"])
         if not (isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None):
-            return (*self.tokenize(prompt), None)
+            text, ids = self.tokenize(prompt)
+            if self.multimodal is not None and self.multimodal.image_token_id in ids:
+                raise ValueError("The prompt holds the model's image placeholder but no image: pass the images as "
+                                 "multi_modal_data={'image': [...]}, one per placeholder.")
+            return text, ids, None
         if self.multimodal is None:
             raise ValueError("This model takes text only: multi_modal_data (images) is not supported for it.")
         text = prompt.get("prompt")

@@ -16,6 +16,7 @@ from pagedllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.core.step_plan import SequenceStep, StepPlan
 from pagedllm.engine.request_state import RequestState
 from pagedllm.lora.core_registry import CoreLoRAs
+from pagedllm.multimodal.mrope import chunk_positions
 from pagedllm.spec_decode.proposer import Proposer
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.worker.input_batch import SamplingRowSpec
@@ -73,10 +74,12 @@ def sequence_step(item: ScheduledSequence, all_logits: bool = False, draft_start
                   draft_input_ids: list[int] | None = None, pool: bool = False,
                   token_type_ids: list[int] | None = None) -> SequenceStep:
     """The runner's part of one scheduled sequence."""
+    mrope, delta = chunk_positions(item.seq.mm_features, item.start_pos, len(item.token_ids),
+                                   item.seq.prompt_len) if item.seq.mm_features else ([], 0)
     return SequenceStep(item.seq.seq_id, item.token_ids, item.start_pos, item.blocks_from, item.new_block_ids,
                         item.sample, all_logits, item.seq_len, item.group_deltas, item.draft_token_ids,
                         draft_start, draft_input_ids or [], item.lora_int_id, pool, token_type_ids or [],
-                        item.mm_runs)
+                        item.mm_runs, mrope, delta)
 
 
 def plan_of(sched_out: SchedulerOutput, steps: list[SequenceStep] | None = None, **engine_parts: Any) -> StepPlan:

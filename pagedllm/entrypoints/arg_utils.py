@@ -22,6 +22,11 @@ from pagedllm.config import (
     SUPPORTED_TASKS,
     EngineConfig,
 )
+from pagedllm.multimodal.limits import (
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MEDIA_FETCH_TIMEOUT_S,
+)
 from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
@@ -53,6 +58,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=True)
+    g.add_argument("--max-num-encoder-input-tokens", type=int, default=0,
+                   help="image inputs: embedding rows the vision encoder may compute per step "
+                        "(0: max(max-num-batched-tokens, 16384))")
+    g.add_argument("--encoder-cache-size", type=int, default=0,
+                   help="image inputs: embedding rows the encoder cache holds (0: as above)")
     g.add_argument("--preemption-mode", default=None, choices=list(SUPPORTED_PREEMPTION_MODES),
                    help="force recompute or swap (default: swap groups, recompute singles)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -121,6 +131,22 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--pooler-config", default=None,
                    help='pooling override as JSON, e.g. \'{"pooling_type": "MEAN", "normalize": false}\' '
                         "(keys: pooling_type LAST|MEAN|CLS, normalize, dimensions, use_activation)")
+    g.add_argument("--limit-mm-per-prompt", default=None,
+                   help='images one prompt may carry, JSON: \'{"image": 4}\' (default 999, as vLLM; '
+                        "video and audio are not supported)")
+    g.add_argument("--allowed-local-media-path", default="",
+                   help="image_url file:// URLs are read only under this folder (default: none is read)")
+    g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="image_url http(s):// URLs are fetched only from these hosts (default: none; "
+                        "vLLM fetches from any)")
+    g.add_argument("--media-fetch-timeout", type=float, default=DEFAULT_MEDIA_FETCH_TIMEOUT_S,
+                   help="seconds one remote image may take to fetch, redirects included; past it the "
+                        "request gets a 400 (default 5)")
+    g.add_argument("--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES,
+                   help="largest encoded image taken, in bytes (default 20 MiB)")
+    g.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                   help="most pixels (width x height) of one image, checked before decoding "
+                        "(default 4096 x 4096)")
 
 
 MODEL_SOURCE_GROUP = "model source (Hugging Face Hub)"
@@ -287,6 +313,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "scheduling_policy", "generation_config", "max_logprobs", "structured_outputs_timeout",
         "revision", "tokenizer_revision", "download_dir", "gguf_file", "speculative_config",
         "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "runner", "task", "pooler_config",
+        "max_num_encoder_input_tokens", "encoder_cache_size",
+        "limit_mm_per_prompt", "allowed_local_media_path", "allowed_media_domains", "media_fetch_timeout",
+        "max_image_bytes", "max_image_pixels",
     ):
         kwargs[name] = getattr(args, name)
     positional, model = getattr(args, "model_tag", None), args.model

@@ -99,7 +99,7 @@ class LlamaAttention(nn.Module):
     def projection_biases(config: Any) -> tuple[bool, bool]:
         """(q/k/v bias, o bias): Qwen2 biases q/k/v only, the others follow `attention_bias`
         (a subclass hook: Qwen2-MoE's `qkv_bias`)."""
-        is_qwen2 = config.model_type == "qwen2"
+        is_qwen2 = config.model_type in ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
         attention_bias = bool(getattr(config, "attention_bias", False))
         return attention_bias or is_qwen2, attention_bias and not is_qwen2
 

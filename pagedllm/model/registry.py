@@ -27,6 +27,8 @@ GENERATE_ARCHS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    # the language model of Qwen2-VL / Qwen2.5-VL (Qwen2 with M-RoPE), run under those archs
+    "Qwen2VLTextForCausalLM": ("qwen2_vl", "Qwen2VLTextForCausalLM"),
 }
 
 # generate runner, multimodal (docs/multimodal.md): HF architecture -> the model_type of the text
@@ -35,6 +37,11 @@ GENERATE_ARCHS: dict[str, tuple[str, str]] = {
 # config as `multimodal_config` (model/resolution.py).
 MULTIMODAL_ARCHS: dict[str, tuple[str, ...]] = {
     "LlavaForConditionalGeneration": ("llama", "mistral", "qwen2"),
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl_text",),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl_text",),
+    "LlavaNextForConditionalGeneration": ("llama", "mistral", "qwen2"),
+    "Idefics3ForConditionalGeneration": ("llama",),
+    "SmolVLMForConditionalGeneration": ("llama",),
     "Gemma3ForConditionalGeneration": ("gemma3_text",),
 }
 
@@ -76,6 +83,8 @@ _MODEL_TYPE_TO_ARCH = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_vl_text": "Qwen2VLTextForCausalLM",
+    "qwen2_5_vl_text": "Qwen2VLTextForCausalLM",
 }
 
 

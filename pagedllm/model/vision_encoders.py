@@ -18,6 +18,11 @@ from torch import nn
 # HF architecture -> (module under pagedllm.model, encoder class), imported when asked for.
 VISION_ENCODERS: dict[str, tuple[str, str]] = {
     "LlavaForConditionalGeneration": ("vision_encoders", "LlavaVisionEncoder"),
+    "Qwen2VLForConditionalGeneration": ("vision_qwen2_vl", "Qwen2VLVisionEncoder"),
+    "Qwen2_5_VLForConditionalGeneration": ("vision_qwen2_vl", "Qwen2_5_VLVisionEncoder"),
+    "LlavaNextForConditionalGeneration": ("vision_llava_next", "LlavaNextVisionEncoder"),
+    "Idefics3ForConditionalGeneration": ("vision_idefics3", "Idefics3VisionEncoder"),
+    "SmolVLMForConditionalGeneration": ("vision_idefics3", "Idefics3VisionEncoder"),
     "Gemma3ForConditionalGeneration": ("vision_gemma3", "Gemma3VisionEncoder"),
 }
 
@@ -57,7 +62,15 @@ class VisionEncoder(nn.Module):
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
         """Load every vision tensor; a missing or unexpected one is a ValueError naming it."""
-        missing, unexpected = self.parts.load_state_dict(state, strict=False)
+        expected = set(self.parts.state_dict())
+        renamed = {}
+        for key, tensor in state.items():
+            # Hub checkpoints keep CLIP / SigLIP's `vision_model.` wrapper that transformers 5
+            # drops (its conversion mapping's PrefixChange): accept both spellings.
+            if key not in expected and ".vision_model." in key and key.replace(".vision_model.", ".", 1) in expected:
+                key = key.replace(".vision_model.", ".", 1)
+            renamed[key] = tensor
+        missing, unexpected = self.parts.load_state_dict(renamed, strict=False)
         if missing or unexpected:
             raise ValueError(f"vision weights do not match the config: missing {sorted(missing)[:8]}, "
                              f"unexpected {sorted(unexpected)[:8]}")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedllm.multimodal.inputs import content_hash
+
 
 def check_mm_features(features: list[Any] | None, prompt_len: int, takes_images: bool, encoder_cache: Any,
                       max_num_batched_tokens: int, model_name: str) -> None:
@@ -17,6 +19,10 @@ def check_mm_features(features: list[Any] | None, prompt_len: int, takes_images:
     for i, f in enumerate(features):
         if f.modality != "image":
             raise ValueError(f"image {i}: modality {f.modality!r} is not supported (images only)")
+        if f.content_hash != content_hash(f.modality, f.data):
+            # The hash keys the encoder cache and prefix-cache blocks other requests share:
+            # never trusted from a request (a forged one could serve its rows to another image).
+            raise ValueError(f"image {i}: its content hash does not match its data")
         if not f.runs:
             raise ValueError(f"image {i} has no placeholder positions")
         for r in f.runs:

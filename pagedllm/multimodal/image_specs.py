@@ -18,6 +18,11 @@ class ImageSpec:
     # Processor outputs that describe the text, not the images.
     text_keys = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 
+    def load_processor(self, model_path: str, **kwargs: Any) -> Any:
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(model_path, **kwargs)
+
     def call_processor(self, processor: Any, text: str, images: list) -> Any:
         return processor(text=[text], images=images or None, return_tensors="pt")
 
@@ -42,6 +47,11 @@ class ImageSpec:
     def runs_per_item(self, item: dict[str, Any], mm_config: Any) -> int:
         return 1
 
+    def finish(self, out: Any, features: list, mm_config: Any) -> list:
+        """The prompt's features with what the model needs beyond its images' tensors (M-RoPE
+        positions: multimodal/qwen2_vl_spec.py); as they are by default."""
+        return features
+
 
 # HF architecture -> its spec (architectures absent here use the default).
 _SPECS: dict[str, ImageSpec] = {}
@@ -58,11 +68,15 @@ def register(*architectures: str):
 _DEFAULT = ImageSpec()
 
 
+# Modules with the specs of further architectures (they register when imported).
+SPEC_MODULES = ("pagedllm.multimodal.qwen2_vl_spec", "pagedllm.multimodal.image_specs_idefics3",
+                "pagedllm.multimodal.image_specs_llava_next", "pagedllm.multimodal.image_spec_gemma3")
+
+
 def image_spec_for(architecture: str) -> ImageSpec:
+    import importlib
+
+    for name in SPEC_MODULES:
+        importlib.import_module(name)
     return _SPECS.get(architecture, _DEFAULT)
 
-
-# Architectures whose specs live in their own modules (imported here: they register themselves).
-SPEC_MODULES = ("image_spec_gemma3",)
-for _module in SPEC_MODULES:
-    importlib.import_module(f"pagedllm.multimodal.{_module}")

@@ -11,10 +11,6 @@ import hashlib
 
 import msgspec
 
-# The modalities pagedllm takes; vLLM's others are refused by name where a request names them.
-SUPPORTED_MODALITIES = ("image",)
-UNSUPPORTED_MODALITIES = ("video", "audio")
-
 
 class TensorData(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """A tensor as bytes (no pickle): its dtype name (torch's, e.g. "float32"), shape, data."""
@@ -62,6 +58,11 @@ class MultiModalFeature(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # The whole item must be computed in one prefill chunk (attention inside the image is
     # bidirectional, Gemma 3): the scheduler never cuts a chunk inside [start, end).
     whole_in_one_chunk: bool = False
+    # M-RoPE models (Qwen2-VL; multimodal/mrope.py): the rotary positions [3][rows] of the
+    # image's tokens, and the offset of the text after it (its position - its index). None:
+    # the model's rotary positions are the token indices.
+    mrope_positions: list[list[int]] | None = None
+    mrope_delta: int = 0
 
     @property
     def start(self) -> int:

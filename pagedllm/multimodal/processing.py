@@ -14,14 +14,8 @@ from functools import cached_property
 from typing import Any
 
 from pagedllm.multimodal.image_specs import ImageSpec, image_spec_for
-from pagedllm.multimodal.inputs import (
-    SUPPORTED_MODALITIES,
-    UNSUPPORTED_MODALITIES,
-    MultiModalFeature,
-    PlaceholderRun,
-    TensorData,
-    content_hash,
-)
+from pagedllm.multimodal.inputs import MultiModalFeature, PlaceholderRun, TensorData, content_hash
+from pagedllm.multimodal.limits import NOT_SUPPORTED, REFUSED_MODALITIES, SUPPORTED_MODALITIES, check_image_count
 
 
 def placeholder_runs(token_ids: list[int], token_id: int) -> list[tuple[int, int]]:
@@ -46,9 +40,8 @@ def images_of(mm_data: Any) -> list[Any]:
     if not isinstance(mm_data, dict):
         raise ValueError(f"multi_modal_data must be a dict like {{'image': [...]}}, got {type(mm_data).__name__}.")
     for key in mm_data:
-        if key in UNSUPPORTED_MODALITIES:
-            raise ValueError(f"multi_modal_data[{key!r}]: {key} inputs are not supported; pagedllm takes images "
-                             f"({', '.join(SUPPORTED_MODALITIES)}).")
+        if key in REFUSED_MODALITIES:
+            raise ValueError(f"multi_modal_data[{key!r}]: {key} inputs are not supported: {NOT_SUPPORTED}.")
         if key not in SUPPORTED_MODALITIES:
             raise ValueError(f"multi_modal_data has an unknown modality {key!r}; pagedllm takes "
                              f"{', '.join(SUPPORTED_MODALITIES)}.")
@@ -65,20 +58,18 @@ def images_of(mm_data: Any) -> list[Any]:
 class MultiModalProcessor:
     """The front end's image processing for one multimodal model."""
 
-    def __init__(self, model_path: str, mm_config: Any, architecture: str, limit_per_prompt: int | None = None,
+    def __init__(self, model_path: str, mm_config: Any, architecture: str, limits: dict[str, int] | None = None,
                  processor_kwargs: dict[str, Any] | None = None) -> None:
         self.model_path = model_path
         self.mm_config = mm_config
         self.spec: ImageSpec = image_spec_for(architecture)
-        self.limit_per_prompt = limit_per_prompt
+        self.limits = limits  # limit_mm_per_prompt (multimodal/limits.py)
         self.processor_kwargs = dict(processor_kwargs or {})
         self._lock = threading.Lock()  # a processor is not documented thread-safe
 
     @cached_property
     def processor(self):
-        from transformers import AutoProcessor
-
-        return AutoProcessor.from_pretrained(self.model_path, **self.processor_kwargs)
+        return self.spec.load_processor(self.model_path, **self.processor_kwargs)
 
     @cached_property
     def image_token_id(self) -> int:
@@ -88,9 +79,7 @@ class MultiModalProcessor:
         """(token ids, features) of `text` with `multi_modal_data`; a ValueError names what is
         wrong (too many images, placeholders that do not match the images, a processor error)."""
         images = images_of(mm_data)
-        if self.limit_per_prompt is not None and len(images) > self.limit_per_prompt:
-            raise ValueError(f"The prompt has {len(images)} images; at most {self.limit_per_prompt} are allowed "
-                             "per prompt (limit_mm_per_prompt / --limit-mm-per-prompt).")
+        check_image_count(len(images), self.limits)
         with self._lock:
             try:
                 out = self.spec.call_processor(self.processor, text, images)
@@ -98,8 +87,10 @@ class MultiModalProcessor:
                 raise ValueError(f"The model's processor refused the prompt and its {len(images)} image(s): {exc}") from None
         ids = [int(t) for t in out["input_ids"][0].tolist()]
         if not images:
+            if self.image_token_id in ids:
+                raise ValueError("The prompt holds the model's image placeholder but no image was given.")
             return ids, []
-        return ids, self.features(ids, out, len(images))
+        return ids, self.spec.finish(out, self.features(ids, out, len(images)), self.mm_config)
 
     def features(self, ids: list[int], out: Any, num_images: int) -> list[MultiModalFeature]:
         runs = placeholder_runs(ids, self.image_token_id)
@@ -148,7 +139,6 @@ def multimodal_processor(config: Any, source: Any) -> MultiModalProcessor | None
         return None
     from transformers import AutoConfig
 
-    limits = getattr(config, "limit_mm_per_prompt", None) or {}
     return MultiModalProcessor(source.path, AutoConfig.from_pretrained(source.path), arch,
-                               limit_per_prompt=limits.get("image"),
+                               limits=getattr(config, "limit_mm_per_prompt", None),
                                processor_kwargs=getattr(config, "mm_processor_kwargs", None))

@@ -43,6 +43,7 @@ from pagedllm.layers.decode_step_parts import (
 )
 from pagedllm.layers.kv_cache_dtype import KERNEL_KIND, split_kv_cache
 from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.mrope import MRotaryEmbedding
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.model.llama import (
     LlamaAttention,
@@ -114,7 +115,8 @@ def unsupported_reason(model: nn.Module, kv_caches: list[torch.Tensor]) -> str |
     if model.tp.world_size != 1 or model.dtype != torch.float32:
         return "tensor parallelism or a dtype other than float32"
     inner = model.model
-    if type(inner.norm) is not RMSNorm or type(inner.rotary_emb) is not RotaryEmbedding:
+    # M-RoPE over 1-D positions (decode steps: position + rope delta) is plain RoPE (layers/mrope.py)
+    if type(inner.norm) is not RMSNorm or type(inner.rotary_emb) not in (RotaryEmbedding, MRotaryEmbedding):
         return "a norm or rotary embedding other than RMSNorm / plain RoPE"
     for i, (layer, cache) in enumerate(zip(inner.layers, kv_caches, strict=True)):
         attn = layer.self_attn

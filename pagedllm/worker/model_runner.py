@@ -54,6 +54,7 @@ from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.decode_graphs import DecodeGraphs
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.mm_embeddings import MultiModalEmbeddings
+from pagedllm.worker.mrope_positions import mrope_positions
 from pagedllm.model.multimodal import is_multimodal
 from pagedllm.worker.step_sampling import sample_step
 
@@ -172,6 +173,7 @@ class ModelRunner:
             self.cpu_decode_step = CpuDecodeStep.create(model, self.kv_caches, block_size)
         # Image inputs (worker/mm_embeddings.py): the encoder cache of a multimodal model.
         self.mm_embeddings = MultiModalEmbeddings(model, self.device) if is_multimodal(model) else None
+        self.mrope = bool(getattr(model, "uses_mrope", False))  # M-RoPE: worker/mrope_positions.py
         self.cuda_graphs: CudaGraphRunner | None = None
         if cuda_graph_sizes:
             self.cuda_graphs = CudaGraphRunner(model, self.kv_caches, block_size, max_len, scratch_block=num_blocks,
@@ -268,6 +270,8 @@ class ModelRunner:
             "positions": positions,
             "slot_mapping": slot_mapping,
         }
+        if self.mrope:  # the rotary's positions; the slots above keep the KV positions
+            host["positions"] = mrope_positions(positions, [scheduled[i] for i in order], query_starts)
         max_decode_blocks = -(-max(ctx_lens[:num_decodes], default=0) // B)
         max_prefill_blocks = max(n_blocks_of[num_decodes:], default=0)
         for g, tables in enumerate([block_tables, *group_tables]):
@@ -343,7 +347,8 @@ class ModelRunner:
             sample_indices=sample_indices,
             all_logits_slices=all_logits_slices,
             first_rows=[row_of[i] for i in range(len(scheduled))],
-            decode_only=num_decodes == len(order) and not all_logits_slices and len(sample_indices) == len(order),
+            decode_only=num_decodes == len(order) and not all_logits_slices and len(sample_indices) == len(order)
+            and dev_t["positions"].dim() == 1,
         )
 
     def _upload(self, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -28,8 +28,8 @@ CHUNK_BUDGET = 20  # the first image's 16 soft tokens sit at 5..21: a plain cut 
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory, smollm2_gguf) -> str:
-    return vf.tiny_vlm_folder(tmp_path_factory, smollm2_gguf, "gemma3")
+def folder(tiny_vlm) -> str:
+    return tiny_vlm("gemma3")
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@ float32 reference for them (issue 45, image inputs).
 
 `make_tiny_vlm(arch, path)` saves a checkpoint (safetensors, config, generation config) with its
 processor (image processor, SmolLM2's tokenizer plus the arch's special tokens, chat template), so
-that `AutoProcessor` and the arch's model class load it offline. Sizes are tiny (a fixture builds
+that `AutoProcessor` (`load_processor` for the Qwen processors where torchvision is missing) and
+the arch's model class load it offline. Sizes are tiny (a fixture builds
 in about a second) and weights are drawn wide enough that greedy choices are not near-ties and
 that what is generated depends on the image: an engine that ignored the image fails parity.
 `hf_greedy` / `hf_prompt_ids` / `chat_prompt` give transformers' own answers for such a folder."""
@@ -20,7 +21,7 @@ import torch
 
 from tests.integration import vlm_templates
 
-ARCHS = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3", "idefics3")
+ARCHS = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3", "idefics3", "smolvlm")
 # Gemma3's pan-and-scan is a per-call processor option in transformers 5.25 (Gemma3Processor.images_kwargs
 # overrides the image processor's saved values): pass these as `processor_kwargs` to crop images whose
 # aspect ratio is >= 1.2 into 2-3 crops of at least 16 pixels, each its own 16 image tokens.
@@ -28,7 +29,7 @@ PAN_AND_SCAN = dict(do_pan_and_scan=True, pan_and_scan_min_crop_size=16, pan_and
                     pan_and_scan_min_ratio_to_activate=1.2)
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6)
-WEIGHT_STD = 0.2  # as model_fixtures.save_tiny_llama: peaked logits, no near-ties in greedy choices
+WEIGHT_STD = 0.2  # as model_fixtures.save_tiny_llama: logits std ~1.6, greedy top-2 gaps >= 0.01 seen
 
 
 def _tokenizer(smollm2_gguf: str, path: Path, named: dict[str, str], extra: list[str] = ()):
@@ -40,7 +41,8 @@ def _tokenizer(smollm2_gguf: str, path: Path, named: dict[str, str], extra: list
 
     hf_tokenizer(smollm2_gguf).save_pretrained(path)  # the cached one is shared: never change it
     tok = AutoTokenizer.from_pretrained(path, extra_special_tokens=dict(named))
-    missing = [t for t in list(named.values()) + list(extra) if t not in tok.get_vocab()]
+    vocab = tok.get_vocab()  # a fresh dict of 49k entries each call
+    missing = [t for t in list(named.values()) + list(extra) if t not in vocab]
     if missing:
         tok.add_special_tokens({"extra_special_tokens": missing}, replace_extra_special_tokens=False)
     for t in list(named.values()) + list(extra):
@@ -161,7 +163,7 @@ def _gemma3(tok) -> tuple[Any, Any]:
                                layer_types=["sliding_attention", "full_attention"])
     # SigLIP 32x32 / patch 4 = 8x8 patches, average-pooled to 4x4 = 16 tokens per image (or crop).
     vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                   image_size=32, patch_size=4)
+                                   image_size=32, patch_size=4, vision_use_head=False)  # as Gemma3's
     config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16,
                              boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id,
                              image_token_index=tok.image_token_id)
@@ -187,6 +189,20 @@ def _idefics3(tok) -> tuple[Any, Any]:
     return tf.Idefics3ForConditionalGeneration(config), processor
 
 
+def _smolvlm(tok) -> tuple[Any, Any]:
+    import transformers as tf
+
+    # SmolVLM's model (its own classes, Idefics3's layout) with Idefics3's processor: SmolVLMProcessor
+    # needs torchvision (its video processor) and num2words, which this project does not install; for
+    # images both expand `<image>` into the same crop runs (transformers' processing_smolvlm.py).
+    model, processor = _idefics3(tok)
+    vision = tf.SmolVLMVisionConfig(**{k: getattr(model.config.vision_config, k) for k in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size", "patch_size")})
+    config = tf.SmolVLMConfig(vision_config=vision, text_config=model.config.text_config,
+                              image_token_id=model.config.image_token_id, scale_factor=2)
+    return tf.SmolVLMForConditionalGeneration(config), processor
+
+
 _QWEN_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|video_pad|>", "<|vision_end|>"]
 # arch: (builder, the tokenizer's named special tokens, its other added special tokens)
 _BUILDERS: dict[str, tuple[Callable, dict[str, str], list[str]]] = {
@@ -199,6 +215,7 @@ _BUILDERS: dict[str, tuple[Callable, dict[str, str], list[str]]] = {
     "idefics3": (_idefics3, {}, ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
                  + [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]),
 }
+_BUILDERS["smolvlm"] = (_smolvlm, *_BUILDERS["idefics3"][1:])
 
 
 def _perturb(model, seed: int) -> None:

@@ -54,6 +54,14 @@ NON_DEFAULT = {
     "runner": (["--runner", "pooling"], "pooling"),
     "task": (["--task", "embed"], "embed"),
     "pooler_config": (["--pooler-config", '{"normalize": false}'], '{"normalize": false}'),
+    "max_num_encoder_input_tokens": (["--max-num-encoder-input-tokens", "4096"], 4096),
+    "encoder_cache_size": (["--encoder-cache-size", "8192"], 8192),
+    "limit_mm_per_prompt": (["--limit-mm-per-prompt", '{"image": 2}'], {"image": 2}),
+    "allowed_local_media_path": (["--allowed-local-media-path", "/tmp"], "/tmp"),
+    "allowed_media_domains": (["--allowed-media-domains", "Example.com", "b.org"], ["example.com", "b.org"]),
+    "media_fetch_timeout": (["--media-fetch-timeout", "2.5"], 2.5),
+    "max_image_bytes": (["--max-image-bytes", "1000"], 1000),
+    "max_image_pixels": (["--max-image-pixels", "4096"], 4096),
 }
 
 

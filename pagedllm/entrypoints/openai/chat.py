@@ -9,12 +9,16 @@ one is stopped past `--chat-template-render-timeout` seconds (`RequestTemplates`
 prompt longer than the context can hold in characters is refused before it is tokenized.
 `max_completion_tokens` (or the older `max_tokens`) defaults to what is left of the context.
 A stream starts with one chunk per choice carrying `{"role": "assistant", "content": ""}`.
+Image parts (`image_url`, docs/multimodal.md) go to a model that takes images: the images load
+on the media threads while the template renders in the tokenizer thread, and the engine gets
+`{"prompt": text, "multi_modal_data": {"image": [...]}}` (its processor expands the placeholders).
 `tools` / `tool_choice` and the server's reasoning parser shape the message (tool_calling.py):
 `tool_calls`, `reasoning_content`, and `finish_reason: "tool_calls"`, in deltas too.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +54,7 @@ from pagedllm.entrypoints.openai.request_fields import (
 from pagedllm.entrypoints.openai.serving import ServingContext
 from pagedllm.entrypoints.openai.streaming import DONE, SSE_HEADERS, ChoiceStream, sse
 from pagedllm.entrypoints.openai.tool_calling import ToolPlan, finish_reason, plan_tools
+from pagedllm.multimodal.chat_parts import ChatInputs, multimodal_prompt
 from pagedllm.outputs import RequestOutput
 from pagedllm.tokenizer import TemplateTimeoutError, max_chars_per_token, render_time_limit
 
@@ -115,7 +120,12 @@ class ChatServer:
         ctx = self.ctx
         lora = ctx.check_model(request.model)
         template = self.templates.resolve(request.chat_template, request.chat_template_kwargs)
-        conversation = request.conversation()  # ValueError (non-text parts) -> 400
+        # template messages and image references; ValueError (refused parts, too many
+        # images) -> 400 before anything is fetched
+        inputs = request.chat_inputs(ctx.takes_images, ctx.limit_mm_per_prompt, ctx.model_name)
+        if inputs.images and request.truncate_prompt_tokens is not None:
+            raise OpenAIError("truncate_prompt_tokens is not supported with images: a cut could "
+                              "split an image's tokens.", 400, param="truncate_prompt_tokens")
         resolve_logprob_fields(ctx, request)  # -1 and --max-logprobs, before SamplingParams
         params = request.to_sampling_params(ctx.generation_defaults)
         params.verify_token_ids(ctx.vocab_size)
@@ -124,22 +134,27 @@ class ChatServer:
         # vLLM's request fields (request_fields.py): id, priority, best_of, logprob limits
         fields = plan_fields(ctx, request, raw_request, params)
         params = fields.params
-        prompt_text, prompt_ids = await ctx.run_tokenizer(self._render, request, conversation,
-                                                          template)
-        fit_default_max_tokens(ctx, params, len(prompt_ids))
+        if inputs.images:
+            prompt_text, prompt = await self._render_with_images(request, inputs, template)
+            fit_default_max_tokens(ctx, params, len(prompt["prompt_token_ids"]))
+            prompt_len = len(prompt["prompt_token_ids"])
+        else:
+            prompt_text, prompt_ids = await ctx.run_tokenizer(self._render, request,
+                                                              inputs.messages, template)
+            fit_default_max_tokens(ctx, params, len(prompt_ids))
+            prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
+            prompt_len = len(prompt_ids)
         request_id = f"chatcmpl-{fields.request_id}"
         created = now_seconds()
         engine = ctx.async_engine
         log_request(ctx, request_id, prompt_text, params)
         stream = await engine.add_request(
-            request_id,
-            {"prompt": prompt_text, "prompt_token_ids": prompt_ids,
-             "cache_salt": request.cache_salt},
+            request_id, {**prompt, "cache_salt": request.cache_salt},
             params, priority=request.priority, lora_request=lora,
         )
         if request.stream:
             body = self._stream(request, raw_request, request_id, created, stream, plan,
-                                prompt_len=len(prompt_ids))
+                                prompt_len=prompt_len)
             return StreamingResponse(
                 body, media_type="text/event-stream", headers={**SSE_HEADERS, **fields.headers},
                 background=BackgroundTask(engine.abort_unfinished, [stream]),
@@ -155,16 +170,41 @@ class ChatServer:
             self._response(request, request_id, created, final, plan).model_dump(),
             headers=fields.headers)
 
-    def _render(self, request: ChatCompletionRequest, conversation,
-                template: tuple[str | None, dict[str, Any]] | None = None
-                ) -> tuple[str, list[int]]:
-        """(prompt text, token ids); `template`: `RequestTemplates.resolve`'s answer."""
+    async def _render_with_images(self, request: ChatCompletionRequest, inputs: ChatInputs,
+                                  template: tuple[str | None, dict[str, Any]]
+                                  ) -> tuple[str, dict[str, Any]]:
+        """(prompt text, the engine's prompt dict) of a conversation with images: rendered in
+        the tokenizer thread while the images load on the media threads (ServingContext.
+        load_images); text, not token ids: the engine's processor expands the placeholders."""
+        ctx = self.ctx
+        text, images = await asyncio.gather(
+            ctx.run_tokenizer(self._render_text, request, inputs.messages, template),
+            ctx.load_images(inputs.images), return_exceptions=True)
+        for result in (text, images):
+            if isinstance(result, BaseException):
+                raise result
+        # The model's processor (image resizing, placeholder expansion) off the event loop too.
+        processed = await ctx.run_tokenizer(ctx.async_engine.inputs.process_prompt, multimodal_prompt(text, images))
+        _, ids, features = processed
+        return text, {"prompt": text, "prompt_token_ids": ids, "mm_features": features or []}
+
+    def _render_text(self, request: ChatCompletionRequest, conversation,
+                     template: tuple[str | None, dict[str, Any]] | None = None) -> str:
+        """The rendered prompt (tokenizer thread); `template`: `RequestTemplates.resolve`'s
+        answer. A text too long to ever fit is refused before it is tokenized."""
         if template is None:
             template = self.templates.resolve(request.chat_template, request.chat_template_kwargs)
         text = self.templates.render(self.ctx, conversation, *template, request)
         if request.truncate_prompt_tokens is None:  # a cut prompt may be any length
             check_prompt_chars(text, self.ctx.max_model_len,
                                max_chars_per_token(self.ctx.tokenizer))
+        return text
+
+    def _render(self, request: ChatCompletionRequest, conversation,
+                template: tuple[str | None, dict[str, Any]] | None = None
+                ) -> tuple[str, list[int]]:
+        """(prompt text, token ids); `template`: `RequestTemplates.resolve`'s answer."""
+        text = self._render_text(request, conversation, template)
         # add_special_tokens (vLLM's, default false: the template has them); truncation keeps
         # the last truncate_prompt_tokens tokens
         ids = self.ctx.encode(text, add_special_tokens=request.add_special_tokens)

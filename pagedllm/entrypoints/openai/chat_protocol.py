@@ -16,12 +16,24 @@ from pagedllm.entrypoints.openai.protocol_base import (
     random_uuid,
 )
 from pagedllm.entrypoints.openai.sampling_request import SamplingRequest
+from pagedllm.multimodal.chat_parts import ChatInputs, parse_content
+from pagedllm.multimodal.limits import check_image_count
 from pagedllm.sampling_params import SamplingParams
 
 
+class ImageURL(OpenAIBaseModel):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 class ChatContentPart(OpenAIBaseModel):
+    """A content part: `text`, `image_url` (OpenAI's `{"url", "detail"}`), an assistant's
+    `refusal`; every other type is refused by name (multimodal/chat_parts.py)."""
+
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = None
+    refusal: str | None = None
 
 
 class FunctionDefinition(OpenAIBaseModel):
@@ -56,6 +68,9 @@ class ToolCall(OpenAIBaseModel):
     function: FunctionCall
 
 
+_TEXT: Any = object()  # template_message's default: the message's text
+
+
 class ChatMessageParam(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ChatContentPart] | None = None
@@ -63,12 +78,14 @@ class ChatMessageParam(OpenAIBaseModel):
     tool_calls: list[ToolCall] | None = None  # assistant
     tool_call_id: str | None = None  # tool
 
-    def template_message(self) -> dict[str, Any]:
+    def template_message(self, content: Any = _TEXT) -> dict[str, Any]:
         """The message as chat templates read it (transformers' convention): an assistant's
         `tool_calls` with `function.arguments` parsed to a dict (Qwen2.5, Llama 3.1 and Hermes
-        templates render `arguments | tojson`), a tool result's `tool_call_id` kept."""
+        templates render `arguments | tojson`), a tool result's `tool_call_id` kept.
+        `content`: the content already in template form (chat_parts.parse_content); default
+        `text()`."""
         msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
-                               "content": self.text()}
+                               "content": self.text() if content is _TEXT else content}
         if self.name is not None:
             msg["name"] = self.name
         if self.tool_calls:
@@ -89,20 +106,11 @@ class ChatMessageParam(OpenAIBaseModel):
         return msg
 
     def text(self) -> str:
-        """The message's text; content parts other than text are a 400."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        texts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise ValueError(
-                    f"Content parts of type {part.type!r} are not supported: this model takes "
-                    "text only (parts of type 'text')."
-                )
-            texts.append(part.text)
-        return "\n".join(texts)
+        """The message's text parts joined by newlines; any other part is a 400 (where images
+        are taken, `ChatCompletionRequest.chat_inputs` reads the parts)."""
+        text, _ = parse_content(self.content, "message", takes_images=False,
+                                model_name="this endpoint")
+        return text  # a string: takes_images=False
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -150,7 +158,23 @@ class ChatCompletionRequest(SamplingRequest):
         return self
 
     def conversation(self) -> list[dict[str, Any]]:
+        """The messages in template form, text only (image parts are a 400)."""
         return [m.template_message() for m in self.messages]
+
+    def chat_inputs(self, takes_images: bool, limits: dict[str, int] | None = None,
+                    model_name: str = "this model") -> ChatInputs:
+        """The messages in template form and their images in order (no I/O: nothing is
+        fetched); a 400 for refused parts and more images than `limits` allow. A model that
+        takes images gets every content as a list (`[{"type": "image"}, {"type": "text", ...}]`)."""
+        messages: list[dict[str, Any]] = []
+        images = []
+        for i, m in enumerate(self.messages):
+            content, found = parse_content(m.content, f"messages[{i}]", takes_images,
+                                           model_name=model_name)
+            messages.append(m.template_message(content))
+            images.extend(found)
+        check_image_count(len(images), limits)
+        return ChatInputs(messages, images)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """`tools` as apply_chat_template takes them (OpenAI's dicts, as transformers expects)."""

@@ -22,9 +22,14 @@ from fastapi import Request
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.tool_calling import ToolConfig
+from pagedllm.multimodal.chat_parts import ImageRef, load_images
+from pagedllm.multimodal.media import MediaPolicy
 from pagedllm.tokenizer import apply_chat_template
 
 T = TypeVar("T")
+# Threads that fetch and decode images: requests' images load side by side, a slow URL holding
+# one thread for at most --media-fetch-timeout.
+MEDIA_THREADS = 16
 
 
 @dataclass
@@ -61,9 +66,32 @@ class ServingContext:
         # A copy: the event loop's output processor decodes with the engine's own.
         self.tokenizer = copy.deepcopy(async_engine.tokenizer)
         self._tok_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tok")
+        # image inputs (docs/multimodal.md): what the model takes, how many, from where
+        self.takes_images: bool = bool(getattr(info, "takes_images", False))
+        self.limit_mm_per_prompt: dict[str, int] = dict(getattr(info, "limit_mm_per_prompt", None) or {})
+        self.media_policy: MediaPolicy = getattr(info, "media_policy", None) or MediaPolicy()
+        self._media_executor: ThreadPoolExecutor | None = None
 
     def close(self) -> None:
         self._tok_executor.shutdown(wait=False, cancel_futures=True)
+        if self._media_executor is not None:
+            self._media_executor.shutdown(wait=False, cancel_futures=True)
+
+    async def load_images(self, refs: list[ImageRef]) -> list[Any]:
+        """A request's images, loaded (fetched, decoded, RGB) on the media threads, each on its
+        own, in order: never on the event loop, and never in the tokenizer thread, where a
+        slow URL (up to --media-fetch-timeout) would hold every other request's rendering."""
+        if self._media_executor is None:
+            self._media_executor = ThreadPoolExecutor(max_workers=MEDIA_THREADS,
+                                                      thread_name_prefix="pagedllm-media")
+        loop = asyncio.get_running_loop()
+        futures = [loop.run_in_executor(self._media_executor, load_images, [ref], self.media_policy)
+                   for ref in refs]
+        loaded = await asyncio.gather(*futures, return_exceptions=True)
+        for item in loaded:  # the first failure in prompt order; the others are dropped
+            if isinstance(item, BaseException):
+                raise item
+        return [item[0] for item in loaded]
 
     async def run_tokenizer(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run `fn(*args, **kwargs)` (which uses `self.tokenizer`) in the tokenizer thread."""

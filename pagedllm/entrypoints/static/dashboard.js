@@ -329,30 +329,40 @@ function renderQueues(view, snap, states) {
         renderEngine(view, view.snap);
       });
       list.append(item);
-      requestAnimationFrame(() => drawTableBar(bar, req, states, view.hostStates));
+      requestAnimationFrame(() => drawTableBar(bar, req, states, view.hostStates, snap.config.block_size));
     }
     if (!list.children.length) list.append(el("li", { class: "empty" }, "none"));
     return el("div", { class: "queue" }, el("h3", {}, name + " (" + ids.length + ")"), list);
   }));
 }
 
-function drawTableBar(canvas, req, states, hostStates) {
+function drawTableBar(canvas, req, states, hostStates, blockSize) {
   // the first sample's block table (first group), one segment per entry, coloured by state
   const seq = req.seqs[0];
   const table = seq ? seq.block_tables[0] || [] : [];
   const w = canvas.clientWidth || 200;
   canvas.width = w;
-  canvas.height = 10;
+  const spans = req.image_spans || [];
+  canvas.height = spans.length ? 13 : 10;
   const ctx = canvas.getContext("2d");
   ctx.fillStyle = "#f1f3f5";
-  ctx.fillRect(0, 0, w, 10);
+  ctx.fillRect(0, 0, w, canvas.height);
   const seg = Math.max(1, Math.min(12, Math.floor(w / Math.max(1, table.length))));
   table.forEach((b, i) => {
     const s = b < 0 ? 4 : seq.on_host ? 5 : states[b];
     ctx.fillStyle = COLORS[STATES[s]];
     ctx.fillRect(i * seg, 0, Math.max(1, seg - 1), 10);
   });
+  // image inputs: a bar under the blocks each image's placeholder rows fill
+  const bs = blockSize || 16;
+  ctx.fillStyle = IMAGE_COLOR;
+  spans.forEach(([start, end]) => {
+    const first = Math.floor(start / bs), last = Math.floor((end - 1) / bs);
+    ctx.fillRect(first * seg, 11, (last - first + 1) * seg - 1, 2);
+  });
 }
+
+const IMAGE_COLOR = "#ae3ec9";
 
 function renderDetails(view, snap) {
   const sel = ui.selected;
@@ -366,7 +376,8 @@ function renderDetails(view, snap) {
   view.details.replaceChildren(el("table", {}, ...[
     ["request", req.request_id], ["state", req.state], ["samples", req.n + (req.is_beam_search ? " (beams)" : "")],
     ["prompt tokens", req.num_prompt_tokens], ["output tokens", req.num_output_tokens],
-    ["prefix-cache hit tokens", req.num_cached_tokens ?? "–"], ["blocks", req.num_blocks + (req.num_host_blocks ? " + " + req.num_host_blocks + " on host" : "")],
+    ["prefix-cache hit tokens", req.num_cached_tokens ?? "–"],
+    ["images", (req.image_spans || []).length ? req.image_spans.map(([s, e, h]) => `${h} @ ${s}–${e - 1}`).join(", ") : "–"], ["blocks", req.num_blocks + (req.num_host_blocks ? " + " + req.num_host_blocks + " on host" : "")],
     ["TTFT", fmt(req.ttft_s === null ? null : req.ttft_s * 1000, 0, " ms")],
     ["ITL (mean)", fmt(req.itl_s === null ? null : req.itl_s * 1000, 1, " ms")],
     ["preemptions", req.num_preemptions], ["priority", req.priority],

@@ -1,0 +1,131 @@
+"""/v1/chat/completions with image parts on a `pagedllm serve` of the tiny random LLaVA (issue
+45): a data URL and an http URL from an allowed host (a local http.server) give transformers'
+greedy tokens; refusals are 400s naming the flag; a slow image URL holds neither the event loop
+nor other requests (a text request finishes while it waits)."""
+
+from __future__ import annotations
+
+import base64
+import http.server as http_server
+import io
+import threading
+import time
+
+import pytest
+
+from tests.integration.vlm_fixtures import chat_prompt, hf_greedy, sample_images, user_turn
+from tests.server.conftest import serving
+
+MAX_TOKENS = 6
+QUESTION = "Describe the image."
+IMAGE = sample_images(1, seed=5)[0]
+
+
+def _png(img) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+PNG = _png(IMAGE)
+
+
+class _Images(http_server.BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        if self.path == "/slow.png":
+            time.sleep(4)
+        body = PNG if self.path in ("/img.png", "/slow.png") else b""
+        self.send_response(200 if body else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    srv = http_server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.fixture(scope="module")
+def vlm_server(tiny_vlm):
+    folder = tiny_vlm("llava")
+    with serving(["-m", "pagedllm.entrypoints.cli", "serve", folder, "--max-model-len", "512",
+                  "--kv-cache-space", "0.05", "--allowed-media-domains", "127.0.0.1",
+                  "--media-fetch-timeout", "2", "--limit-mm-per-prompt", '{"image": 1}']) as srv:
+        yield srv, folder
+
+
+@pytest.fixture(scope="module")
+def http(vlm_server):
+    import httpx
+
+    srv, _ = vlm_server
+    with httpx.Client(base_url=srv.url, headers=srv.headers, timeout=60.0) as c:
+        yield c
+
+
+def _body(*parts, **kw) -> dict:
+    return {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": QUESTION}]}],
+            "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True, **kw}
+
+
+def _image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def test_image_urls_match_transformers(vlm_server, http, image_host):
+    _, folder = vlm_server
+    expected = hf_greedy(folder, chat_prompt(folder, user_turn(QUESTION, 1)), [IMAGE], MAX_TOKENS)
+    data_url = "data:image/png;base64," + base64.b64encode(PNG).decode()
+    for url in (data_url, f"{image_host}/img.png"):
+        r = http.post("/v1/chat/completions", json=_body(_image(url)))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == expected, url
+
+
+@pytest.mark.parametrize("parts,message", [
+    ([_image("http://example.com/a.png")], "host 'example.com' is not in --allowed-media-domains"),
+    ([_image("file:///etc/hostname")], "--allowed-local-media-path"),
+    ([_image("data:image/png;base64,AAAA"), _image("data:image/png;base64,AAAA")],
+     r"At most 1 image\(s\) .*--limit-mm-per-prompt"),
+    ([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}],
+     "'input_audio' are not supported: pagedllm takes text and images"),
+    ([_image("data:image/png;base64," + base64.b64encode(b"junk").decode())], "could not be decoded"),
+])
+def test_refusals_are_400s(http, parts, message):
+    import re
+
+    r = http.post("/v1/chat/completions", json=_body(*parts))
+    assert r.status_code == 400, r.text
+    assert re.search(message, r.json()["error"]["message"]), r.json()
+
+
+def test_slow_image_url_blocks_no_other_request(http, image_host):
+    done: dict[str, float] = {}
+    results = {}
+
+    def slow():
+        results["slow"] = http.post("/v1/chat/completions", json=_body(_image(f"{image_host}/slow.png")))
+        done["slow"] = time.monotonic()
+
+    t = threading.Thread(target=slow)
+    t.start()
+    time.sleep(0.3)  # the slow fetch is under way
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                "max_tokens": 2, "temperature": 0})
+    done["text"] = time.monotonic()
+    t.join(30)
+    assert r.status_code == 200, r.text
+    assert results["slow"].status_code == 400
+    assert "within 2 s (--media-fetch-timeout)" in results["slow"].json()["error"]["message"]
+    assert done["text"] < done["slow"]  # served while the image was still being fetched
