@@ -22,7 +22,7 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal.inputs import MultiModalFeature
 
 
-class SequenceStep(msgspec.Struct, frozen=True, array_like=True, gc=False):
+class SequenceStep(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
     """One scheduled sequence's part of the step."""
 
     seq_id: int

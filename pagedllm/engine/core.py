@@ -25,14 +25,15 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import SequenceStatus
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.core.scheduler_config import SchedulerConfig, check_priority
+from pagedllm.core.scheduler_config import check_priority
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.core.step_plan import StepPlan
 from pagedllm.engine.beam_search import beam_completions
 from pagedllm.engine.core_stats import CoreCounters
 from pagedllm.engine.core_model import start_model
 from pagedllm.engine.core_pooling import CorePooling, PoolingState, check_request_kind
-from pagedllm.engine.core_startup import compile_batch_sizes, draft_max_model_len, draft_model_config, eos_token_ids
+from pagedllm.engine.core_startup import (compile_batch_sizes, draft_max_model_len, draft_model_config, eos_token_ids,
+                                          scheduler_config)
 from pagedllm.engine.core_messages import (CoreStats, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                                            SampleDelta)
 from pagedllm.engine.errors import STALL_STEPS, EngineFatalError, SchedulerStallError
@@ -51,7 +52,6 @@ from pagedllm.lora.core_registry import CoreLoRAs, check_lora_enabled
 from pagedllm.lora.request import LoRARequest
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.structured_output import StructuredOutputManager
-from pagedllm.layers.rotary import long_context_threshold
 from pagedllm.model.resolution import ModelResolution, model_resolution
 from pagedllm.model_source import ModelSource, resolve_tokenizer_source
 from pagedllm.multimodal.checks import check_mm_features
@@ -100,22 +100,8 @@ class EngineCore:
             enable_caching=config.enable_prefix_caching if self.pooling is None else self.pooling.prefix_caching,
             num_host_blocks=self.num_host_blocks, groups=self.kv_cache_groups)
         self.max_num_batched_tokens = config.resolved_max_num_batched_tokens(self.max_model_len)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                enable_chunked_prefill=(config.enable_chunked_prefill if self.pooling is None
-                                        else self.pooling.chunked_prefill),
-                preemption_mode=config.preemption_mode,
-                policy=config.scheduling_policy,
-                long_context_after=long_context_threshold(self.hf_config, self.max_model_len),
-                max_loras=config.max_loras if config.enable_lora else 0,
-                max_num_encoder_input_tokens=config.max_num_encoder_input_tokens,
-                encoder_cache_size=config.encoder_cache_size,
-            ),
-            self.kv_cache_manager,
-        )
+        self.scheduler = Scheduler(scheduler_config(config, self.max_num_batched_tokens, self.max_model_len,
+                                                    self.hf_config, self.pooling), self.kv_cache_manager)
         # Every rank: its runner, the same number of blocks of its own KV heads, the host pool.
         self.executor.initialize_cache(self.num_blocks, self.num_host_blocks, self.max_model_len,
                                        compile_batch_sizes(config, self.device))

@@ -14,6 +14,8 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_groups import KVCacheGroups, hybrid_kv_cache_groups
+from pagedllm.core.scheduler_config import SchedulerConfig
+from pagedllm.layers.rotary import long_context_threshold
 from pagedllm.model_source import ModelSource, load_hf_config, resolve_model
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.worker.cache_engine import CacheEngine
@@ -114,6 +116,23 @@ def size_block_pool(config: EngineConfig, executor: Any, device: torch.device, p
         raise ValueError(f"The KV cache budget ({budget} bytes) holds no block of {per_block} bytes; "
                          "raise kv_cache_space.")
     return int(num_blocks), None
+
+
+def scheduler_config(config: EngineConfig, max_num_batched_tokens: int, max_model_len: int, hf_config: Any,
+                     pooling: Any) -> SchedulerConfig:
+    """The scheduler's configuration from the engine's (a pooling core's chunking is its own)."""
+    return SchedulerConfig(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=config.enable_chunked_prefill if pooling is None else pooling.chunked_prefill,
+        preemption_mode=config.preemption_mode,
+        policy=config.scheduling_policy,
+        long_context_after=long_context_threshold(hf_config, max_model_len),
+        max_loras=config.max_loras if config.enable_lora else 0,
+        max_num_encoder_input_tokens=config.max_num_encoder_input_tokens,
+        encoder_cache_size=config.encoder_cache_size,
+    )
 
 
 def compile_batch_sizes(config: EngineConfig, device: torch.device) -> list[int] | None:

@@ -6,7 +6,6 @@ chunk. The vision towers themselves are the models' business (model/vision_encod
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 
@@ -19,9 +18,16 @@ class ImageSpec:
     text_keys = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 
     def load_processor(self, model_path: str, **kwargs: Any) -> Any:
-        from transformers import AutoProcessor
+        """The model's processor; without torchvision, its class without the video processor
+        (transformers 5 builds Qwen2-VL's and SmolVLM's only with one, and video processors
+        need torchvision, which images never touch)."""
+        import transformers
+        from transformers.utils import is_torchvision_available
 
-        return AutoProcessor.from_pretrained(model_path, **kwargs)
+        cls = None if is_torchvision_available() else processor_class_of(model_path)
+        if cls is None or "video_processor" not in cls.get_attributes():
+            return transformers.AutoProcessor.from_pretrained(model_path, **kwargs)
+        return image_only(cls).from_pretrained(model_path, **kwargs)
 
     def call_processor(self, processor: Any, text: str, images: list) -> Any:
         return processor(text=[text], images=images or None, return_tensors="pt")
@@ -51,6 +57,31 @@ class ImageSpec:
         """The prompt's features with what the model needs beyond its images' tensors (M-RoPE
         positions: multimodal/qwen2_vl_spec.py); as they are by default."""
         return features
+
+
+def processor_class_of(model_path: str) -> type | None:
+    """The transformers processor class a folder names (processor_config.json, else
+    preprocessor_config.json / tokenizer_config.json), or None."""
+    import json
+    import os
+
+    import transformers
+
+    for name in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
+        path = os.path.join(model_path, name)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                cls = getattr(transformers, json.load(f).get("processor_class") or "", None)
+            if cls is not None:
+                return cls
+    return None
+
+
+def image_only(cls: type) -> type:
+    """`cls` (a processor class) without its video processor, under the same name."""
+    attrs = [a for a in cls.get_attributes() if a != "video_processor"]
+    return type(cls.__name__, (cls,), {"get_attributes": classmethod(lambda _: list(attrs)),
+                                       "__module__": cls.__module__, "__doc__": cls.__doc__})
 
 
 # HF architecture -> its spec (architectures absent here use the default).

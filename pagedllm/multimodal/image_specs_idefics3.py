@@ -31,34 +31,8 @@ def crops_per_image(ids: list[int], image_token_id: int, global_token_id: int) -
     return counts
 
 
-def _image_only_processor(path: str, **kwargs: Any):
-    """The processor without its video processor where torchvision (which transformers' video
-    processors need) is missing: SmolVLM's processor loads only with one, images never use it."""
-    import json
-    import os
-
-    import transformers
-    from transformers.utils import is_torchvision_available
-
-    with open(os.path.join(path, "processor_config.json"), encoding="utf-8") as f:
-        cls = getattr(transformers, json.load(f).get("processor_class", ""), None)
-    if cls is None or is_torchvision_available() or "video_processor" not in cls.get_attributes():
-        return transformers.AutoProcessor.from_pretrained(path, **kwargs)
-    attrs = [a for a in cls.get_attributes() if a != "video_processor"]
-    image_only = type(cls.__name__, (cls,), {"get_attributes": classmethod(lambda _: list(attrs)),
-                                             "__module__": cls.__module__})
-    return image_only.from_pretrained(path, **kwargs)
-
-
 @register("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 class Idefics3Spec(ImageSpec):
-    def load_processor(self, path: str, **kwargs: Any) -> Any:
-        import os
-
-        if os.path.isfile(os.path.join(path, "processor_config.json")):
-            return _image_only_processor(path, **kwargs)
-        return super().load_processor(path, **kwargs)
-
     def call_processor(self, processor: Any, text: str, images: list) -> Any:
         out = super().call_processor(processor, text, images)
         if images:

@@ -14,30 +14,8 @@ from typing import Any
 from pagedllm.multimodal.image_specs import ImageSpec, register
 from pagedllm.multimodal.mrope import prompt_positions, with_positions
 
-_PROCESSORS = {
-    "Qwen2VLForConditionalGeneration": "Qwen2VLProcessor",
-    "Qwen2_5_VLForConditionalGeneration": "Qwen2_5_VLProcessor",
-}
-
-
-def image_only(cls: type) -> type:
-    """`cls` (a processor class) without its video processor: transformers 5.25 loads Qwen2-VL's
-    processor only with one, and video processors need torchvision, which images never touch."""
-    attrs = [a for a in cls.get_attributes() if a != "video_processor"]
-    return type(cls.__name__, (cls,), {"get_attributes": classmethod(lambda _: list(attrs)),
-                                       "__module__": cls.__module__, "__doc__": cls.__doc__})
-
-
 class _QwenVLSpec(ImageSpec):
     architecture = ""
-
-    def load_processor(self, model_path: str, **kwargs: Any) -> Any:
-        import transformers
-        from transformers.utils import is_torchvision_available
-
-        if is_torchvision_available():
-            return super().load_processor(model_path, **kwargs)
-        return image_only(getattr(transformers, _PROCESSORS[self.architecture])).from_pretrained(model_path, **kwargs)
 
     def split_items(self, out: Any, num_images: int, mm_config: Any) -> list[dict[str, Any]]:
         grid, pixels = out.get("image_grid_thw"), out.get("pixel_values")

@@ -22,6 +22,22 @@ class MultiModalEmbeddings:
         self.device = device
         self.rows: dict[bytes, torch.Tensor] = {}
 
+    @classmethod
+    def of(cls, model: Any, device: torch.device) -> MultiModalEmbeddings | None:
+        """The runner's image side for a multimodal model; None for a text-only one."""
+        from pagedllm.model.multimodal import is_multimodal
+
+        return cls(model, device) if is_multimodal(model) else None
+
+    def attach(self, inp: Any, scheduled: list[SequenceStep]) -> None:
+        """Set the step's `inputs_embeds` when it holds image rows; such a step runs eager
+        (compiled graphs and the C decode step embed ids themselves), and for Gemma 3 its
+        attention metadata's bidirectional image spans."""
+        inp.inputs_embeds = self.inputs_embeds(inp.input_ids, inp.first_rows, scheduled)
+        if inp.inputs_embeds is not None:
+            inp.decode_only = False
+            self.mark_bidirectional(inp.attn_metadata, inp.first_rows, scheduled)
+
     def apply(self, plan: StepPlan) -> None:
         """Drop the freed entries, then encode this step's images (one at a time: an image's
         rows do not depend on what else is batched)."""
@@ -34,15 +50,6 @@ class MultiModalEmbeddings:
                 raise ValueError(f"the vision encoder gave {tuple(rows.shape)} rows for an image with "
                                  f"{feature.num_rows} placeholder positions")
             self.rows[feature.content_hash] = rows
-
-    def prepare(self, inp: Any, scheduled: list[SequenceStep]) -> None:
-        """A step's image inputs on its `ModelInput` (worker/model_runner.py): the input
-        embeddings (a step with them runs eager: CUDA graphs and the C decode step embed ids
-        themselves) and the attention metadata's bidirectional image spans."""
-        inp.inputs_embeds = self.inputs_embeds(inp.input_ids, inp.first_rows, scheduled)
-        if inp.inputs_embeds is not None:
-            inp.decode_only = False
-            self.mark_bidirectional(inp.attn_metadata, inp.first_rows, scheduled)
 
     def inputs_embeds(self, input_ids: torch.Tensor, first_rows: list[int],
                       scheduled: list[SequenceStep]) -> torch.Tensor | None:

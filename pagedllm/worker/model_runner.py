@@ -23,13 +23,12 @@ With `compile_batch_sizes` (CPU), decode-only steps run in compiled graphs
 `capture_cuda_graphs` at start-up); every other step runs the eager model. The cache then has one
 extra *scratch* block past `num_blocks` that the block pool never hands out: padded rows write there.
 
-On a GPU a step's inputs are built on the host (numpy / CPU tensors), packed into one pinned
-buffer and copied to the device with one non-blocking copy (`_upload`); the one synchronisation
-of a step is the sampler's reading of the sampled tokens.
+On a GPU a step's inputs are built on the host, packed into one pinned buffer and copied with
+one non-blocking copy (`_upload`); the step's one synchronisation is reading the sampled tokens.
 
 Under tensor parallelism every rank runs its own runner on the same steps (executor/): the
 model is the rank's shard, the cache holds only its KV heads (`model.num_kv_heads`), and only
-rank 0 gets logits back (`execute_model` returns None on the other ranks).
+rank 0 gets logits back. Image rows: worker/mm_embeddings.py (M-RoPE: worker/mrope_positions.py).
 """
 
 from __future__ import annotations
@@ -55,7 +54,6 @@ from pagedllm.worker.decode_graphs import DecodeGraphs
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.mm_embeddings import MultiModalEmbeddings
 from pagedllm.worker.mrope_positions import mrope_positions
-from pagedllm.model.multimodal import is_multimodal
 from pagedllm.worker.step_sampling import sample_step
 
 
@@ -93,8 +91,7 @@ class ModelInput:
     decode_only: bool = False
     # Multi-LoRA: each token's adapter slot (int32, -1: the base model); None: LoRA off.
     lora_indices: torch.Tensor | None = None
-    # Image inputs: the step's input embeddings when a chunk holds image rows (the eager model
-    # then embeds nothing itself); None: the ids are embedded as always.
+    # Image inputs: the step's input embeddings when a chunk holds image rows; None: from the ids.
     inputs_embeds: torch.Tensor | None = None
 
 
@@ -171,8 +168,7 @@ class ModelRunner:
         self.cpu_decode_step: CpuDecodeStep | None = None
         if cpu_decode_step and self.device.type == "cpu" and self.kv_cache_groups is None and not compile_batch_sizes:
             self.cpu_decode_step = CpuDecodeStep.create(model, self.kv_caches, block_size)
-        # Image inputs (worker/mm_embeddings.py): the encoder cache of a multimodal model.
-        self.mm_embeddings = MultiModalEmbeddings(model, self.device) if is_multimodal(model) else None
+        self.mm_embeddings = MultiModalEmbeddings.of(model, self.device)  # image inputs; None: text only
         self.mrope = bool(getattr(model, "uses_mrope", False))  # M-RoPE: worker/mrope_positions.py
         self.cuda_graphs: CudaGraphRunner | None = None
         if cuda_graph_sizes:
@@ -397,8 +393,8 @@ class ModelRunner:
         if self.lora is not None:  # the step's adapters into slots (loaded on demand)
             self.lora.begin_step(plan.lora_requests)
         inp = self.prepare_input(scheduled)  # applies the table changes the draft reads too
-        if self.mm_embeddings is not None:  # image rows into the input embeddings, image spans
-            self.mm_embeddings.prepare(inp, scheduled)
+        if self.mm_embeddings is not None:
+            self.mm_embeddings.attach(inp, scheduled)
         drafts = self.drafter.propose(scheduled) if self.drafter is not None else {}
         if drafts:
             self._fill_drafts(inp, scheduled, drafts)
@@ -463,11 +459,8 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.context.set(inp.lora_indices, self.lora.config.max_loras)
             with torch.inference_mode():
-                if inp.inputs_embeds is not None:
-                    hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata,
-                                        inputs_embeds=inp.inputs_embeds)
-                else:
-                    hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata)
+                images = {} if inp.inputs_embeds is None else {"inputs_embeds": inp.inputs_embeds}
+                hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_metadata, **images)
         if not inp.logits_rows:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         if inp.logits_rows == list(range(hidden.shape[0])):
