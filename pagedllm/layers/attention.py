@@ -48,6 +48,11 @@ class AttentionMetadata:
     # Each prefill sequence's whole length when scheduled (prompt + output so far; >= its
     # context length): a length-dependent positional encoding (Phi-3 LongRoPE) reads it.
     prefill_seq_lens: list[int] = field(default_factory=list)
+    # Image blocks attended bidirectionally at prefill (Gemma 3, worker/mm_embeddings.py): per
+    # prefill sequence, absolute (start, end) positions whose queries also see every key of the
+    # same span (sliding windows still apply). [] (every text-only step): all causal, and the
+    # backends take their usual kernels; non-empty: those sequences take the masked torch path.
+    prefill_bidirectional_spans: list[list[tuple[int, int]]] = field(default_factory=list)
     # Masks shared by all layers of one forward, keyed by (kind, sequence, sliding window).
     _mask_cache: dict[Any, torch.Tensor | None] = field(default_factory=dict, repr=False, compare=False)
     # A hybrid KV cache (core/kv_cache_groups.py): the metadata of groups 1.., the same batch

@@ -15,8 +15,10 @@ What differs from Gemma 2, as transformers 5.24's `modeling_gemma3.py` computes 
   this model. `final_logit_softcapping` is applied when set, as in Gemma 2.
 
 `Gemma3ForConditionalGeneration` (the multimodal 4B / 12B / 27B checkpoints, model_type
-`gemma3`: a SigLIP vision tower, `language_model.*` weights) is not in scope: the registry
-refuses it by name. Its text weights run here once saved as a `Gemma3ForCausalLM` checkpoint.
+`gemma3`) runs this text model with transformers' SigLIP tower and projector beside it
+(model/vision_gemma3.py, model/multimodal.py; docs/multimodal.md "Gemma 3"): image rows
+replace the scaled text embedding at their placeholders, and prefill attends bidirectionally
+inside each image block (`AttentionMetadata.prefill_bidirectional_spans`).
 """
 
 from __future__ import annotations

@@ -47,6 +47,11 @@ class MultiModalMixin:
         object.__setattr__(self, "vision", encoder.to(device=device, dtype=dtype).eval())
 
     @property
+    def bidirectional_images(self) -> bool:
+        """Whether prefill attends bidirectionally inside an image block (Gemma 3)."""
+        return self.vision.bidirectional_images
+
+    @property
     def mm_config(self) -> Any:
         return self.config.multimodal_config
 

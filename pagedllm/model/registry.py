@@ -42,6 +42,7 @@ MULTIMODAL_ARCHS: dict[str, tuple[str, ...]] = {
     "LlavaNextForConditionalGeneration": ("llama", "mistral", "qwen2"),
     "Idefics3ForConditionalGeneration": ("llama",),
     "SmolVLMForConditionalGeneration": ("llama",),
+    "Gemma3ForConditionalGeneration": ("gemma3_text",),
 }
 
 # pooling runner, decoders: headless classes (no LM head), paged like generation

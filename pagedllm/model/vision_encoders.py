@@ -23,6 +23,7 @@ VISION_ENCODERS: dict[str, tuple[str, str]] = {
     "LlavaNextForConditionalGeneration": ("vision_llava_next", "LlavaNextVisionEncoder"),
     "Idefics3ForConditionalGeneration": ("vision_idefics3", "Idefics3VisionEncoder"),
     "SmolVLMForConditionalGeneration": ("vision_idefics3", "Idefics3VisionEncoder"),
+    "Gemma3ForConditionalGeneration": ("vision_gemma3", "Gemma3VisionEncoder"),
 }
 
 
@@ -37,6 +38,9 @@ class VisionEncoder(nn.Module):
     `model.` prefix (`vision_tower.*`, `multi_modal_projector.*`, ...), and define `embed`."""
 
     parts: nn.Module
+    # Whether the text model attends bidirectionally among one image block's tokens at prefill
+    # (Gemma 3): the runner then marks the blocks in the attention metadata.
+    bidirectional_images: bool = False
 
     def __init__(self, mm_config: Any) -> None:
         super().__init__()

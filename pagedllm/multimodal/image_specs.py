@@ -101,7 +101,7 @@ _DEFAULT = ImageSpec()
 
 # Modules with the specs of further architectures (they register when imported).
 SPEC_MODULES = ("pagedllm.multimodal.qwen2_vl_spec", "pagedllm.multimodal.image_specs_idefics3",
-                "pagedllm.multimodal.image_specs_llava_next")
+                "pagedllm.multimodal.image_specs_llava_next", "pagedllm.multimodal.image_spec_gemma3")
 
 
 def image_spec_for(architecture: str) -> ImageSpec:

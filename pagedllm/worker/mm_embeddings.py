@@ -1,7 +1,9 @@
 """The runner's side of image inputs: the encoder cache (content hash -> an image's embedding
 rows, exactly the entries the scheduler's `EncoderCacheManager` lists: a plan's
 `freed_encoder_hashes` go, its `encoder_inputs` are encoded) and the step's input embeddings,
-the text embedding with each placeholder position's row replaced by its image row.
+the text embedding with each placeholder position's row replaced by its image row; for a model
+that attends bidirectionally inside an image (Gemma 3), the image blocks of the step's prefill
+chunks as spans of its attention metadata.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Any
 import torch
 
 from pagedllm.core.step_plan import SequenceStep, StepPlan
+from pagedllm.layers.attention import AttentionMetadata
 
 
 class MultiModalEmbeddings:
@@ -28,10 +31,12 @@ class MultiModalEmbeddings:
 
     def attach(self, inp: Any, scheduled: list[SequenceStep]) -> None:
         """Set the step's `inputs_embeds` when it holds image rows; such a step runs eager
-        (compiled graphs and the C decode step embed ids themselves)."""
+        (compiled graphs and the C decode step embed ids themselves), and for Gemma 3 its
+        attention metadata's bidirectional image spans."""
         inp.inputs_embeds = self.inputs_embeds(inp.input_ids, inp.first_rows, scheduled)
         if inp.inputs_embeds is not None:
             inp.decode_only = False
+            self.mark_bidirectional(inp.attn_metadata, inp.first_rows, scheduled)
 
     def apply(self, plan: StepPlan) -> None:
         """Drop the freed entries, then encode this step's images (one at a time: an image's
@@ -69,3 +74,19 @@ class MultiModalEmbeddings:
         embeds = self.model.embed_input_ids(ids)
         embeds[index] = torch.cat(sources).to(embeds.dtype)
         return embeds
+
+    def mark_bidirectional(self, attn_metadata: AttentionMetadata, first_rows: list[int],
+                           scheduled: list[SequenceStep]) -> None:
+        """Set `prefill_bidirectional_spans` (every KV cache group's metadata) when the model
+        attends bidirectionally inside an image block: each prefill sequence's placeholder runs
+        in this chunk. A run is one block (transformers' maximal run of image tokens: one
+        image, or one pan-and-scan crop). Runs are clipped to the chunk; keys of a run before
+        the chunk (a prefix-cache hit inside an image) are visible to its queries causally."""
+        if not self.model.bidirectional_images:
+            return
+        by_row = dict(zip(first_rows, scheduled))
+        spans = [[(pos, pos + length) for _, pos, length, _ in by_row[q].mm_runs]
+                 for q in attn_metadata.prefill_query_starts]
+        if any(spans):
+            for md in (attn_metadata, *attn_metadata.group_metadata):
+                md.prefill_bidirectional_spans = spans

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -49,15 +49,21 @@ def decode_mask(
 
 def prefill_mask(
     query_len: int, context_len: int, sliding_window: int | None, dtype: torch.dtype, device: torch.device,
-    explicit: bool = False,
+    explicit: bool = False, spans: Sequence[tuple[int, int]] = (),
 ) -> torch.Tensor | None:
     """Additive `[q, ctx]` bottom-right aligned causal mask; None when `is_causal` suffices
-    (unless `explicit`: a caller without `is_causal`, soft-capped attention)."""
-    if not explicit and query_len == context_len and (sliding_window is None or sliding_window >= context_len):
+    (unless `explicit`: a caller without `is_causal`, soft-capped attention). `spans`: absolute
+    (start, end) positions attended bidirectionally (Gemma 3's image blocks): a query inside
+    one also sees every key of it; the sliding window applies after (transformers'
+    AND(window, OR(causal, block)))."""
+    if not explicit and not spans and query_len == context_len \
+            and (sliding_window is None or sliding_window >= context_len):
         return None
     q_pos = torch.arange(context_len - query_len, context_len, device=device)[:, None]
     k_pos = torch.arange(context_len, device=device)[None, :]
     visible = k_pos <= q_pos
+    for start, end in spans:
+        visible |= (q_pos >= start) & (q_pos < end) & (k_pos >= start) & (k_pos < end)
     if sliding_window is not None:
         visible &= k_pos > q_pos - sliding_window
     return _additive(visible, dtype)

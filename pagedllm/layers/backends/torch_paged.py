@@ -17,6 +17,10 @@ causal mask; a chunk on top of cached context (chunked prefill, prefix-cache hit
 context from the cache and uses a bottom-right aligned causal mask: query `i` sits at absolute
 position `ctx_len - q_len + i` and sees keys `0 ..` that position.
 
+A step whose metadata carries bidirectional spans (Gemma 3's image blocks at prefill,
+`AttentionMetadata.prefill_bidirectional_spans`) takes the per-sequence path with an explicit
+mask for all its prefills (text-only steps never do: no cost to them).
+
 Sliding-window layers additionally hide keys at positions `<= query_pos - window` (the
 transformers convention `kv_idx > q_idx - window`).
 
@@ -79,7 +83,7 @@ class TorchPagedAttentionBackend:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if decoded is not None:
             out[:nd] = decoded
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and not md.prefill_bidirectional_spans:
             done = prefill_attention_c(
                 query[nd:], key[nd:], value[nd:], key_cache, value_cache, md, scale, sliding_window, out=out[nd:],
                 logits_soft_cap=cap,
@@ -97,6 +101,29 @@ class TorchPagedAttentionBackend:
         return out
 
 
+def redo_bidirectional_prefills(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    softcap: float,
+    out: torch.Tensor,
+) -> None:
+    """Recompute into `out` the prefill sequences with bidirectional spans (their K/V already in
+    the cache): a backend whose kernel masks causally only (Triton) calls this after it."""
+    key_cache, value_cache = split_kv_cache(kv_cache, key.shape[1], key.shape[2], k_scale, v_scale)
+    for i, spans in enumerate(md.prefill_bidirectional_spans):
+        if spans:
+            start, end = md.prefill_query_starts[i], md.prefill_query_starts[i] + md.prefill_query_lens[i]
+            out[start:end] = _prefill_one(i, query[start:end], key[start:end], value[start:end], key_cache,
+                                          value_cache, md, scale, sliding_window, softcap)
+
+
 def _prefill_one(
     i: int,
     query: torch.Tensor,
@@ -111,9 +138,10 @@ def _prefill_one(
 ) -> torch.Tensor:
     q_len, ctx_len = md.prefill_query_lens[i], md.prefill_context_lens[i]
     explicit = softcap > 0  # soft-capped attention has no `is_causal`
+    spans = md.prefill_bidirectional_spans[i] if md.prefill_bidirectional_spans else ()
     mask = md.cached_mask(
         ("prefill", i, sliding_window, explicit),
-        lambda: prefill_mask(q_len, ctx_len, sliding_window, query.dtype, query.device, explicit),
+        lambda: prefill_mask(q_len, ctx_len, sliding_window, query.dtype, query.device, explicit, spans),
     )
     if ctx_len == q_len and key_cache.dtype == key.dtype:
         k, v = key, value  # no cached context, an exact cache: the fresh K/V are the context

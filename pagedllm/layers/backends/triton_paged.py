@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.layers.backends import triton_attention as kernels
+from pagedllm.layers.backends.torch_paged import redo_bidirectional_prefills
 
 if TYPE_CHECKING:
     from pagedllm.layers.attention import AttentionMetadata
@@ -68,4 +69,7 @@ class TritonPagedAttentionBackend:
                 md.prefill_context_lens_tensor, scale, md.max_prefill_query_len, sliding_window, k_scale, v_scale,
                 out=out[nd:], logits_soft_cap=logits_soft_cap,
             )  # fmt: skip
+            if md.prefill_bidirectional_spans:  # Gemma 3's image blocks: the kernel is causal only
+                redo_bidirectional_prefills(query, key, value, kv_cache, md, scale, sliding_window, k_scale, v_scale,
+                                            float(logits_soft_cap or 0.0), out)
         return out
