@@ -18,6 +18,7 @@ from pagedllm.multimodal.limits import (
     DEFAULT_MEDIA_FETCH_TIMEOUT_S,
     check_media_knobs,
     parse_limit_mm_per_prompt,
+    parse_mm_processor_kwargs,
 )
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -159,6 +160,9 @@ class EngineConfig:
     media_fetch_timeout: float = DEFAULT_MEDIA_FETCH_TIMEOUT_S
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    # vLLM's mm_processor_kwargs: settings for the model's processor, e.g. Gemma 3's
+    # {"do_pan_and_scan": true} (a dict or its JSON; given to `from_pretrained`).
+    mm_processor_kwargs: Any = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -262,6 +266,7 @@ class EngineConfig:
                              f"got {self.max_logprobs!r}.")
         self._validate_lora()
         self.limit_mm_per_prompt = parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
+        self.mm_processor_kwargs = parse_mm_processor_kwargs(self.mm_processor_kwargs)
         self.allowed_media_domains = check_media_knobs(
             self.allowed_local_media_path, self.allowed_media_domains, self.media_fetch_timeout,
             self.max_image_bytes, self.max_image_pixels)

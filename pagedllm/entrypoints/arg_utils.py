@@ -131,6 +131,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--pooler-config", default=None,
                    help='pooling override as JSON, e.g. \'{"pooling_type": "MEAN", "normalize": false}\' '
                         "(keys: pooling_type LAST|MEAN|CLS, normalize, dimensions, use_activation)")
+    g.add_argument("--mm-processor-kwargs", default=None,
+                   help='the model processor\'s settings, JSON, e.g. \'{"do_pan_and_scan": true}\' (Gemma 3)')
     g.add_argument("--limit-mm-per-prompt", default=None,
                    help='images one prompt may carry, JSON: \'{"image": 4}\' (default 999, as vLLM; '
                         "video and audio are not supported)")
@@ -314,7 +316,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "revision", "tokenizer_revision", "download_dir", "gguf_file", "speculative_config",
         "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "runner", "task", "pooler_config",
         "max_num_encoder_input_tokens", "encoder_cache_size",
-        "limit_mm_per_prompt", "allowed_local_media_path", "allowed_media_domains", "media_fetch_timeout",
+        "limit_mm_per_prompt", "mm_processor_kwargs", "allowed_local_media_path", "allowed_media_domains", "media_fetch_timeout",
         "max_image_bytes", "max_image_pixels",
     ):
         kwargs[name] = getattr(args, name)

@@ -108,3 +108,18 @@ def check_media_knobs(allowed_local_media_path: str, allowed_media_domains: Any,
 
 def normalize_host(host: str) -> str:
     return host.strip().lower().rstrip(".")
+
+
+def parse_mm_processor_kwargs(value: Any) -> dict[str, Any] | None:
+    """vLLM's `mm_processor_kwargs`: a dict of the processor's settings, or its JSON; None: none."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"mm_processor_kwargs is not valid JSON ({exc}); expected e.g. "
+                             "'{\"do_pan_and_scan\": true}'.") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"mm_processor_kwargs must be a dict of setting names to values (or its JSON), got {value!r}.")
+    return dict(value)

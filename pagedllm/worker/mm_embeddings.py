@@ -85,7 +85,8 @@ class MultiModalEmbeddings:
         if not self.model.bidirectional_images:
             return
         by_row = dict(zip(first_rows, scheduled))
-        spans = [[(pos, pos + length) for _, pos, length, _ in by_row[q].mm_runs]
+        spans = [[(pos, pos + length) for _, pos, length, _ in
+                  (by_row[q].images.runs if by_row[q].images is not None else ())]
                  for q in attn_metadata.prefill_query_starts]
         if any(spans):
             for md in (attn_metadata, *attn_metadata.group_metadata):

@@ -7,7 +7,6 @@ cut inside an image would change the output."""
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 
@@ -30,18 +29,6 @@ CHUNK_BUDGET = 20  # the first image's 16 soft tokens sit at 5..21: a plain cut 
 @pytest.fixture(scope="module")
 def folder(tiny_vlm) -> str:
     return tiny_vlm("gemma3")
-
-
-@pytest.fixture(scope="module")
-def pas_folder(folder, tmp_path_factory) -> str:
-    """The same checkpoint with pan-and-scan on in its saved processor config (the engine loads
-    the processor with `AutoProcessor.from_pretrained`)."""
-    path = tmp_path_factory.mktemp("tiny-vlm-gemma3-pas") / "model"
-    shutil.copytree(folder, path)
-    from transformers import AutoProcessor
-
-    AutoProcessor.from_pretrained(folder, **vf.PAN_AND_SCAN).save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -81,21 +68,23 @@ def test_two_images_in_one_prompt_match_transformers(llm, folder):
     _check(llm, folder, [("Compare the two.", IMAGES), ("Compare the two.", IMAGES[::-1])])
 
 
-def test_pan_and_scan_crops_match_transformers(pas_folder):
+def test_pan_and_scan_crops_match_transformers(folder):
     """A wide image (original + 3 crops: four blocks, text between) beside an uncropped one:
-    each image's feature has one run per block and all its crops' pixels."""
+    each image's feature has one run per block and all its crops' pixels. Pan-and-scan is
+    switched on as vLLM does it: `mm_processor_kwargs`."""
     from transformers import AutoConfig
 
     from pagedllm.multimodal.processing import MultiModalProcessor
 
-    prompt, _ = _request(pas_folder, "Describe both.", [WIDE, SQUARE])
-    proc = MultiModalProcessor(pas_folder, AutoConfig.from_pretrained(pas_folder), "Gemma3ForConditionalGeneration")
+    prompt, _ = _request(folder, "Describe both.", [WIDE, SQUARE])
+    proc = MultiModalProcessor(folder, AutoConfig.from_pretrained(folder), "Gemma3ForConditionalGeneration",
+                               processor_kwargs=vf.PAN_AND_SCAN)
     _, features = proc.process(prompt, {"image": [WIDE, SQUARE]})
     assert [len(f.runs) for f in features] == [4, 1]
     assert [f.data["pixel_values"].shape[0] for f in features] == [4, 1]
     assert all(f.whole_in_one_chunk for f in features)
-    llm = LLM(model=pas_folder, num_kv_blocks=96)
-    _check(llm, pas_folder, [("Describe both.", [WIDE, SQUARE]), ("What is this?", IMAGES[:1])],
+    llm = LLM(model=folder, num_kv_blocks=96, mm_processor_kwargs=vf.PAN_AND_SCAN)
+    _check(llm, folder, [("Describe both.", [WIDE, SQUARE]), ("What is this?", IMAGES[:1])],
            processor_kwargs=vf.PAN_AND_SCAN)
 
 

@@ -57,6 +57,7 @@ NON_DEFAULT = {
     "max_num_encoder_input_tokens": (["--max-num-encoder-input-tokens", "4096"], 4096),
     "encoder_cache_size": (["--encoder-cache-size", "8192"], 8192),
     "limit_mm_per_prompt": (["--limit-mm-per-prompt", '{"image": 2}'], {"image": 2}),
+    "mm_processor_kwargs": (["--mm-processor-kwargs", '{"do_pan_and_scan": true}'], {"do_pan_and_scan": True}),
     "allowed_local_media_path": (["--allowed-local-media-path", "/tmp"], "/tmp"),
     "allowed_media_domains": (["--allowed-media-domains", "Example.com", "b.org"], ["example.com", "b.org"]),
     "media_fetch_timeout": (["--media-fetch-timeout", "2.5"], 2.5),
