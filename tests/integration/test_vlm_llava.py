@@ -129,8 +129,11 @@ def test_parallel_samples_and_beams_share_the_image_prompt(llava, llm):
 def test_tensor_parallel_two_ranks(llava):
     """TP=2: each rank runs the whole vision tower and its half of the language model."""
     engine = LLM(model=llava, num_kv_blocks=64, block_size=8, tensor_parallel_size=2, max_num_batched_tokens=9)
-    prompts = [(prompt_of(llava, "Split?"), [im]) for im in sample_images(2, seed=8)]
-    assert [list(o.outputs[0].token_ids) for o in generate(engine, prompts)] == reference(llava, prompts)
+    try:
+        prompts = [(prompt_of(llava, "Split?"), [im]) for im in sample_images(2, seed=8)]
+        assert [list(o.outputs[0].token_ids) for o in generate(engine, prompts)] == reference(llava, prompts)
+    finally:
+        engine.llm_engine.core.executor.shutdown()
 
 
 def test_bad_image_inputs_are_refused_by_name_and_the_engine_goes_on(llava, llm):
