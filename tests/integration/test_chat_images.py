@@ -11,6 +11,8 @@ import pytest
 
 from tests.integration.vlm_fixtures import chat_prompt, hf_greedy, sample_images, user_turn
 
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 8
 QUESTION = "What is in the picture?"
 

@@ -16,6 +16,8 @@ from pagedllm.model.vision_gemma3 import Gemma3VisionEncoder
 from pagedllm.multimodal.image_spec_gemma3 import Gemma3Spec
 from tests.integration import vlm_fixtures as vf
 
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 # Images: two 48x40 (no crops without pan-and-scan; 2 crops with it: ratio 1.2), a wide 96x32

@@ -19,6 +19,8 @@ from tests.integration.vlm_fixtures import (
     user_turn,
 )
 
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 8
 CHUNK = 5  # max_num_batched_tokens of the chunked engine: boundaries fall inside every image
 # non-square images of different sizes (width, height): 6, 10 and 8 image tokens

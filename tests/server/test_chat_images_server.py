@@ -16,6 +16,8 @@ import pytest
 from tests.integration.vlm_fixtures import chat_prompt, hf_greedy, sample_images, user_turn
 from tests.server.conftest import serving
 
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 6
 QUESTION = "Describe the image."
 IMAGE = sample_images(1, seed=5)[0]
