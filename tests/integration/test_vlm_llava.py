@@ -186,3 +186,24 @@ def test_both_checkpoint_spellings_load(llava, tmp_path, spelling):
     engine = LLM(model=str(folder), num_kv_blocks=32, block_size=8)
     prompts = [(prompt_of(llava, "Names?"), [im]) for im in sample_images(1, seed=9)]
     assert [list(o.outputs[0].token_ids) for o in generate(engine, prompts)] == reference(llava, prompts)
+
+
+def test_the_dashboard_state_shows_a_running_requests_image_span(llava, llm):
+    """engine_state (the dashboard's snapshot): a request's image span and hash, and the
+    encoder-cache counters."""
+    (im,) = sample_images(1, seed=10)
+    prompt = prompt_of(llava, "Where?")
+    engine = llm.llm_engine
+    engine.add_request("dash-1", {"prompt": prompt, "multi_modal_data": {"image": [im]}},
+                       SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    try:
+        engine.step()
+        state = engine.core.engine_state()
+        (req,) = [r for r in state["requests"] if r["id"] == "dash-1"]
+        (feature,) = engine.core.requests["dash-1"].mm_features
+        assert req["image_spans"] == [[feature.start, feature.end, feature.content_hash.hex()[:12]]]
+        assert feature.end - feature.start == 16 and state["counters"]["mm_cache_queries"] >= 1
+    finally:
+        engine.abort_request("dash-1")
+        while engine.has_unfinished_requests():
+            engine.step()
