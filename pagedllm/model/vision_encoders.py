@@ -87,22 +87,29 @@ def build_parts(factory) -> nn.Module:
         return factory()
 
 
+def tower_and_projector(model_cls: type, pretrained_cls: type, projector_cls: type, mm_config: Any) -> nn.Module:
+    """transformers' `model_cls` (LlavaModel, Gemma3Model, ...: its `get_image_features` works)
+    holding only `vision_tower` and `multi_modal_projector`: the language model stays pagedllm's."""
+    from transformers import AutoModel
+
+    class Parts(model_cls):
+        def __init__(self, config):
+            pretrained_cls.__init__(self, config)
+            self.vision_tower = AutoModel.from_config(config.vision_config)
+            self.multi_modal_projector = projector_cls(config)
+
+    return build_parts(lambda: Parts(mm_config))
+
+
 class LlavaVisionEncoder(VisionEncoder):
     """LLaVA 1.5: CLIP's hidden states at `vision_feature_layer` (the CLS row dropped under the
     "default" strategy) through the two-layer projector: transformers' `get_image_features`."""
 
     def __init__(self, mm_config: Any) -> None:
         super().__init__(mm_config)
-        from transformers import AutoModel
         from transformers.models.llava.modeling_llava import LlavaModel, LlavaMultiModalProjector, LlavaPreTrainedModel
 
-        class LlavaParts(LlavaModel):
-            def __init__(self, config):  # noqa: the language model stays pagedllm's
-                LlavaPreTrainedModel.__init__(self, config)
-                self.vision_tower = AutoModel.from_config(config.vision_config)
-                self.multi_modal_projector = LlavaMultiModalProjector(config)
-
-        self.parts = build_parts(lambda: LlavaParts(mm_config))
+        self.parts = tower_and_projector(LlavaModel, LlavaPreTrainedModel, LlavaMultiModalProjector, mm_config)
 
     def embed(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         cfg = self.mm_config

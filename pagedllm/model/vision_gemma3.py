@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.model.vision_encoders import VisionEncoder, build_parts
+from pagedllm.model.vision_encoders import VisionEncoder, tower_and_projector
 
 
 class Gemma3VisionEncoder(VisionEncoder):
@@ -26,20 +26,13 @@ class Gemma3VisionEncoder(VisionEncoder):
 
     def __init__(self, mm_config: Any) -> None:
         super().__init__(mm_config)
-        from transformers import AutoModel
         from transformers.models.gemma3.modeling_gemma3 import (
             Gemma3Model,
             Gemma3MultiModalProjector,
             Gemma3PreTrainedModel,
         )
 
-        class Gemma3Parts(Gemma3Model):
-            def __init__(self, config):  # noqa: the language model stays pagedllm's
-                Gemma3PreTrainedModel.__init__(self, config)
-                self.vision_tower = AutoModel.from_config(config.vision_config)
-                self.multi_modal_projector = Gemma3MultiModalProjector(config)
-
-        self.parts = build_parts(lambda: Gemma3Parts(mm_config))
+        self.parts = tower_and_projector(Gemma3Model, Gemma3PreTrainedModel, Gemma3MultiModalProjector, mm_config)
 
     def embed(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """`pixel_values [1 + crops, 3, H, W]` -> `[(1 + crops) * mm_tokens_per_image, hidden]`."""
