@@ -55,7 +55,7 @@ class ImageSpec:
 
     def finish(self, out: Any, features: list, mm_config: Any) -> list:
         """The prompt's features with what the model needs beyond its images' tensors (M-RoPE
-        positions: multimodal/qwen2_vl_spec.py); as they are by default."""
+        positions: multimodal/image_spec_qwen2_vl.py); as they are by default."""
         return features
 
 
@@ -100,8 +100,8 @@ _DEFAULT = ImageSpec()
 
 
 # Modules with the specs of further architectures (they register when imported).
-SPEC_MODULES = ("pagedllm.multimodal.qwen2_vl_spec", "pagedllm.multimodal.image_specs_idefics3",
-                "pagedllm.multimodal.image_specs_llava_next", "pagedllm.multimodal.image_spec_gemma3")
+SPEC_MODULES = ("pagedllm.multimodal.image_spec_qwen2_vl", "pagedllm.multimodal.image_spec_idefics3",
+                "pagedllm.multimodal.image_spec_llava_next", "pagedllm.multimodal.image_spec_gemma3")
 
 
 def image_spec_for(architecture: str) -> ImageSpec:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.multimodal.image_specs import image_spec_for
-from pagedllm.multimodal.image_specs_idefics3 import Idefics3Spec, crops_per_image
+from pagedllm.multimodal.image_spec_idefics3 import Idefics3Spec, crops_per_image
 
 IMG, FAKE, GLOBAL, ROW = 9, 7, 8, 6  # <image>, <fake_token_around_image>, <global-img>, a <row_i_col_j>
 
