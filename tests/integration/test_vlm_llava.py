@@ -157,6 +157,8 @@ def test_bad_image_inputs_are_refused_by_name_and_the_engine_goes_on(llava, llm)
     assert len(generate(llm, [(prompt, [tiny])])[0].outputs[0].token_ids) == MAX
     core = llm.llm_engine.core
     assert not core.scheduler.has_unfinished() and not any(core.scheduler.encoder_cache.users.values())
+    kv = core.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_usable_blocks  # no block held by a refused request
     assert [list(o.outputs[0].token_ids) for o in generate(llm, [(prompt, [im])])] == \
         reference(llava, [(prompt, [im])])
 
