@@ -31,6 +31,9 @@ CONFIG_FILES = ("config.json", "generation_config.json")
 POOLING_FILES = ("modules.json", "config_sentence_transformers.json", "sentence_bert_config.json",
                  "*_Pooling/config.json", "*_Dense/config.json", "*_Dense/model.safetensors",
                  "*_Dense/pytorch_model.bin", "*_Normalize/*")
+# A multimodal model's processor (docs/multimodal.md): image processor, processor, video
+# processor settings (small JSON files AutoProcessor reads)
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # `name-00001-of-00003.gguf`: llama.cpp's split GGUF parts (one model in several files).
 _SPLIT_GGUF = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
@@ -256,7 +259,7 @@ def _choose_files(repo_id: str, files: list[str], gguf_file: str | None, quant_t
         return gguf_file, None
     if quant_tag is not None:
         return choose_gguf(repo_id, files, quant_tag), None
-    patterns = list(TOKENIZER_FILES) + list(CONFIG_FILES) + list(POOLING_FILES)
+    patterns = list(TOKENIZER_FILES) + list(CONFIG_FILES) + list(POOLING_FILES) + list(PROCESSOR_FILES)
     if not weights and any(f in files for f in ("config.json", "tokenizer.json", "tokenizer_config.json")):
         return None, patterns
     if "config.json" in files:
@@ -305,7 +308,7 @@ def _partial_snapshot(repo_id: str, revision: str, commit: str, cache: str, file
 
     folder = os.path.join(_repo_cache_folder(repo_id, cache), "snapshots", commit)
     wanted = list(filter_repo_objects(files, allow_patterns=patterns))
-    optional = (*TOKENIZER_FILES, *CONFIG_FILES, *POOLING_FILES, SAFETENSORS_INDEX)
+    optional = (*TOKENIZER_FILES, *CONFIG_FILES, *POOLING_FILES, *PROCESSOR_FILES, SAFETENSORS_INDEX)
     wanted += [p for p in patterns if p not in wanted and p not in optional]  # indexed, not listed
     missing = [f for f in wanted if not os.path.isfile(os.path.join(folder, f))]
     why = ("offline mode (HF_HUB_OFFLINE=1 or TRANSFORMERS_OFFLINE=1) forbids downloading them"

@@ -242,3 +242,19 @@ def test_cached_snapshot_missing_a_shard(hub):
         resolve_model("org/sharded")
     add_revision(hub, "org/sharded", MAIN, {"model-00002-of-00002.safetensors": b"2"})
     assert resolve_model("org/sharded").path == str(snapshot)
+
+
+def test_a_vision_language_repo_downloads_its_processor_files():
+    """AutoProcessor reads preprocessor_config.json / processor_config.json: a multimodal model's
+    download takes them with the config and tokenizer (they were not fetched before issue 45)."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from pagedllm.hub import _choose_files
+
+    files = ["config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json",
+             "processor_config.json", "chat_template.json", "README.md"]
+    gguf, patterns = _choose_files("llava-hf/llava-1.5-7b-hf", files, None, None, weights=True)
+    assert gguf is None
+    got = set(filter_repo_objects(files, allow_patterns=patterns))
+    assert {"preprocessor_config.json", "processor_config.json", "chat_template.json"} <= got
+    assert "README.md" not in got
