@@ -61,6 +61,10 @@ def draft_model_config(config: EngineConfig, hf_config: Any, spec: SpeculativeCo
     if config.enable_lora:
         raise ValueError("speculative method 'draft_model' with enable_lora is not built in pagedllm yet "
                          "(the draft would run without the adapters); use method 'ngram' or 'suffix'.")
+    if getattr(hf_config, "multimodal_config", None) is not None:
+        raise ValueError("speculative method 'draft_model' with an image model is not built in pagedllm yet "
+                         "(the draft would see placeholder tokens without the image); use method 'ngram' or "
+                         "'suffix'.")
     if config.tensor_parallel_size > 1:
         raise ValueError("speculative method 'draft_model' with tensor_parallel_size > 1 is not built in "
                          "pagedllm yet (the draft runs beside rank 0's shard); use method 'ngram' or one rank.")

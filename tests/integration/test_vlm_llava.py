@@ -209,3 +209,14 @@ def test_the_dashboard_state_shows_a_running_requests_image_span(llava, llm):
         engine.abort_request("dash-1")
         while engine.has_unfinished_requests():
             engine.step()
+
+
+def test_a_draft_model_is_refused_by_name_ngram_runs(llava):
+    """A draft model would see the placeholders without the image: refused by name; n-gram
+    speculation (token lookup only) runs and keeps greedy output equal."""
+    with pytest.raises(ValueError, match="'draft_model' with an image model is not built"):
+        LLM(model=llava, speculative_config={"method": "draft_model", "model": llava, "num_speculative_tokens": 2})
+    engine = LLM(model=llava, num_kv_blocks=64, block_size=8,
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    prompts = [(prompt_of(llava, "Again and again?"), [im]) for im in sample_images(1, seed=11)]
+    assert [list(o.outputs[0].token_ids) for o in generate(engine, prompts)] == reference(llava, prompts)
