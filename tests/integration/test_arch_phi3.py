@@ -119,9 +119,9 @@ def test_growing_past_the_original_length_recomputes_once(tmp_path, monkeypatch)
     outs, recomputes = _run(path, enable_prefix_caching=True)
     assert outs == [theirs, theirs] and recomputes == 4
 
-    import pagedllm.engine.core as core
+    import pagedllm.engine.core_startup as startup  # where the scheduler's config is made
 
-    monkeypatch.setattr(core, "long_context_threshold", lambda *a: None)
+    monkeypatch.setattr(startup, "long_context_threshold", lambda *a: None)
     outs, recomputes = _run(path, enable_prefix_caching=False)
     assert recomputes == 0 and outs[0][2:] == theirs[2:] and outs[0][:2] != theirs[:2]
 
