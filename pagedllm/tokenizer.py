@@ -57,9 +57,7 @@ def load_tokenizer(
 ) -> PreTrainedTokenizerBase:
     """Loads a Hugging Face tokenizer from a model folder, or from a GGUF file.
 
-    A folder whose tokenizer has no chat template gets its processor's (chat_template.json or
-    processor_config.json: multimodal models keep it there; multimodal/model_info.py).
-
+    A folder whose tokenizer has no chat template gets its processor's (multimodal/model_info.py).
     GGUF: pass the folder and the file name (`gguf_file`), or the file's path as `model_path`.
     Converting a GGUF vocabulary to a fast tokenizer takes seconds, so the result is saved under
     `$PAGEDLLM_CACHE_DIR/tokenizers/` (default `~/.cache/pagedllm`), keyed by the GGUF file's
@@ -73,12 +71,9 @@ def load_tokenizer(
         gguf_file = os.path.basename(gguf_file)
 
     if gguf_file is None:
-        tok = AutoTokenizer.from_pretrained(
-            model_path, trust_remote_code=trust_remote_code, **kwargs
-        )
+        tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code, **kwargs)
         if not getattr(tok, "chat_template", None):  # a multimodal folder: the processor's
             from pagedllm.multimodal.model_info import processor_chat_template
-
             tok.chat_template = processor_chat_template(model_path)
         return tok
 
