@@ -153,6 +153,8 @@ def _refused(client, param: str, **kw) -> None:
                                       "output": "1"}])),
     ("input[0].content[0].type", dict(input=[{"role": "user", "content": [
         {"type": "input_file", "file_id": "f"}]}])),
+    ("text.format.schema", dict(text={"format": {"type": "json_schema", "name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "nope"}}}}})),  # the grammar refuses it
     ("tool_choice", dict(tools=[ADD])),  # "auto" needs the tool parser flags
     ("tools[0].strict", dict(tools=[{**ADD, "strict": True}])),
 ])

@@ -102,10 +102,13 @@ class ResponsesServer:
         response_id = new_response_id()
         engine = ctx.async_engine
         log_request(ctx, response_id, prompt_text, params)
-        stream = await engine.add_request(
-            response_id, {"prompt": prompt_text, "prompt_token_ids": prompt_ids,
-                          "cache_salt": chat_request.cache_salt},
-            params, priority=chat_request.priority, lora_request=lora)
+        try:
+            stream = await engine.add_request(
+                response_id, {"prompt": prompt_text, "prompt_token_ids": prompt_ids,
+                              "cache_salt": chat_request.cache_salt},
+                params, priority=chat_request.priority, lora_request=lora)
+        except ValueError as exc:
+            raise _grammar_error(request, exc) from None
         turn = _Turn(self, request, response_id, ctx.served_name(request.model), owner,
                      history + request.input_items())
         if request.stream:
@@ -144,6 +147,20 @@ class ResponsesServer:
         raise OpenAIError("Only a background response can be cancelled, and this server runs "
                           "no background responses (`background` is refused).", 400,
                           param="response_id")
+
+
+def _grammar_error(request: ResponsesRequest, exc: ValueError) -> Exception:
+    """A constraint the grammar engine refused, named by its Responses field (the engine names
+    chat's `structured_outputs.*`)."""
+    text = str(exc)
+    if not text.startswith("Invalid structured_outputs."):
+        return exc
+    fmt = ((request.text or {}).get("format") or {}).get("type")
+    param = ("text.format.schema" if fmt == "json_schema" else "text.format" if fmt
+             else "tools" if request.tools else None)
+    if param is None:
+        return exc
+    return OpenAIError(f"`{param}`: {text}", 400, param=param)
 
 
 class _Turn:
