@@ -242,6 +242,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters served as models: name=path, or vLLM's JSON form "
                         '{"name": ..., "path": ..., "base_model_name": ...} (needs --enable-lora)')
+    g.add_argument("--disable-responses-store", action="store_true",
+                   help="keep no /v1/responses responses (no GET / DELETE, no "
+                        "previous_response_id); responses come back with store: false")
+    g.add_argument("--responses-store-max-entries", type=int, default=10_000,
+                   help="most responses the /v1/responses store keeps; the least recently "
+                        "used go first (default 10000)")
+    g.add_argument("--responses-store-max-bytes", type=int, default=256 * 1024 * 1024,
+                   help="most bytes (JSON) the /v1/responses store keeps (default 256 MiB)")
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also turned on by "
                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 or PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING=1)")
@@ -264,6 +272,10 @@ def validate_server_args(args: argparse.Namespace) -> None:
         if not value > 0:  # nan too
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number of "
                              f"seconds, got {value}.")
+    for name in ("responses_store_max_entries", "responses_store_max_bytes"):
+        value = getattr(args, name, 1)
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}.")
     for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
         value = getattr(args, name, ["*"])
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):

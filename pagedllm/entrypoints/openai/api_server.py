@@ -5,7 +5,8 @@
 
 Endpoints: GET (and HEAD) /health, GET /version, /v1/models, /metrics, /dashboard and its data
 /v1/internal/engine_state (unless --disable-dashboard; dashboard.py); POST /v1/completions,
-/v1/chat/completions, /tokenize, /detokenize; with --enable-lora and runtime updating allowed,
+/v1/chat/completions, /v1/responses (and GET / DELETE /v1/responses/{id}; responses.py),
+/tokenize, /detokenize; with --enable-lora and runtime updating allowed,
 POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_models.py). Start-up
 (serve_start.py): the flags are validated, the port is bound (a busy port fails before the
 model loads) and the engine core process(es) are launched before this module is imported; they
@@ -51,6 +52,7 @@ from pagedllm.entrypoints.openai.errors import (
     install_error_handlers,
 )
 from pagedllm.entrypoints.openai.http_limits import HTTPLimits, RequestBodyMiddleware
+from pagedllm.entrypoints.openai.responses_routes import install_responses
 from pagedllm.entrypoints.openai.pooling_routes import PoolingRoutes, add_generation_model_refusals
 from pagedllm.entrypoints.openai.lora_models import ServedLoRAs, runtime_updating_allowed
 from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest
@@ -245,14 +247,17 @@ def build_app(ctx: ServingContext, api_key: str | list[str] | None = None,
     if engine.pooling_inputs is not None:  # a pooling model: its endpoints, generation's refused
         PoolingRoutes(engine, ctx.model_names).install(app)
         return app
-    _install_generation_routes(app, ctx, opts)
+    _install_generation_routes(app, ctx, opts, keyed=bool(api_key))
     return app
 
 
-def _install_generation_routes(app: FastAPI, ctx: ServingContext, opts: HTTPOptions) -> None:
-    """Completions, chat, tokenize / detokenize; the pooling endpoints refused by name."""
+def _install_generation_routes(app: FastAPI, ctx: ServingContext, opts: HTTPOptions,
+                               keyed: bool = False) -> None:
+    """Completions, chat, responses, tokenize / detokenize; the pooling endpoints refused by
+    name. `keyed`: the server has API keys (each key sees only its stored responses)."""
     completions = CompletionServer(ctx)
     chat = ChatServer(ctx, opts.templates)
+    install_responses(app, chat, keyed)
     tokenization = TokenizationServer(ctx, opts.templates)
     # read here, before the tokenizer thread owns ctx.tokenizer: the event loop reads a number
     chars_per_token = max_chars_per_token(ctx.tokenizer)
@@ -368,6 +373,9 @@ def _run_server(args: argparse.Namespace, started: ServeStart | None) -> int:
         log_requests=bool(getattr(args, "enable_log_requests", False)),
         max_log_len=getattr(args, "max_log_len", None),
         enable_prompt_tokens_details=bool(getattr(args, "enable_prompt_tokens_details", False)),
+        responses_store=not getattr(args, "disable_responses_store", False),
+        responses_store_max_entries=getattr(args, "responses_store_max_entries", 10_000),
+        responses_store_max_bytes=getattr(args, "responses_store_max_bytes", 256 * 1024 * 1024),
     )
     api_key = args.api_key or envs.PAGEDLLM_API_KEY or None
     app = build_app(ctx, api_key, lifecycle, _http_options(args, limits, templates))

@@ -39,6 +39,10 @@ class ServerOptions:
     log_requests: bool = False  # --enable-log-requests
     max_log_len: int | None = None  # --max-log-len
     enable_prompt_tokens_details: bool = False  # --enable-prompt-tokens-details
+    # /v1/responses' store (response_store.py): --disable-responses-store and its bounds
+    responses_store: bool = True
+    responses_store_max_entries: int = 10_000
+    responses_store_max_bytes: int = 256 * 1024 * 1024
 
 
 class ServingContext:
