@@ -23,6 +23,7 @@ from pydantic import Field, ValidationError
 from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol_base import OpenAIBaseModel
+from pagedllm.entrypoints.openai.sampling_request import first_refused
 
 # Responses fields pagedllm does not implement -> why; refused unless null / their no-op value.
 REFUSED_FIELDS: dict[str, str] = {
@@ -79,11 +80,7 @@ class ResponsesRequest(OpenAIBaseModel):
     previous_response_id: str | None = None
 
     def refused_field(self) -> tuple[str, str] | None:
-        for name, value in (self.model_extra or {}).items():
-            if name in REFUSED_FIELDS and value is not None \
-                    and value not in _NOOP_VALUES.get(name, ()):
-                return name, REFUSED_FIELDS[name]
-        return None
+        return first_refused(self.model_extra, REFUSED_FIELDS, _NOOP_VALUES)
 
     def ignored_fields(self) -> list[str]:
         known = set(REFUSED_FIELDS) | set(PASSTHROUGH_FIELDS) | set(_RECORDED_FIELDS)

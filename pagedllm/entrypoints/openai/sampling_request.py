@@ -47,6 +47,16 @@ _NOOP_VALUES: dict[str, tuple] = {"modalities": (["text"],), "return_tokens_as_t
                                   "guided_decoding_backend": ("xgrammar", "auto")}
 
 
+
+def first_refused(extra: dict[str, Any] | None, refused: dict[str, str],
+                  noop: dict[str, tuple]) -> tuple[str, str] | None:
+    """(field, why) of the first field in `extra` (a body's unknown fields) that `refused`
+    names, unless set to None or to one of its no-op values; None when there is none."""
+    for name, value in (extra or {}).items():
+        if name in refused and value is not None and value not in noop.get(name, ()):
+            return name, refused[name]
+    return None
+
 class ResponseFormat(OpenAIBaseModel):
     """OpenAI's `response_format`: "text" (no constraint), "json_object" (any JSON object) or
     "json_schema" with `json_schema: {"name", "schema", "strict", "description"}`."""
@@ -131,11 +141,7 @@ class SamplingRequest(OpenAIBaseModel):
 
     def refused_field(self) -> tuple[str, str] | None:
         """(field, why) of the first field set that pagedllm does not implement."""
-        for name, value in (self.model_extra or {}).items():
-            if name in REFUSED_FIELDS and value is not None \
-                    and value not in _NOOP_VALUES.get(name, ()):
-                return name, REFUSED_FIELDS[name]
-        return None
+        return first_refused(self.model_extra, REFUSED_FIELDS, _NOOP_VALUES)
 
     def ignored_fields(self) -> list[str]:
         """Fields of the body that no part of pagedllm reads (logged, and sent back in the
