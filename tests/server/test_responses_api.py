@@ -8,6 +8,7 @@ pinned by structured output (`choice`) so the parsers run on real model output."
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import openai
@@ -15,7 +16,7 @@ import pytest
 from openai.types.responses import Response
 
 from tests.server.conftest import serving
-from tests.server.helpers import API_KEY, MAX_MODEL_LEN, MODEL
+from tests.server.helpers import API_KEY, MAX_MODEL_LEN, MODEL, metric, wait_idle
 from tests.server.tool_templates import QWEN25_TOOL_TEMPLATE
 
 pytestmark = pytest.mark.slow  # starts servers: not in the quick `not slow` tier
@@ -144,7 +145,8 @@ def _refused(client, param: str, **kw) -> None:
 
 @pytest.mark.parametrize("param, kw", [
     ("truncation", dict(truncation="auto")),
-    ("background", dict(background=True)),
+    ("background", dict(background=True, store=False)),
+    ("reasoning.summary", dict(reasoning={"summary": "auto"})),
     ("include", dict(include=["reasoning.encrypted_content"])),
     ("prompt", dict(prompt={"id": "pmpt_1"})),
     ("tools[0].type", dict(tools=[{"type": "web_search"}])),
@@ -222,18 +224,140 @@ def test_stream_forced_tool_call(client):
     assert final.output[-1].arguments == args
 
 
+# ------------------------------------------------------------------ background, items, leaving
+
+
+def poll(client, rid: str, until=("completed", "incomplete", "failed", "cancelled"),
+         timeout: float = 60.0) -> Response:
+    deadline = time.monotonic() + timeout
+    while True:
+        resp = client.responses.retrieve(rid)
+        if resp.status in until or time.monotonic() > deadline:
+            return valid(resp)
+        time.sleep(0.05)
+
+
+def test_background_polled_to_the_same_text(client):
+    queued = valid(create(client, input="Say hello.", background=True, max_output_tokens=12))
+    assert queued.background is True and queued.status == "queued" and queued.output == []
+    done = poll(client, queued.id)
+    plain = create(client, input="Say hello.", max_output_tokens=12)
+    assert done.status == plain.status and text_of(done) == text_of(plain)  # greedy
+    assert done.usage.output_tokens == plain.usage.output_tokens
+    assert client.responses.cancel(done.id).status == done.status  # finished: as it is
+    with pytest.raises(openai.BadRequestError) as info:  # only background ones cancel
+        client.responses.cancel(plain.id)
+    assert info.value.body["param"] == "response_id"
+
+
+def test_background_cancel_frees_the_engine(client, http):
+    resp = create(client, input="Count to a thousand.", background=True, max_output_tokens=1500,
+                  extra_body={"ignore_eos": True})
+    running = poll(client, resp.id, until=("in_progress",))
+    assert running.status == "in_progress"
+    with pytest.raises(openai.BadRequestError, match="in progress"):
+        create(client, input="And?", previous_response_id=resp.id)
+    cancelled = valid(client.responses.cancel(resp.id))
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(resp.id).status == "cancelled"
+    assert client.responses.cancel(resp.id).status == "cancelled"  # idempotent
+    doomed = create(client, input="Count to a thousand.", background=True,
+                    max_output_tokens=1500, extra_body={"ignore_eos": True})
+    poll(client, doomed.id, until=("in_progress",))
+    client.responses.delete(doomed.id)
+    m = wait_idle(http)
+    with pytest.raises(openai.NotFoundError):  # stopped, and not kept again by its end
+        client.responses.retrieve(doomed.id)
+    assert metric(m, "vllm:num_requests_running") == 0
+    assert metric(m, "pagedllm:kv_cache_used_blocks") == 0
+    assert create(client, input="Hi.", max_output_tokens=2).status in ("completed", "incomplete")
+
+
+def test_background_stream_resumes_after_any_event(client):
+    events = list(create(client, input="Say hello.", background=True, stream=True,
+                         max_output_tokens=10))
+    types = [e.type for e in events]
+    assert types[:3] == ["response.created", "response.queued", "response.in_progress"]
+    assert events[0].response.status == "queued" and types[-1] == f"response.{events[-1].response.status}"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    rid = events[0].response.id
+    resumed = list(client.responses.retrieve(rid, stream=True, starting_after=3))
+    assert [e.model_dump() for e in resumed] == [e.model_dump() for e in events[4:]]
+    assert text_of(client.responses.retrieve(rid)) == text_of(events[-1].response)
+    plain = create(client, input="Say hello.", max_output_tokens=10)
+    with pytest.raises(openai.BadRequestError) as info:  # not background: nothing to stream
+        list(client.responses.retrieve(plain.id, stream=True))
+    assert info.value.body["param"] == "stream"
+
+
+def test_input_items_are_listed_and_paged(client):
+    first = create(client, input=[{"role": "user", "content": "What is 1 + 2?"},
+                                  {"role": "assistant", "content": "Let me add."},
+                                  {"type": "message", "role": "user",
+                                   "content": [{"type": "input_text", "text": "Go on."}]}],
+                   max_output_tokens=2)
+    page = client.responses.input_items.list(first.id)
+    assert [(i.type, i.role) for i in page.data] == [
+        ("message", "user"), ("message", "assistant"), ("message", "user")]  # newest first
+    assert page.data[0].content[0].text == "Go on." and page.data[2].content[0].text == "What is 1 + 2?"
+    ids = [i.id for i in client.responses.input_items.list(first.id, order="asc", limit=1)]
+    assert ids == [i.id for i in reversed(page.data)]  # the auto-pager follows `after`
+    second = create(client, input="And 2 + 3?", previous_response_id=first.id,
+                    max_output_tokens=2)
+    (own,) = client.responses.input_items.list(second.id).data  # its own input only
+    assert own.content[0].text == "And 2 + 3?"
+    for bad in ({"limit": 0}, {"limit": 101}, {"order": "up"}, {"after": "msg_nope"}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.input_items.list(first.id, **bad)
+        assert info.value.body["param"] == next(iter(bad))
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_" + "0" * 48)
+
+
+def test_disconnect_aborts_and_hostile_values_leave_the_server_up(client, http):
+    body = {"model": MODEL, "input": "Count to a thousand.", "stream": True,
+            "max_output_tokens": 1500, "ignore_eos": True}
+    with http.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and "output_text.delta" in line:
+                break  # decoding: leave
+    m = wait_idle(http)
+    assert metric(m, "vllm:num_requests_running") == 0
+    assert metric(m, "pagedllm:kv_cache_used_blocks") == 0
+    hostile = [{"input": [{"type": "message", "role": "user", "content": [{"type": "x"}]}]},
+               {"input": "x", "metadata": {"k" * 65: "v"}},
+               {"input": "x", "previous_response_id": "resp_\u0000"},
+               {"input": "x", "max_output_tokens": 0}, {"input": "x", "max_output_tokens": 10**12},
+               {"input": [{"type": "function_call", "name": 5}]}, {"input": {"a": 1}},
+               {"input": "x", "text": {"format": {"type": "json_schema", "schema": 5}}},
+               {"input": "x", "tools": [{"type": "function", "name": "f", "parameters": 5}],
+                "tool_choice": "required"},
+               {"input": "x", "reasoning": {"effort": "high"}}]
+    for extra in hostile:
+        r = http.post("/v1/responses", json={"model": MODEL, **extra})
+        assert 400 <= r.status_code < 500 and r.json()["error"]["message"], (extra, r.text)
+    for path in ("/v1/responses/resp_x?stream=true&starting_after=-5",
+                 "/v1/responses/resp_x/input_items?limit=abc"):
+        assert 400 <= http.get(path).status_code < 500
+    assert http.get("/health").status_code == 200
+    assert create(client, input="Hi.", max_output_tokens=2).status in ("completed", "incomplete")
+
+
 # ------------------------------------------------------------------ tool-parser server
 
 FORCED_CALL = ('Adding them.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n'
                '</tool_call>')
 FORCED_REASONING = "<think>One plus two.</think>\nThe sum is 3."
 OTHER_KEY = "other-key-456"
+# as gpt-oss's template does: the effort is written into the prompt
+EFFORT_LINE = "{%- if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}"
 
 
 @pytest.fixture(scope="module")
 def tool_server(tmp_path_factory):
     template = tmp_path_factory.mktemp("tpl") / "qwen25.jinja"
-    template.write_text(QWEN25_TOOL_TEMPLATE)
+    template.write_text(EFFORT_LINE + QWEN25_TOOL_TEMPLATE)
     with serving(["-m", "pagedllm.entrypoints.cli", "serve", "--kv-cache-space", "0.25",
                   "--max-model-len", str(MAX_MODEL_LEN), "--enable-auto-tool-choice",
                   "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
@@ -285,6 +409,15 @@ def test_reasoning_items(tool_server):
     assert "".join(e.delta for e in events
                    if e.type == "response.reasoning_text.delta") == "One plus two."
     assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]
+
+
+def test_reasoning_effort_reaches_the_template(tool_server):
+    c = _client(tool_server, API_KEY)
+    plain = create(c, input="1 + 2?", max_output_tokens=2)
+    high = create(c, input="1 + 2?", max_output_tokens=2, reasoning={"effort": "high"})
+    # "Reasoning: high\n" is in the prompt: a few tokens more
+    assert 3 <= high.usage.input_tokens - plain.usage.input_tokens <= 6
+    assert high.reasoning.effort == "high"
 
 
 def test_keys_see_only_their_own_and_store_bound(tool_server):

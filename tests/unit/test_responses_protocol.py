@@ -58,7 +58,9 @@ def test_history_comes_first():
 
 @pytest.mark.parametrize("param, kw", [
     ("truncation", dict(truncation="auto")),
-    ("background", dict(background=True)),
+    ("background", dict(background=True, store=False)),
+    ("reasoning.effort", dict(reasoning={"effort": "extreme"})),
+    ("reasoning.summary", dict(reasoning={"summary": "auto"})),
     ("include", dict(include=["file_search_call.results"])),
     ("tools[0].type", dict(tools=[{"type": "file_search"}])),
     ("tools[0].strict", dict(tools=[{**ADD, "strict": True}])),
@@ -83,6 +85,13 @@ def test_refused_by_name(param, kw):
 
 def test_noop_values_are_accepted():
     chat_of(input="x", background=False, truncation="disabled", include=[], service_tier="auto")
+    chat_of(input="x", background=True, reasoning={"effort": None, "summary": None})
+
+
+def test_effort_reaches_the_template_as_reasoning_effort():
+    chat = chat_of(input="x", reasoning={"effort": "low"},
+                   chat_template_kwargs={"enable_thinking": True})
+    assert chat.chat_template_kwargs == {"enable_thinking": True, "reasoning_effort": "low"}
     assert ResponsesRequest(model="m", input="x", foo=1).ignored_fields() == ["foo"]
 
 

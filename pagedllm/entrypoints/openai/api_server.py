@@ -5,7 +5,8 @@
 
 Endpoints: GET (and HEAD) /health, GET /version, /v1/models, /metrics, /dashboard and its data
 /v1/internal/engine_state (unless --disable-dashboard; dashboard.py); POST /v1/completions,
-/v1/chat/completions, /v1/responses (and GET / DELETE /v1/responses/{id}; responses.py),
+/v1/chat/completions, /v1/responses (and GET / DELETE /v1/responses/{id}, its input_items and
+cancel; responses.py),
 /tokenize, /detokenize; with --enable-lora and runtime updating allowed,
 POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_models.py). Start-up
 (serve_start.py): the flags are validated, the port is bound (a busy port fails before the
@@ -195,6 +196,9 @@ def build_app(ctx: ServingContext, api_key: str | list[str] | None = None,
         try:
             yield
         finally:
+            responses = getattr(app.state, "responses", None)  # generation models only
+            if responses is not None:  # running background responses stop first
+                await responses.shutdown()
             await engine.shutdown()
             ctx.close()
 

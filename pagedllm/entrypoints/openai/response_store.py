@@ -1,9 +1,10 @@
 """The in-memory store of finished responses (`store: true`, the Responses API's default):
 `GET /v1/responses/{id}`, `DELETE`, and `previous_response_id` continuation read it.
 
-Bounded twice: at most `max_entries` responses and `max_bytes` of their JSON (the response
-and the input items a continuation replays); the least recently used go first when either
-bound is passed. Ids are `resp_` + 24 random bytes in hex (unguessable). With API keys, each
+Bounded twice: at most `max_entries` responses and `max_bytes` of their JSON (the response,
+the input items a continuation replays and, for a background response, its stream's events,
+which a client may stream again); the least recently used go first when either bound is
+passed. Ids are `resp_` + 24 random bytes in hex (unguessable). With API keys, each
 entry belongs to the key that made it (a SHA-256 of the key, not the key itself): another key
 sees it as missing, the same 404 as an id that never existed, so ids do not leak.
 """
@@ -40,6 +41,13 @@ class StoredResponse:
     response: dict[str, Any]  # the response object as returned
     input_items: list[dict[str, Any]]  # the whole conversation's input (earlier turns included)
     size: int  # bytes of JSON, counted against max_bytes
+    n_history: int = 0  # how many of input_items came from earlier turns (previous_response_id)
+    events: list[str] | None = None  # a background response's stream events (SSE text)
+
+    @property
+    def own_input_items(self) -> list[dict[str, Any]]:
+        """The items this request sent (GET /v1/responses/{id}/input_items lists them)."""
+        return self.input_items[self.n_history:]
 
 
 class ResponseStore:
@@ -63,17 +71,20 @@ class ResponseStore:
         return len(self._entries)
 
     def put(self, owner: str | None, response: dict[str, Any],
-            input_items: list[dict[str, Any]]) -> bool:
-        """Keep a finished response; False when it alone is over max_bytes (not kept)."""
+            input_items: list[dict[str, Any]], n_history: int = 0,
+            events: list[str] | None = None) -> bool:
+        """Keep a response (a later put of the same id replaces it: a background response is
+        kept queued, then finished); False when it alone is over max_bytes (not kept)."""
         size = len(json.dumps(response, separators=(",", ":"))) + len(
-            json.dumps(input_items, separators=(",", ":")))
+            json.dumps(input_items, separators=(",", ":"))) + sum(map(len, events or ()))
         if size > self.max_bytes:
             return False
         with self._lock:
             old = self._entries.pop(response["id"], None)
             if old is not None:
                 self.bytes -= old.size
-            self._entries[response["id"]] = StoredResponse(owner, response, input_items, size)
+            self._entries[response["id"]] = StoredResponse(owner, response, input_items, size,
+                                                           n_history, events)
             self.bytes += size
             while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
                 _, gone = self._entries.popitem(last=False)

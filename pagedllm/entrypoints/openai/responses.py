@@ -13,7 +13,7 @@ so the prompt starts with the earlier turn's tokens and the prefix cache serves 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import re
 from typing import Any
 
 from fastapi import Request
@@ -22,8 +22,8 @@ from starlette.background import BackgroundTask
 
 from pagedllm.engine.request_stream import RequestStream
 from pagedllm.entrypoints.openai.chat import ChatServer
-from pagedllm.entrypoints.openai.errors import OpenAIError, as_openai_error
-from pagedllm.entrypoints.openai.protocol_base import now_seconds
+from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.request_fields import (
     IGNORED_FIELDS_HEADER,
     fit_default_max_tokens,
@@ -31,17 +31,18 @@ from pagedllm.entrypoints.openai.request_fields import (
     log_request,
     plan_fields,
 )
-from pagedllm.entrypoints.openai.response_store import ResponseStore, new_response_id, owner_of
-from pagedllm.entrypoints.openai.responses_output import (
-    StreamBuilder,
-    output_items,
-    response_object,
-    status_of,
-    usage,
+from pagedllm.entrypoints.openai.response_store import (
+    ResponseStore,
+    StoredResponse,
+    new_response_id,
+    owner_of,
 )
-from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
+from pagedllm.entrypoints.openai.responses_background import BackgroundRun, replay
+from pagedllm.entrypoints.openai.responses_items import canonical_items, list_page
+from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest, refuse
+from pagedllm.entrypoints.openai.responses_turn import Turn
 from pagedllm.entrypoints.openai.streaming import SSE_HEADERS
-from pagedllm.entrypoints.openai.tool_calling import ParsedDelta, ToolPlan, plan_tools
+from pagedllm.entrypoints.openai.tool_calling import ToolPlan, plan_tools
 from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger("pagedllm.server")
@@ -56,6 +57,7 @@ class ResponsesServer:
         self.ctx = chat.ctx
         self.store = store
         self.keyed = keyed
+        self.runs: dict[str, BackgroundRun] = {}  # running background responses by id
 
     def _owner(self, raw_request: Request) -> str | None:
         return owner_of(raw_request.headers.get("authorization"), self.keyed)
@@ -73,16 +75,37 @@ class ResponsesServer:
         if entry is None:
             raise OpenAIError(f"Previous response with id '{rid}' not found.", 404,
                               param="previous_response_id")
+        if entry.response["status"] in ("queued", "in_progress"):
+            raise OpenAIError(f"Previous response with id '{rid}' is still in progress (a "
+                              "background response): wait for it, or cancel it.", 400,
+                              param="previous_response_id")
         return entry.input_items + entry.response["output"]
+
+    def _check_effort(self, request: ResponsesRequest, chat: ChatCompletionRequest) -> None:
+        """`reasoning.effort` reaches the template as `reasoning_effort` (as in vLLM); a
+        template that never reads it would drop it silently, so that is a 400 instead."""
+        if (request.reasoning or {}).get("effort") is None:
+            return
+        template, _ = self.chat.templates.resolve(chat.chat_template, chat.chat_template_kwargs)
+        source = template or self.ctx.chat_template or self.ctx.tokenizer.chat_template
+        if isinstance(source, dict):  # named templates: any of them
+            source = "\n".join(map(str, source.values()))
+        if not re.search(r"\breasoning_effort\b", source or ""):
+            raise refuse("`reasoning.effort` is not supported by this model: its chat template "
+                         "does not read `reasoning_effort`.", "reasoning.effort")
 
     # ------------------------------------------------------------------ create
 
     async def create(self, request: ResponsesRequest, raw_request: Request):
         ctx = self.ctx
         request.check()
+        if request.background and self.store is None:
+            raise refuse("`background` needs the response store, which is off on this server "
+                         "(--disable-responses-store).", "background")
         owner = self._owner(raw_request)
         history = self._history(request, owner)
         chat_request = request.to_chat(history)
+        self._check_effort(request, chat_request)
         lora = ctx.check_model(chat_request.model)
         params = chat_request.to_sampling_params(ctx.generation_defaults)
         params.verify_token_ids(ctx.vocab_size)
@@ -109,8 +132,10 @@ class ResponsesServer:
                 params, priority=chat_request.priority, lora_request=lora)
         except ValueError as exc:
             raise _grammar_error(request, exc) from None
-        turn = _Turn(self, request, response_id, ctx.served_name(request.model), owner,
-                     history + request.input_items())
+        turn = Turn(self, request, response_id, ctx.served_name(request.model), owner,
+                    history + canonical_items(request.input_items()), len(history))
+        if request.background:
+            return self._start_background(turn, stream, plan, headers)
         if request.stream:
             return StreamingResponse(
                 turn.stream(raw_request, stream, plan), media_type="text/event-stream",
@@ -124,29 +149,103 @@ class ResponsesServer:
             engine.abort_unfinished([stream])
         return JSONResponse(await turn.full(final, plan), headers=headers)
 
+    def _start_background(self, turn: Turn, stream: RequestStream, plan: ToolPlan,
+                          headers: dict[str, str]):
+        """Kept as `queued` at once (GET sees it), then run by a task of its own; a streaming
+        client follows the run's events, and leaving does not stop it."""
+        turn.keep(turn.obj("queued", []))
+        run = BackgroundRun(turn, stream, plan, lambda r: self.runs.pop(r.turn.id, None))
+        self.runs[turn.id] = run
+        if turn.request.stream:
+            return StreamingResponse(run.follow(), media_type="text/event-stream",
+                                     headers={**SSE_HEADERS, **headers})
+        return JSONResponse(turn.final, headers=headers)
+
     # ------------------------------------------------------------------ stored
 
-    def retrieve(self, response_id: str, raw_request: Request) -> dict[str, Any]:
-        if raw_request.query_params.get("stream") not in (None, "false"):
-            raise OpenAIError("`stream`: replaying a stored response as a stream is not "
-                              "supported; retrieve it without stream.", 400, param="stream")
+    def _entry(self, response_id: str, raw_request: Request) -> StoredResponse:
         entry = self.store.get(response_id, self._owner(raw_request)) if self.store else None
         if entry is None:
             raise OpenAIError(f"Response with id '{response_id}' not found.", 404,
                               param="response_id")
-        return entry.response
+        return entry
+
+    def retrieve(self, response_id: str, raw_request: Request):
+        """The stored response; with `stream=true` (a background response only) its events
+        after `starting_after`, live while it runs."""
+        query = raw_request.query_params
+        _refuse_includes(query)
+        entry = self._entry(response_id, raw_request)
+        if query.get("stream") in (None, "false", "False"):
+            return entry.response
+        after = _starting_after(query.get("starting_after"))
+        run = self.runs.get(response_id)
+        if run is not None:
+            events = run.follow(after)
+        elif entry.events is not None:
+            events = replay(entry.events, after)
+        else:
+            raise OpenAIError("`stream`: only a background response can be streamed again; "
+                              "retrieve this one without stream.", 400, param="stream")
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    def input_items(self, response_id: str, raw_request: Request) -> dict[str, Any]:
+        """GET /v1/responses/{id}/input_items: the items this request sent, paged."""
+        query = raw_request.query_params
+        _refuse_includes(query)
+        entry = self._entry(response_id, raw_request)
+        return list_page(entry.own_input_items, query.get("after"), query.get("limit"),
+                         query.get("order"))
 
     def delete(self, response_id: str, raw_request: Request) -> dict[str, Any]:
         if self.store is None or not self.store.delete(response_id, self._owner(raw_request)):
             raise OpenAIError(f"Response with id '{response_id}' not found.", 404,
                               param="response_id")
+        run = self.runs.get(response_id)
+        if run is not None:  # a running background response: stop it, and keep nothing
+            run.turn.stored = False
+            run.task.cancel()
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
-    def cancel(self, response_id: str, raw_request: Request) -> dict[str, Any]:
-        self.retrieve(response_id, raw_request)  # 404 for an unknown id
-        raise OpenAIError("Only a background response can be cancelled, and this server runs "
-                          "no background responses (`background` is refused).", 400,
-                          param="response_id")
+    async def cancel(self, response_id: str, raw_request: Request) -> dict[str, Any]:
+        """Stop a background response (its output so far is kept, status `cancelled`); a
+        finished background response is returned as it is (cancelling is idempotent)."""
+        entry = self._entry(response_id, raw_request)
+        if not entry.response.get("background"):
+            raise OpenAIError("Only a background response (created with `background`: true) "
+                              "can be cancelled.", 400, param="response_id")
+        run = self.runs.get(response_id)
+        if run is None:
+            return entry.response
+        return await run.cancel()
+
+
+    async def shutdown(self) -> None:
+        """Cancel the running background responses (the server is stopping)."""
+        for run in list(self.runs.values()):
+            await run.cancel()
+
+
+def _refuse_includes(query: Any) -> None:
+    if query.getlist("include") or query.getlist("include[]"):
+        raise OpenAIError("`include`: no extra output data can be included (no hosted tools, "
+                          "no logprobs, no encrypted reasoning).", 400, param="include")
+    if query.get("include_obfuscation") in ("true", "True", "1"):
+        raise OpenAIError("`include_obfuscation`: stream obfuscation is not supported.", 400,
+                          param="include_obfuscation")
+
+
+def _starting_after(value: str | None) -> int:
+    if value is None:
+        return -1
+    try:
+        n = int(value)
+    except ValueError:
+        n = -2
+    if n < -1:
+        raise OpenAIError(f"`starting_after` must be a sequence number (an integer >= 0), got "
+                          f"{value!r}.", 400, param="starting_after")
+    return n
 
 
 def _grammar_error(request: ResponsesRequest, exc: ValueError) -> Exception:
@@ -161,93 +260,3 @@ def _grammar_error(request: ResponsesRequest, exc: ValueError) -> Exception:
     if param is None:
         return exc
     return OpenAIError(f"`{param}`: {text}", 400, param=param)
-
-
-class _Turn:
-    """One request's response: its object, built in full or as a stream, and kept."""
-
-    def __init__(self, server: ResponsesServer, request: ResponsesRequest, response_id: str,
-                 model: str, owner: str | None, input_items: list[dict[str, Any]]) -> None:
-        self.server = server
-        self.request = request
-        self.id = response_id
-        self.model = model
-        self.owner = owner
-        self.input_items = input_items
-        self.created_at = now_seconds()
-        self.stored = bool(request.store) and server.store is not None
-
-    def obj(self, status: str, output: list[dict[str, Any]], **kw: Any) -> dict[str, Any]:
-        return response_object(self.request, self.id, self.created_at, self.model, status,
-                               output, self.stored, **kw)
-
-    async def _usage(self, final: RequestOutput, reasoning: str | None) -> dict[str, Any]:
-        ctx = self.server.ctx
-        n_reasoning = 0
-        if reasoning:
-            n_reasoning = len(await ctx.run_tokenizer(ctx.encode, reasoning, False))
-        c = final.outputs[0]
-        return usage(len(final.prompt_token_ids), len(c.token_ids), final.num_cached_tokens,
-                     n_reasoning)
-
-    def _keep(self, response: dict[str, Any]) -> None:
-        if self.stored and not self.server.store.put(self.owner, response, self.input_items):
-            logger.warning("response %s is over --responses-store-max-bytes: not stored", self.id)
-
-    async def full(self, final: RequestOutput | None, plan: ToolPlan) -> dict[str, Any]:
-        if final is None:
-            raise OpenAIError("The request was aborted.", 500)
-        c = final.outputs[0]
-        parsed = plan.choice_parser().full(c.text)
-        status, incomplete = status_of(c.finish_reason)
-        response = self.obj(status, output_items(parsed, status), incomplete=incomplete,
-                            usage_=await self._usage(final, parsed.reasoning_content))
-        self._keep(response)
-        return response
-
-    async def stream(self, raw_request: Request, stream: RequestStream,
-                     plan: ToolPlan) -> AsyncIterator[str]:
-        engine = self.server.ctx.async_engine
-        b = StreamBuilder()
-        parser = plan.choice_parser()
-        text = ""
-        tokens = 0
-        try:
-            yield b.emit("response.created", response=self.obj("in_progress", []))
-            yield b.emit("response.in_progress", response=self.obj("in_progress", []))
-            final: RequestOutput | None = None
-            finish: str | None = None
-            async for out in engine.stream_outputs(stream):
-                if await raw_request.is_disconnected():
-                    return  # the finally aborts the engine request
-                final = out
-                c = out.outputs[0]
-                tokens += len(c.token_ids)
-                finish = c.finish_reason
-                if parser.active:
-                    text += c.text
-                    delta = parser.delta(text, finish is not None)
-                else:
-                    delta = ParsedDelta(content=c.text)
-                for e in b.feed(delta):
-                    yield e
-            if final is None:
-                raise OpenAIError("The request was aborted.", 500)
-            status, incomplete = status_of(finish)
-            for e in b.finish(status):
-                yield e
-            reasoning = "".join(part["text"] for item in b.items if item["type"] == "reasoning"
-                                for part in item["content"])
-            u = await self._usage(final, reasoning)
-            u["output_tokens"] = tokens
-            u["total_tokens"] = u["input_tokens"] + tokens
-            response = self.obj(status, b.items, usage_=u, incomplete=incomplete)
-            self._keep(response)
-            yield b.emit(f"response.{status}", response=response)
-        except Exception as exc:  # the headers are sent: report in the stream
-            err = as_openai_error(exc)
-            code = "server_error" if err.status >= 500 else "invalid_prompt"
-            yield b.emit("response.failed", response=self.obj(
-                "failed", b.items, error={"code": code, "message": err.message}))
-        finally:
-            engine.abort_unfinished([stream])

@@ -91,7 +91,7 @@ def response_object(request: ResponsesRequest, response_id: str, created_at: int
         "tool_choice": request.tool_choice or ("auto" if request.tools else "none"),
         "tools": request.tools or [], "text": {"format": fmt}, "truncation": "disabled",
         "reasoning": request.reasoning, "store": stored, "user": request.user,
-        "background": False, "usage": usage_,
+        "background": bool(request.background), "usage": usage_,
     }
     if status in ("completed", "incomplete"):
         body["completed_at"] = int(time.time())

@@ -27,8 +27,6 @@ from pagedllm.entrypoints.openai.sampling_request import first_refused
 
 # Responses fields pagedllm does not implement -> why; refused unless null / their no-op value.
 REFUSED_FIELDS: dict[str, str] = {
-    "background": "background responses are not supported; send the request and wait, or "
-    "stream it",
     "include": "no extra output data can be included (no hosted tools, no logprobs, no "
     "encrypted reasoning)",
     "prompt": "stored prompt templates are not supported; send `instructions` and `input`",
@@ -43,7 +41,7 @@ REFUSED_FIELDS: dict[str, str] = {
     "stream_options": "no stream options are supported",
     "context_management": "context management is not supported",
 }
-_NOOP_VALUES: dict[str, tuple] = {"background": (False,), "include": ([],),
+_NOOP_VALUES: dict[str, tuple] = {"include": ([],),
                                   "truncation": ("disabled",),
                                   "service_tier": ("auto", "default")}
 # vLLM's sampling fields chat takes, passed through as they are.
@@ -54,6 +52,7 @@ PASSTHROUGH_FIELDS = ("top_k", "min_p", "repetition_penalty", "frequency_penalty
 # accepted and recorded, nothing to do (OpenAI's own abuse-tracking id)
 _RECORDED_FIELDS = ("safety_identifier",)
 _TEXT_PARTS = ("input_text", "output_text", "text")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 def refuse(message: str, param: str, status: int = 400) -> OpenAIError:
@@ -78,6 +77,7 @@ class ResponsesRequest(OpenAIBaseModel):
     store: bool | None = True
     stream: bool | None = False
     previous_response_id: str | None = None
+    background: bool | None = False
 
     def refused_field(self) -> tuple[str, str] | None:
         return first_refused(self.model_extra, REFUSED_FIELDS, _NOOP_VALUES)
@@ -100,12 +100,18 @@ class ResponsesRequest(OpenAIBaseModel):
                 if len(k) > 64 or len(v) > 512:
                     raise refuse("`metadata` keys are at most 64 characters and values at "
                                  "most 512.", "metadata")
+        if self.background and self.store is False:
+            raise refuse("`background`: a background response must be stored (`store` true): "
+                         "it is polled with GET /v1/responses/{id}.", "background")
         reasoning = self.reasoning or {}
         for key, value in reasoning.items():
-            if value is not None:
-                raise refuse(f"`reasoning.{key}` is not supported: the model reasons as its "
-                             "template and the server's --reasoning-parser make it; reasoning "
-                             "comes back as `reasoning` items.", f"reasoning.{key}")
+            if key == "effort" and value is not None and value not in REASONING_EFFORTS:
+                raise refuse(f"`reasoning.effort` must be one of {', '.join(REASONING_EFFORTS)}"
+                             f", got {value!r}.", "reasoning.effort")
+            if key != "effort" and value is not None:
+                raise refuse(f"`reasoning.{key}` is not supported: no reasoning summaries are "
+                             "produced; the reasoning comes back whole as `reasoning` items "
+                             "(with the server's --reasoning-parser).", f"reasoning.{key}")
 
     # ------------------------------------------------------------------ translation
 
@@ -138,6 +144,11 @@ class ResponsesRequest(OpenAIBaseModel):
             body["response_format"] = fmt
         extra = self.model_extra or {}
         body.update({k: extra[k] for k in PASSTHROUGH_FIELDS if k in extra})
+        effort = (self.reasoning or {}).get("effort")
+        kwargs = body.get("chat_template_kwargs")
+        if effort is not None and isinstance(kwargs, (dict, type(None))):
+            # the template variable vLLM passes too (gpt-oss's template reads it)
+            body["chat_template_kwargs"] = {**(kwargs or {}), "reasoning_effort": effort}
         try:
             return ChatCompletionRequest(**body)
         except ValidationError as exc:

@@ -1,4 +1,5 @@
-"""The /v1/responses routes (responses.py serves them): create, retrieve, delete, cancel."""
+"""The /v1/responses routes (responses.py serves them): create, retrieve, input items, delete,
+cancel."""
 
 from __future__ import annotations
 
@@ -24,8 +25,12 @@ def install_responses(app: FastAPI, chat: ChatServer, keyed: bool) -> ResponsesS
         return await server.create(request, raw_request)
 
     @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str, raw_request: Request) -> dict:
+    async def retrieve_response(response_id: str, raw_request: Request):
         return server.retrieve(response_id, raw_request)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, raw_request: Request) -> dict:
+        return server.input_items(response_id, raw_request)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, raw_request: Request) -> dict:
@@ -33,7 +38,7 @@ def install_responses(app: FastAPI, chat: ChatServer, keyed: bool) -> ResponsesS
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str, raw_request: Request) -> dict:
-        return server.cancel(response_id, raw_request)
+        return await server.cancel(response_id, raw_request)
 
     app.state.responses = server  # tests and the dashboard may read the store
     return server
