@@ -1,11 +1,12 @@
 """A boundary fuzzer for the OpenAI server (issue 23: "one request, one fault: never the whole
 server").
 
-Generated /v1/completions and /v1/chat/completions bodies (hypothesis; field names and types
-also drawn from the server's own /openapi.json) go to a real `pagedllm serve` on the default
-model, its engine core in its own process, `--max-model-len 512 --max-num-seqs 8`. Every case
+Generated /v1/completions, /v1/chat/completions and /v1/responses bodies (hypothesis; field
+names and types also drawn from the server's own /openapi.json) go to a real `pagedllm serve` on
+the default model, its engine core in its own process, `--max-model-len 512 --max-num-seqs 8`. Every case
 must be answered within CASE_TIMEOUT_S by a 200 (a JSON completion, or an SSE stream that ends
-with `[DONE]` and carries no 5xx error event) or by a 4xx whose body is OpenAI's error JSON
+with `[DONE]` and carries no 5xx error event; for /v1/responses a response object, or a typed
+event stream that ends with response.completed / .incomplete / .failed, never a server_error) or by a 4xx whose body is OpenAI's error JSON
 (`{"error": {"message", "type", "param", "code"}}`, code = the status); never a 5xx, never a
 hang. After each case a plain completion must succeed within ALIVE_TIMEOUT_S, GET /health
 must be 200 and the engine must come back to idle (nothing running or waiting, no KV block
@@ -65,7 +66,8 @@ MAX_RESTARTS = 6  # server deaths tolerated before the run stops early (each cos
 MINIMIZE_BUDGET_S = 90.0  # total time spent reducing failures to smaller bodies
 REPORT_PATH = os.environ.get("PAGEDLLM_FUZZ_REPORT")
 
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
+RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed")
 PLAIN = {"prompt": "Hello", "max_tokens": 2}
 NAN, INF = math.nan, math.inf
 ENGINE_PID_RE = re.compile(r"Engine core \d+ ready in [\d.]+ s \(pid (\d+)\)")
@@ -211,7 +213,32 @@ def _error_shape_problems(body: Any, status: int) -> list[str]:
     return out
 
 
-def answer_problems(ans: Answer) -> list[str]:
+def responses_answer_problems(ans: Answer) -> list[str]:
+    """A 200 of /v1/responses: a response object, or typed events ending the response."""
+    if not ans.stream:
+        ok = isinstance(ans.body, dict) and ans.body.get("object") == "response"
+        return [] if ok else ["a 200 whose body is not a response object"]
+    events = []
+    for ev in ans.body or []:
+        try:
+            events.append(json.loads(ev))
+        except ValueError:
+            if not ans.disconnected:
+                return [f"a stream event is not JSON: {ev[:120]!r}"]
+    if not events or not all(isinstance(e, dict) for e in events):
+        return ["a stream without typed events"]
+    if [e.get("sequence_number") for e in events] != list(range(len(events))):
+        return ["sequence_number does not count the events from 0"]
+    if not ans.disconnected and events[-1].get("type") not in RESPONSE_ENDS:
+        return [f"the stream ends with {events[-1].get('type')!r}, not {RESPONSE_ENDS}"]
+    failed = [e for e in events if e.get("type") == "response.failed"]
+    error = ((failed[0].get("response") or {}).get("error") or {}) if failed else {}
+    if error.get("code") == "server_error":
+        return [f"response.failed with a server error: {str(error)[:200]}"]
+    return []
+
+
+def answer_problems(ans: Answer, path: str = COMPLETIONS) -> list[str]:
     """What is wrong with the answer itself (never a 5xx, never a hang, well-formed bodies)."""
     if ans.status is None:
         if "Timeout" in (ans.error or ""):
@@ -223,6 +250,8 @@ def answer_problems(ans: Answer) -> list[str]:
         return [f"unexpected status {ans.status}"]
     if ans.status != 200:
         return _error_shape_problems(ans.body, ans.status)
+    if path == RESPONSES:
+        return responses_answer_problems(ans)
     if ans.stream:
         events = ans.body or []
         if ans.disconnected:
@@ -373,6 +402,8 @@ def must_refuse(path: str, body: Any) -> list[str]:
     field's own type are judged; a wrong type is left to the invariant)."""
     if not isinstance(body, dict):
         return []
+    if path == RESPONSES:
+        return must_refuse_responses(body)
     why = []
     get = body.get
     chat = path == CHAT
@@ -845,14 +876,15 @@ def openapi_fields(fuzz_server) -> dict[str, dict[str, st.SearchStrategy]]:
     assert r.status_code == 200, r.text[:300]
     components = r.json()["components"]["schemas"]
     out = {}
-    for path, name in ((COMPLETIONS, "CompletionRequest"), (CHAT, "ChatCompletionRequest")):
+    for path, name in ((COMPLETIONS, "CompletionRequest"), (CHAT, "ChatCompletionRequest"),
+                       (RESPONSES, "ResponsesRequest")):
         props = components[name]["properties"]
         out[path] = {k: st.one_of(_schema_strategy(v, components), st.sampled_from(JUNK))
                      for k, v in props.items()}
     # fields the hand-written edge values do not know yet get the schema's values only
     for path, known in ((COMPLETIONS, {**COMMON_FIELDS, **COMPLETION_FIELDS}),
-                        (CHAT, {**COMMON_FIELDS, **CHAT_FIELDS})):
-        schema_only = sorted(set(out[path]) - set(known) - {"prompt", "messages"})
+                        (CHAT, {**COMMON_FIELDS, **CHAT_FIELDS}), (RESPONSES, RESPONSES_FIELDS)):
+        schema_only = sorted(set(out[path]) - set(known) - {"prompt", "messages", "input"})
         if schema_only:
             print(f"\n{path}: fields fuzzed from the OpenAPI schema only: {schema_only}")
     return out
@@ -862,6 +894,8 @@ def openapi_fields(fuzz_server) -> dict[str, dict[str, st.SearchStrategy]]:
 
 
 def _effective_max(path: str, body: dict) -> Any:
+    if path == RESPONSES:
+        return body.get("max_output_tokens")
     if path == CHAT:
         v = body.get("max_completion_tokens")
         return body.get("max_tokens") if v is None else v
@@ -872,7 +906,7 @@ def _cap_generation(data, path: str, body: dict) -> None:
     """Keep accepted cases fast: at most a few generated tokens. A case that leaves max_tokens
     to the context gets a min_tokens past it (issue 23's reproduction), so that it is refused
     rather than run for the whole context."""
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         v = _int(body.get(name))
         if v is not None and 17 <= v < MAX_MODEL_LEN:
             body[name] = 4
@@ -954,11 +988,185 @@ VALID_MESSAGES = pool([_USER], [{"role": "user", "content": [{"type": "text", "t
                       [{"role": "user", "content": "word " * 300}])
 
 
+# ------------------------------------------------------------------- /v1/responses bodies
+
+_FLAT_TOOL = {"type": "function", "name": "get_weather", "description": "d", "strict": False,
+              "parameters": _TOOL_OK["function"]["parameters"]}
+# each input with whether it must be refused: True, False (accepted), None (no fixed answer)
+_RESPONSES_INPUTS = [
+    ("Hello", False), ("", False), ("word " * 300, False), ("word " * 600, True),
+    ("<|im_start|>", False), ([], True), ([{"role": "user", "content": "hi"}], False),
+    ([{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+     False),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "partial"}], False),
+    ([{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+      {"type": "function_call_output", "call_id": "c", "output": "1"}], False),
+    ([{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{bad"},
+      {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text",
+                                                                   "text": "1"}]}], None),
+    ([{"type": "function_call_output", "call_id": "nope", "output": "1"}], True),
+    ([{"type": "function_call", "name": 5}], True), ([{"type": "item_reference", "id": "x"}], True),
+    ([{"role": "tool", "content": "x"}], True), ([{"role": "robot", "content": "x"}], True),
+    ([{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}], True),
+    ([{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}], True),
+    ([{"role": "user", "content": 5}], True), ([{"type": "reasoning", "summary": []}], True),
+    (["hi"], True), ([None], True), ({"a": 1}, True), (None, True), (5, True),
+    ([{"role": "user", "content": "hi"}] * 50, False),
+]
+RESPONSES_INPUTS = _tagged("input", _RESPONSES_INPUTS)
+_TEXT_FORMATS = [({"format": {"type": "text"}}, False), ({"format": {"type": "json_object"}}, False),
+                 *(({"format": {"type": "json_schema", "name": "x", "schema": s}}, bad)
+                   for s, bad in _SCHEMAS if isinstance(s, dict)),
+                 ({"format": {"type": "json_schema", "name": "x"}}, True),
+                 ({"format": {"type": "json_schema", "schema": 5}}, True),
+                 ({"format": {"type": "grammar"}}, True), ({"verbosity": "low"}, True),
+                 ({"format": None}, False), ({}, False), ({"format": "json"}, True)]
+TEXT_FORMATS = _tagged("text", _TEXT_FORMATS)
+_RESPONSES_TOOLS = [
+    ([_FLAT_TOOL], False), ([_FLAT_TOOL, {**_FLAT_TOOL, "name": "other"}], False),
+    ([{**_FLAT_TOOL, "strict": True}], None), ([{"type": "web_search"}], True),
+    ([{"type": "file_search", "vector_store_ids": []}], True), ([_TOOL_OK], True),
+    ([{"type": "function", "name": "f", "parameters": {"type": "strnig"}}], None),
+    ([{"type": "function", "name": "f", "parameters": 5}], None), ([{"type": "function"}], True),
+    ([{"type": "function", "name": f"f{i}", "parameters": {"type": "object"}}
+      for i in range(200)], False),
+    ([], False), (None, False), ("tools", True), ({"a": 1}, True),
+]
+RESPONSES_TOOLS = _tagged("tools", _RESPONSES_TOOLS)
+RESPONSES_TOOL_CHOICES = ["none", "auto", "required", {"type": "function", "name": "get_weather"},
+                          {"type": "function", "name": "missing"}, {"type": "allowed_tools"},
+                          {"type": "function", "function": {"name": "get_weather"}}, "bogus", 5,
+                          None]
+_PASSTHROUGH = ("top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
+                "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+                "structured_outputs", "cache_salt", "priority", "request_id", "logit_bias")
+
+RESPONSES_FIELDS: dict[str, st.SearchStrategy] = {
+    "instructions": with_junk(pool("Be brief.", "", "x" * 10_000, "{{ messages }}", None)),
+    "max_output_tokens": st.one_of(small_max, small_max, small_max,
+                                   pool(0, -1, 10**9, MAX_MODEL_LEN, None, 2**64),
+                                   st.sampled_from(JUNK)),
+    "temperature": COMMON_FIELDS["temperature"],
+    "top_p": COMMON_FIELDS["top_p"],
+    "tools": st.sampled_from(RESPONSES_TOOLS),
+    "tool_choice": st.sampled_from(RESPONSES_TOOL_CHOICES),
+    "parallel_tool_calls": with_junk(st.booleans()),
+    "text": with_junk(st.sampled_from(TEXT_FORMATS)),
+    "reasoning": with_junk(pool({"effort": "high"}, {"effort": "none"}, {"effort": "extreme"},
+                                {"summary": "auto"}, {}, {"effort": None})),
+    "metadata": with_junk(pool({"a": "b"}, {str(i): "v" for i in range(17)}, {"k" * 65: "v"},
+                               {"a": "v" * 513}, {"a": 5}, {})),
+    "user": with_junk(pool("u")),
+    "store": with_junk(st.booleans()),
+    "previous_response_id": with_junk(pool("resp_" + "0" * 48, "resp_\u0000")),
+    "background": with_junk(st.booleans()),
+    "truncation": with_junk(pool("auto", "disabled")),
+    "include": with_junk(pool([], ["reasoning.encrypted_content"])),
+    "stream": with_junk(st.booleans()),
+    "model": COMMON_FIELDS["model"],
+    "chat_template_kwargs": CHAT_FIELDS["chat_template_kwargs"],
+    **{name: COMMON_FIELDS[name] for name in _PASSTHROUGH},
+}
+VALID_RESPONSES: dict[str, st.SearchStrategy] = {
+    **{name: VALID_COMMON[name] for name in _PASSTHROUGH + ("temperature", "top_p", "stream",
+                                                            "model") if name in VALID_COMMON},
+    "instructions": pool("Be brief.", ""),
+    "tools": pool([_FLAT_TOOL]),
+    "tool_choice": pool("none", "required", {"type": "function", "name": "get_weather"}),
+    "parallel_tool_calls": st.booleans(),
+    "text": pool(*(t for t, bad in _TEXT_FORMATS if bad is False)),
+    "metadata": pool({"a": "b"}, {}),
+    "user": pool("u"),
+    "store": st.booleans(),
+    "background": st.booleans(),
+    "truncation": pool("disabled"),
+    "include": pool([]),
+}
+VALID_RESPONSES_INPUTS = pool(*(i for i, bad in _RESPONSES_INPUTS if bad is False))
+
+
+def draw_responses_body(data, schema_fields: dict, mostly_valid: bool) -> dict:
+    """A /v1/responses body, drawn as draw_case draws the others."""
+    body: dict[str, Any] = {}
+    if mostly_valid:
+        body["input"] = data.draw(VALID_RESPONSES_INPUTS, label="input")
+        for name in data.draw(st.lists(st.sampled_from(sorted(VALID_RESPONSES)), max_size=6,
+                                       unique=True), label="valid fields"):
+            body[name] = data.draw(VALID_RESPONSES[name], label=name)
+        if data.draw(st.integers(0, 3), label="edge value?") > 0:
+            name = data.draw(st.sampled_from(sorted(RESPONSES_FIELDS)), label="edge field")
+            body[name] = data.draw(RESPONSES_FIELDS[name], label=f"{name} (edge)")
+        # what makes two accepted values a refusal together
+        if body.get("tool_choice") not in (None, "none") and not body.get("tools"):
+            body.pop("tool_choice")
+        if body.get("background") is True and body.get("store") is False:
+            body.pop("store")
+        fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+        if isinstance(fmt, dict) and fmt.get("type") != "text":
+            body.pop("structured_outputs", None)
+    else:
+        body["input"] = data.draw(st.sampled_from(RESPONSES_INPUTS) | st.text(max_size=20),
+                                  label="input")
+        for name in data.draw(st.lists(st.sampled_from(sorted(RESPONSES_FIELDS)), max_size=6,
+                                       unique=True), label="fields"):
+            body[name] = data.draw(RESPONSES_FIELDS[name], label=name)
+        for name in data.draw(st.lists(st.sampled_from(sorted(schema_fields)), max_size=2,
+                                       unique=True), label="schema fields"):
+            body[name] = data.draw(schema_fields[name], label=f"{name} (schema)")
+        if data.draw(st.integers(0, 4), label="unknown field?") == 0:
+            body[data.draw(UNKNOWN_NAMES, label="unknown name")] = data.draw(
+                st.sampled_from(JUNK), label="unknown value")
+    if "max_output_tokens" not in body and data.draw(st.integers(0, 9)) > 0:
+        body["max_output_tokens"] = data.draw(small_max, label="max_output_tokens (capped)")
+    return body
+
+
+def must_refuse_responses(body: dict) -> list[str]:
+    """The Responses rules a 4xx is certain for: chat's rules on the fields passed through to
+    the chat path, and the Responses API's own (refused fields, item types, the store)."""
+    get = body.get
+    chat_like = {k: body[k] for k in _PASSTHROUGH + ("temperature", "top_p", "model", "stream")
+                 if k in body}
+    chat_like["max_completion_tokens"] = get("max_output_tokens")
+    why = must_refuse(CHAT, chat_like)
+    max_out = _int(get("max_output_tokens"))
+    if max_out is not None and max_out < 1:
+        why.append("max_output_tokens < 1")
+    if get("background") is True and get("store") is False:
+        why.append("background without store")
+    if get("truncation") == "auto":
+        why.append("truncation auto")
+    if isinstance(get("include"), list) and get("include"):
+        why.append("include")
+    if isinstance(get("reasoning"), dict) and any(v is not None for v in get("reasoning").values()):
+        why.append("reasoning (no summaries; SmolLM2's template reads no reasoning_effort)")
+    if isinstance(get("previous_response_id"), str):
+        why.append("an unknown previous_response_id")
+    meta = get("metadata")
+    if isinstance(meta, dict) and (len(meta) > 16 or any(
+            isinstance(k, str) and len(k) > 64 or isinstance(v, str) and len(v) > 512
+            for k, v in meta.items())):
+        why.append("metadata past its limits")
+    for name in ("input", "text", "tools"):
+        if _marked_invalid(name, get(name)):
+            why.append(f"invalid {name}")
+    tools = get("tools")
+    if isinstance(tools, list) and tools and get("tool_choice") in (None, "auto"):
+        if not _marked_invalid("tools", tools):
+            why.append("tool_choice auto without --tool-call-parser")
+    return why
+
+
 def draw_case(data, fields_from_schema: dict) -> tuple[str, dict]:
     """Half the cases: any values of up to six fields, one or two fields of the OpenAPI schema
     and now and then an unknown field. The other half: accepted values of up to six fields plus
     one edge value."""
-    path = data.draw(pool(COMPLETIONS, CHAT), label="endpoint")
+    path = data.draw(pool(COMPLETIONS, CHAT, RESPONSES), label="endpoint")
+    if path == RESPONSES:
+        mostly_valid = data.draw(st.booleans(), label="mostly valid")
+        body = draw_responses_body(data, fields_from_schema[path], mostly_valid)
+        _cap_generation(data, path, body)
+        return path, body
     chat = path == CHAT
     table = {**COMMON_FIELDS, **(CHAT_FIELDS if chat else COMPLETION_FIELDS)}
     valid = {**VALID_COMMON, **(VALID_CHAT if chat else VALID_COMPLETION)}
@@ -1079,7 +1287,7 @@ def run_case(server: FuzzServer, path: str, body: Any, raw: bytes | None = None,
         by.start()
         by.decoding.wait(ALIVE_TIMEOUT_S)
     ans = send(server.client, path, body, raw=raw, disconnect=disconnect)
-    problems = answer_problems(ans)
+    problems = answer_problems(ans, path)
     reasons = must_refuse(path, body) if refuse_reasons is None else refuse_reasons
     if reasons and ans.status == 200:
         problems.append(f"accepted (200) although it must be refused: {'; '.join(reasons)}")
@@ -1136,7 +1344,7 @@ class Collector:
             return failure
         t0 = time.monotonic()
         best = failure
-        required = {"prompt", "messages"}
+        required = {"prompt", "messages", "input"}
         for key in sorted(failure.body, key=lambda k: -len(json.dumps(failure.body[k],
                                                                       allow_nan=True))):
             if key in required or key not in best.body:
@@ -1203,6 +1411,10 @@ def _chat(**kw) -> dict:
     return {"messages": [_USER], **kw}
 
 
+def _resp(**kw) -> dict:
+    return {"input": "Hello", "max_output_tokens": 2, **kw}
+
+
 def _cmpl(**kw) -> dict:
     return {"prompt": "Hello", "max_tokens": 2, **kw}
 
@@ -1260,6 +1472,35 @@ FIXED_CASES = [
           None),
     Fixed("chat beam length_penalty=-1e308", CHAT,
           _chat(max_tokens=2, use_beam_search=True, n=2, length_penalty=-1e308), None),
+    # /v1/responses (issue 46): refusals by name, background runs, streams left early
+    Fixed("responses background without store", RESPONSES,
+          _resp(background=True, store=False), "refuse", ("background",)),
+    Fixed("responses background", RESPONSES, _resp(background=True), "ok"),
+    Fixed("responses background stream", RESPONSES, _resp(background=True, stream=True), "ok"),
+    Fixed("responses empty input list", RESPONSES, _resp(input=[]), "refuse", ("input",)),
+    Fixed("responses unknown previous_response_id", RESPONSES,
+          _resp(previous_response_id="resp_" + "0" * 48), "refuse", ("previous_response_id",)),
+    Fixed("responses max_output_tokens=0", RESPONSES, _resp(max_output_tokens=0), "refuse",
+          ("max_output_tokens",)),
+    Fixed("responses max_output_tokens past the context", RESPONSES,
+          _resp(max_output_tokens=10**9), "refuse", ("maximum context length",)),  # vLLM's words
+    Fixed("responses truncation auto", RESPONSES, _resp(truncation="auto"), "refuse",
+          ("truncation",)),
+    Fixed("responses reasoning effort, template without it", RESPONSES,
+          _resp(reasoning={"effort": "high"}), "refuse", ("reasoning.effort",)),
+    Fixed("responses schema the grammar refuses", RESPONSES,
+          _resp(text={"format": {"type": "json_schema", "name": "x",
+                                 "schema": {"type": "string", "pattern": "("}}}), "refuse",
+          ("text.format.schema",)),
+    Fixed("responses unknown call_id", RESPONSES,
+          _resp(input=[{"type": "function_call_output", "call_id": "x", "output": "1"}]),
+          "refuse", ("input[0].call_id",)),
+    Fixed("responses hosted tool", RESPONSES, _resp(tools=[{"type": "web_search"}]), "refuse",
+          ("tools[0].type",)),
+    Fixed("responses min_tokens past the context, no max_output_tokens", RESPONSES,
+          {"input": "Hello", "min_tokens": 5000}, "refuse", ("min_tokens",)),
+    Fixed("responses input is an object", RESPONSES, _resp(input={"a": 1}), "refuse",
+          ("input",)),
     # bodies that are not a request object
     Fixed("empty body", COMPLETIONS, None, "refuse", raw=b""),
     Fixed("truncated JSON", COMPLETIONS, None, "refuse", raw=b'{"prompt": "Hel'),
