@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from pagedllm.layers.eager_in_graphs import eager_in_graphs, prepare_for_compilation
@@ -15,6 +16,7 @@ _ENGINE_MODULES = ("pagedllm.entrypoints.openai.api_server", "pagedllm.engine.co
                    "pagedllm.layers.moe", "pagedllm.executor.worker_proc", "pagedllm.llm")
 
 
+@pytest.mark.slow  # a fresh interpreter importing the engine: 6 s
 def test_the_engine_imports_without_torch_dynamo():
     code = f"import sys\nimport {', '.join(_ENGINE_MODULES)}\nprint('torch._dynamo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -127,6 +127,7 @@ def test_layers_take_int8_only_where_it_is_vectorized():
     assert part_compute("Q4_K", "exact") == "exact"
 
 
+@pytest.mark.slow  # every GGUF type widened by gguf-py: 3 s
 def test_without_the_kernel_every_type_still_widens_to_gguf_py_values():
     """PAGEDLLM_DISABLE_C_KERNELS=1 (or no compiler): layers widen with a warning, through torch
     for Q4_0 / Q4_1 / Q8_0 and gguf-py for the rest; the values are the same."""

@@ -16,6 +16,7 @@ def _response(i: int) -> dict:
                                                          "text": f"answer {i} " * 40}]}]}
 
 
+@pytest.mark.slow  # 10,000 responses under tracemalloc: 3 s
 def test_bounds_hold_over_10000_responses():
     store = ResponseStore(max_entries=100_000, max_bytes=1_000_000)
     tracemalloc.start()

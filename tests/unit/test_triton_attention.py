@@ -306,6 +306,7 @@ def test_prefill_with_context(mode, Hq, Hk):
     check(out, ref, torch.float32)
 
 
+@pytest.mark.slow  # the interpreter over a 200-token prefill: ~1.5 s a window
 @pytest.mark.parametrize("window", [1, 5, 16, 40, 200])
 @needs_triton
 def test_prefill_sliding_window(mode, window):

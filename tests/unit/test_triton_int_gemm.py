@@ -294,6 +294,7 @@ _TT = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
 
 @needs_ptxas
 @pytest.mark.parametrize("capability", [80, 90])
+@pytest.mark.slow  # compiles each kernel for sm_80 / sm_90: ~1 s a case
 @pytest.mark.parametrize("M,K,N,bits,gs,x_dtype,act_order,split", [
     (1, 4096, 4096, 4, 128, torch.float16, False, 8),    # decode: split-K into float32 partials
     (256, 4096, 4096, 8, 128, torch.bfloat16, True, 1),  # prefill tile 128 x 128 x 64, 8 warps

@@ -65,6 +65,7 @@ def test_logit_bias_is_clamped_so_the_row_stays_finite():
     assert torch.isfinite(torch.softmax(row, -1)).all()
 
 
+@pytest.mark.slow  # builds the server's app: 3 s
 def test_logprobs_minus_one_means_the_vocabulary_offline_and_in_the_server():
     params = SamplingParams(logprobs=-1, prompt_logprobs=-1)
     processor(max_logprobs=-1).validate([1], params)
