@@ -78,7 +78,15 @@ def test_preemption_keeps_parity(tiny_vlm, arch):
     assert _matches(folder, cases, outs, 16)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+# The vision tower is kept outside the sharded module tree (model/multimodal.py) and the rows
+# reach every rank by the same path (worker/mm_embeddings.py), so TP differs between archs only
+# in what rides with the rows: M-RoPE positions (Qwen2-VL) and bidirectional spans (Gemma 3).
+# LLaVA 1.5 has its own TP test (test_vlm_llava.py); LLaVA-NeXT, Idefics3 and Qwen2.5-VL were
+# measured equal at TP=2 in issue 45 and share these paths (12 s each on two cores).
+TP_ARCHS = ("qwen2_vl", "gemma3")
+
+
+@pytest.mark.parametrize("arch", TP_ARCHS)
 def test_tensor_parallel_two_ranks(tiny_vlm, arch):
     """TP=2: every rank runs the whole vision tower, its half of the language model."""
     folder = tiny_vlm(arch)
