@@ -189,3 +189,38 @@ def test_hostile_image_values_are_400s_and_a_plain_request_still_succeeds(http):
         assert word in r.json()["error"]["message"].lower() or word in str(r.json()["error"].get("param")), r.json()
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert r.status_code == 200, r.text
+
+
+def test_responses_take_input_image_parts(vlm_server, http):
+    """/v1/responses with an `input_image` part runs the chat path's image handling: the same
+    greedy text as chat (and transformers); the input item lists the image; a continuation
+    replays it (a prefix-cache hit); hostile image parts are 400s naming the part."""
+    import openai
+
+    srv, folder = vlm_server
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=srv.api_key or "EMPTY",
+                           max_retries=0, timeout=60.0)
+    data_url = "data:image/png;base64," + base64.b64encode(PNG).decode()
+    chat = http.post("/v1/chat/completions", json=_body(_image(data_url))).json()
+    parts = [{"type": "input_image", "image_url": data_url, "detail": "auto"},
+             {"type": "input_text", "text": QUESTION}]
+    resp = client.responses.create(model=chat["model"], input=[{"role": "user", "content": parts}],
+                                   temperature=0, max_output_tokens=MAX_TOKENS)
+    assert resp.output_text == chat["choices"][0]["message"]["content"]
+    assert resp.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    (item,) = client.responses.input_items.list(resp.id).data
+    assert [p.type for p in item.content] == ["input_image", "input_text"]
+    again = client.responses.create(model=chat["model"], input="Again.", temperature=0,
+                                    max_output_tokens=2, previous_response_id=resp.id)
+    assert again.usage.input_tokens_details.cached_tokens >= resp.usage.input_tokens - 16
+    for bad, param in ((dict(parts[0], file_id="file_1"), "input[0].content[0].file_id"),
+                       ({"type": "input_image"}, "input[0].content[0].image_url"),
+                       ({"type": "input_image", "image_url": "http://example.com/a.png"}, None)):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(model=chat["model"], input=[{"role": "user", "content": [bad]}],
+                                    max_output_tokens=2)
+        if param is not None:
+            assert info.value.body["param"] == param
+        else:
+            assert "--allowed-media-domains" in info.value.body["message"]
+    assert http.get("/health").status_code == 200

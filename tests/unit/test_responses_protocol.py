@@ -46,6 +46,26 @@ def test_items_become_chat_messages():
     assert chat.max_completion_tokens == 5 and chat.top_k == 3
 
 
+def test_input_image_parts_reach_chat_for_an_image_model():
+    req = ResponsesRequest(model="m", input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "What is it?"},
+        {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "low"}]}])
+    (msg,) = req.to_chat([], takes_images=True).model_dump(exclude_none=True)["messages"]
+    assert msg["content"] == [{"type": "text", "text": "What is it?"},
+                              {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA",
+                                                                  "detail": "low"}}]
+    for bad, param in (({"type": "input_image", "file_id": "f"}, "input[0].content[0].file_id"),
+                       ({"type": "input_image"}, "input[0].content[0].image_url")):
+        with pytest.raises(OpenAIError) as info:
+            ResponsesRequest(model="m", input=[{"role": "user", "content": [bad]}]).to_chat(
+                [], takes_images=True)
+        assert info.value.param == param
+    with pytest.raises(OpenAIError) as info:  # an assistant's message holds no image
+        ResponsesRequest(model="m", input=[{"role": "assistant", "content": [
+            {"type": "input_image", "image_url": "x"}]}]).to_chat([], takes_images=True)
+    assert info.value.param == "input[0].content[0].type"
+
+
 def test_history_comes_first():
     req = ResponsesRequest(model="m", input="And then?")
     conv = req.to_chat([{"type": "message", "role": "user", "content": "Once"},

@@ -42,6 +42,7 @@ from pagedllm.entrypoints.openai.chat_protocol import (
 )
 from pagedllm.entrypoints.openai.protocol_base import now_seconds
 from pagedllm.entrypoints.openai.request_fields import (
+    FieldPlan,
     fit_default_max_tokens,
     log_request,
     make_usage,
@@ -56,6 +57,7 @@ from pagedllm.entrypoints.openai.streaming import DONE, SSE_HEADERS, ChoiceStrea
 from pagedllm.entrypoints.openai.tool_calling import ToolPlan, finish_reason, plan_tools
 from pagedllm.multimodal.chat_parts import ChatInputs, multimodal_prompt
 from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import TemplateTimeoutError, max_chars_per_token, render_time_limit
 
 ROLE = "assistant"
@@ -107,6 +109,19 @@ class RequestTemplates:
                               param="chat_template") from None
 
 
+@dataclass
+class PreparedChat:
+    """A chat request made ready for the engine (ChatServer.prepare)."""
+
+    prompt_text: str
+    prompt: dict[str, Any]  # the engine's prompt: text, token ids, images, cache_salt
+    prompt_len: int
+    params: SamplingParams
+    plan: ToolPlan
+    fields: FieldPlan
+    lora: Any
+
+
 def _token_text(token_id: int) -> str:
     return f"token_id:{token_id}"
 
@@ -116,7 +131,11 @@ class ChatServer:
         self.ctx = ctx
         self.templates = templates or RequestTemplates()
 
-    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
+    async def prepare(self, request: ChatCompletionRequest, raw_request: Request) -> PreparedChat:
+        """Everything before the engine request, shared with /v1/responses (one path under two
+        protocols): the model, the template, the messages and their images, the sampling
+        parameters, the tool plan, vLLM's request fields, the rendered prompt. Each refusal is
+        an OpenAIError (or a ValueError: a 400) naming its field."""
         ctx = self.ctx
         lora = ctx.check_model(request.model)
         template = self.templates.resolve(request.chat_template, request.chat_template_kwargs)
@@ -136,25 +155,29 @@ class ChatServer:
         params = fields.params
         if inputs.images:
             prompt_text, prompt = await self._render_with_images(request, inputs, template)
-            fit_default_max_tokens(ctx, params, len(prompt["prompt_token_ids"]))
-            prompt_len = len(prompt["prompt_token_ids"])
         else:
             prompt_text, prompt_ids = await ctx.run_tokenizer(self._render, request,
                                                               inputs.messages, template)
-            fit_default_max_tokens(ctx, params, len(prompt_ids))
             prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
-            prompt_len = len(prompt_ids)
+        fit_default_max_tokens(ctx, params, len(prompt["prompt_token_ids"]))
+        prompt["cache_salt"] = request.cache_salt
+        return PreparedChat(prompt_text, prompt, len(prompt["prompt_token_ids"]), params, plan,
+                            fields, lora)
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
+        ctx = self.ctx
+        prep = await self.prepare(request, raw_request)
+        fields, params, plan, prompt_text = prep.fields, prep.params, prep.plan, prep.prompt_text
         request_id = f"chatcmpl-{fields.request_id}"
         created = now_seconds()
         engine = ctx.async_engine
         log_request(ctx, request_id, prompt_text, params)
         stream = await engine.add_request(
-            request_id, {**prompt, "cache_salt": request.cache_salt},
-            params, priority=request.priority, lora_request=lora,
+            request_id, prep.prompt, params, priority=request.priority, lora_request=prep.lora,
         )
         if request.stream:
             body = self._stream(request, raw_request, request_id, created, stream, plan,
-                                prompt_len=prompt_len)
+                                prompt_len=prep.prompt_len)
             return StreamingResponse(
                 body, media_type="text/event-stream", headers={**SSE_HEADERS, **fields.headers},
                 background=BackgroundTask(engine.abort_unfinished, [stream]),

@@ -26,10 +26,8 @@ from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.request_fields import (
     IGNORED_FIELDS_HEADER,
-    fit_default_max_tokens,
     header_value,
     log_request,
-    plan_fields,
 )
 from pagedllm.entrypoints.openai.response_store import (
     ResponseStore,
@@ -42,7 +40,7 @@ from pagedllm.entrypoints.openai.responses_items import canonical_items, list_pa
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest, refuse
 from pagedllm.entrypoints.openai.responses_turn import Turn
 from pagedllm.entrypoints.openai.streaming import SSE_HEADERS
-from pagedllm.entrypoints.openai.tool_calling import ToolPlan, plan_tools
+from pagedllm.entrypoints.openai.tool_calling import ToolPlan
 from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger("pagedllm.server")
@@ -104,32 +102,23 @@ class ResponsesServer:
                          "(--disable-responses-store).", "background")
         owner = self._owner(raw_request)
         history = self._history(request, owner)
-        chat_request = request.to_chat(history)
+        chat_request = request.to_chat(history, ctx.takes_images)
         self._check_effort(request, chat_request)
-        lora = ctx.check_model(chat_request.model)
-        params = chat_request.to_sampling_params(ctx.generation_defaults)
-        params.verify_token_ids(ctx.vocab_size)
-        plan = plan_tools(chat_request, ctx.tool_config)
-        params = plan.apply(params)
-        fields = plan_fields(ctx, chat_request, raw_request, params)
-        params = fields.params
-        headers = dict(fields.headers)
+        prep = await self.chat.prepare(chat_request, raw_request)
+        headers = dict(prep.fields.headers)
         ignored = request.ignored_fields()
         if ignored:
             logger.warning("The following fields were present in the request but ignored: %s",
                            ignored)
             headers[IGNORED_FIELDS_HEADER] = ",".join(header_value(n) for n in ignored)
-        prompt_text, prompt_ids = await ctx.run_tokenizer(
-            self.chat._render, chat_request, chat_request.conversation())
-        fit_default_max_tokens(ctx, params, len(prompt_ids))
         response_id = new_response_id()
         engine = ctx.async_engine
-        log_request(ctx, response_id, prompt_text, params)
+        plan = prep.plan
+        log_request(ctx, response_id, prep.prompt_text, prep.params)
         try:
-            stream = await engine.add_request(
-                response_id, {"prompt": prompt_text, "prompt_token_ids": prompt_ids,
-                              "cache_salt": chat_request.cache_salt},
-                params, priority=chat_request.priority, lora_request=lora)
+            stream = await engine.add_request(response_id, prep.prompt, prep.params,
+                                              priority=chat_request.priority,
+                                              lora_request=prep.lora)
         except ValueError as exc:
             raise _grammar_error(request, exc) from None
         turn = Turn(self, request, response_id, ctx.served_name(request.model), owner,

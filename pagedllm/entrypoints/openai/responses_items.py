@@ -30,6 +30,9 @@ def _message_parts(role: str, content: Any) -> list[dict[str, Any]]:
         kind = part.get("type")
         if kind == "refusal":
             parts.append({"type": "refusal", "refusal": str(part.get("refusal", ""))})
+        elif kind == "input_image":
+            parts.append({"type": "input_image", "image_url": part.get("image_url"),
+                          "detail": part.get("detail") or "auto"})
         elif assistant:
             parts.append(output_text(str(part.get("text", ""))))
         else:

@@ -121,13 +121,15 @@ class ResponsesRequest(OpenAIBaseModel):
             return [{"type": "message", "role": "user", "content": self.input}]
         return list(self.input)
 
-    def to_chat(self, history: list[dict[str, Any]]) -> ChatCompletionRequest:
+    def to_chat(self, history: list[dict[str, Any]],
+                takes_images: bool = False) -> ChatCompletionRequest:
         """The chat completion request that runs this one; `history`: the items of the
-        earlier turns (previous_response_id), replayed before this request's input."""
+        earlier turns (previous_response_id), replayed before this request's input;
+        `takes_images`: the served model takes images (`input_image` parts)."""
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
-        messages += items_to_messages(history + self.input_items(), len(history))
+        messages += items_to_messages(history + self.input_items(), len(history), takes_images)
         if not messages:
             raise refuse("`input` is empty: send a string or at least one item.", "input")
         body: dict[str, Any] = dict(
@@ -163,29 +165,59 @@ class ResponsesRequest(OpenAIBaseModel):
                          param) from None
 
 
-def _text_of(content: Any, where: str) -> str:
-    """The text of an item's `content` (a string or text parts; other parts are a 400)."""
+def _image_part(part: dict[str, Any], where: str, takes_images: bool) -> dict[str, Any]:
+    """An `input_image` part as chat's `image_url` part (chat loads and checks the image)."""
+    if not takes_images:
+        raise refuse(f"`{where}`: content part type 'input_image' is not supported: this model "
+                     "takes no images (text parts only: input_text, output_text).",
+                     f"{where}.type")
+    if part.get("file_id") is not None:
+        raise refuse(f"`{where}.file_id`: file ids are not supported (there is no Files API "
+                     "here); send the image as `image_url` (a data URL or an allowed http(s) "
+                     "URL).", f"{where}.file_id")
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise refuse(f"`{where}.image_url` is required (a data URL or an http(s) URL).",
+                     f"{where}.image_url")
+    spec = {"url": url}
+    if part.get("detail") is not None:
+        spec["detail"] = part["detail"]
+    return {"type": "image_url", "image_url": spec}
+
+
+def _content_of(content: Any, where: str,
+                takes_images: bool | None = False) -> str | list[dict]:
+    """An item's `content` for chat: its text (text parts joined by newlines), or, when it
+    holds images, chat's parts in their order. `takes_images`: whether the model takes images
+    (False: an image part is refused as such); None where no image may be (an assistant's
+    message, a tool's output)."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
         raise refuse(f"`{where}.content` must be a string or a list of parts.", f"{where}.content")
-    texts = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in _TEXT_PARTS:
-            texts.append(str(part.get("text", "")))
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
         elif kind == "refusal":
-            texts.append(str(part.get("refusal", "")))
+            parts.append({"type": "text", "text": str(part.get("refusal", ""))})
+        elif kind == "input_image" and takes_images is not None:
+            parts.append(_image_part(part, f"{where}.content[{j}]", takes_images))
         else:
             raise refuse(f"`{where}.content[{j}]`: content part type {kind!r} is not supported "
-                         "by /v1/responses (text parts only: input_text, output_text).",
-                         f"{where}.content[{j}].type")
-    return "\n".join(texts)
+                         "by /v1/responses (text parts, and input_image for a model that takes "
+                         "images).", f"{where}.content[{j}].type")
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
 
 
-def items_to_messages(items: list[dict[str, Any]], n_history: int = 0) -> list[dict[str, Any]]:
+def items_to_messages(items: list[dict[str, Any]], n_history: int = 0,
+                      takes_images: bool = False) -> list[dict[str, Any]]:
     """Chat messages (ChatMessageParam's dict form) of Responses input items; `n_history`:
-    how many leading items came from earlier turns (an error names this request's index)."""
+    how many leading items came from earlier turns (an error names this request's index);
+    `takes_images`: the model takes images (input_image parts of non-assistant messages)."""
     messages: list[dict[str, Any]] = []
     call_ids: set[str] = set()
     for i, item in enumerate(items):
@@ -198,7 +230,9 @@ def items_to_messages(items: list[dict[str, Any]], n_history: int = 0) -> list[d
             if role not in ("user", "system", "developer", "assistant"):
                 raise refuse(f"`{where}.role` must be user, system, developer or assistant, "
                              f"got {role!r}.", f"{where}.role")
-            messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+            images = takes_images if role != "assistant" else None  # None: no image part
+            messages.append({"role": role,
+                             "content": _content_of(item.get("content"), where, images)})
         elif kind == "function_call":
             call_id, name = item.get("call_id"), item.get("name")
             if not isinstance(call_id, str) or not isinstance(name, str):
@@ -218,7 +252,8 @@ def items_to_messages(items: list[dict[str, Any]], n_history: int = 0) -> list[d
                 raise refuse(f"`{where}.call_id`: no earlier function_call has call_id "
                              f"{call_id!r}.", f"{where}.call_id")
             output = item.get("output")
-            text = output if isinstance(output, str) else _text_of(output, f"{where}.output")
+            text = output if isinstance(output, str) else _content_of(
+                output, f"{where}.output", None)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
         elif kind == "reasoning":
             continue  # earlier turns' reasoning: not shown to the template (as in chat)
