@@ -1,9 +1,12 @@
-"""POST /v1/responses, GET / DELETE /v1/responses/{id}: OpenAI's Responses API over the chat
-completion path (docs/responses_api.md).
+"""POST /v1/responses, GET / DELETE /v1/responses/{id} (and its input_items), POST
+/v1/responses/{id}/cancel: OpenAI's Responses API over the chat completion path
+(docs/responses_api.md).
 
-A request becomes a chat completion request (responses_protocol.py), which runs as chat runs
-it: the chat template (ChatServer's rendering), the tool plan (`tools` / `tool_choice`, the
-server's tool and reasoning parsers), structured output (`text.format`), one engine request.
+A request becomes a chat completion request (responses_protocol.py), made ready by chat's own
+`ChatServer.prepare`: the chat template, images, the tool plan (`tools` / `tool_choice`, the
+server's tool and reasoning parsers), structured output (`text.format`), vLLM's request fields;
+then one engine request. A background request runs as a task of its own
+(responses_background.py).
 Its output becomes `output` items (responses_output.py). A finished response is kept in the
 response store (response_store.py) unless `store` is false or the store is off; a
 `previous_response_id` replays that response's input and output items before the new input,

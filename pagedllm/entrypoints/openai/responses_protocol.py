@@ -3,7 +3,8 @@ Responses API is a second protocol over the chat path (templates, tool parsers, 
 parsers, the grammar engine), not a second engine path.
 
 Translation: `instructions` -> a system message first; `input` (a string, or items) -> chat
-messages: `message` items (text parts), `function_call` items -> an assistant message's
+messages: `message` items (text parts; `input_image` parts -> chat's `image_url` parts when the
+model takes images), `function_call` items -> an assistant message's
 `tool_calls` (consecutive calls, and calls following an assistant message, join that
 message), `function_call_output` -> a `tool` message (its `call_id` must name an earlier
 call), `reasoning` items -> dropped (chat templates drop earlier turns' reasoning too).
