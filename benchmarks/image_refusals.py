@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 import base64
 import io
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
+
+from benchmarks.serve_process import serving
 
 
 def _png(size=(48, 40), mode="RGB") -> bytes:
@@ -61,45 +59,28 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", args.model, "--port", str(port),
-                             "--max-model-len", "512", "--kv-cache-space", "0.05", "--limit-mm-per-prompt",
-                             '{"image": 2}', "--allowed-media-domains", "127.0.0.1", "--media-fetch-timeout", "2"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        with httpx.Client(base_url=base, timeout=60) as http:
-            for _ in range(240):
-                try:
-                    if http.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.5)
-            model = http.get("/v1/models").json()["data"][0]["id"]
-            print("| input | status | message |\n|---|---|---|")
+    serve_args = [args.model, "--max-model-len", "512", "--kv-cache-space", "0.05", "--limit-mm-per-prompt",
+                  '{"image": 2}', "--allowed-media-domains", "127.0.0.1", "--media-fetch-timeout", "2"]
+    with serving(serve_args) as base, httpx.Client(base_url=base, timeout=60) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        print("| input | status | message |\n|---|---|---|")
 
-            def ask(content) -> httpx.Response:
-                return http.post("/v1/chat/completions", json={
-                    "model": model, "max_tokens": 4, "temperature": 0,
-                    "messages": [{"role": "user", "content": content}]})
+        def ask(content) -> httpx.Response:
+            return http.post("/v1/chat/completions", json={
+                "model": model, "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "user", "content": content}]})
 
-            for name, parts in cases():
-                r = ask([*parts, {"type": "text", "text": "What is it?"}])
-                msg = r.json().get("error", {}).get("message", "") if r.status_code != 200 else "(answered)"
-                print(f"| {name} | {r.status_code} | {msg.replace('|', '/')[:220]} |")
-            r = ask([_part(_url(_png())), {"type": "text", "text": "What is it?"}])
-            print(f"| then: a plain image request | {r.status_code} | {r.json()['choices'][0]['message']['content']!r} |")
-            r = ask("Hello")
-            print(f"| then: a plain text request | {r.status_code} | {r.json()['choices'][0]['message']['content']!r} |")
-            metrics = [line for line in http.get("/metrics").text.splitlines()
-                       if line.startswith(("vllm:mm_cache", "pagedllm:mm_images_encoded_total", "vllm:num_requests"))]
-            print("\n" + "\n".join(metrics))
-    finally:
-        proc.terminate()
-        proc.wait(30)
+        for name, parts in cases():
+            r = ask([*parts, {"type": "text", "text": "What is it?"}])
+            msg = r.json().get("error", {}).get("message", "") if r.status_code != 200 else "(answered)"
+            print(f"| {name} | {r.status_code} | {msg.replace('|', '/')[:220]} |")
+        r = ask([_part(_url(_png())), {"type": "text", "text": "What is it?"}])
+        print(f"| then: a plain image request | {r.status_code} | {r.json()['choices'][0]['message']['content']!r} |")
+        r = ask("Hello")
+        print(f"| then: a plain text request | {r.status_code} | {r.json()['choices'][0]['message']['content']!r} |")
+        metrics = [line for line in http.get("/metrics").text.splitlines()
+                   if line.startswith(("vllm:mm_cache", "pagedllm:mm_images_encoded_total", "vllm:num_requests"))]
+        print("\n" + "\n".join(metrics))
 
 
 if __name__ == "__main__":

@@ -14,15 +14,14 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
-import socket
 import statistics
-import subprocess
-import sys
 import time
 import tracemalloc
 
 import httpx
 import openai
+
+from benchmarks.serve_process import serving
 
 ADD = {"type": "function", "name": "add", "description": "Add two integers", "strict": False,
        "parameters": {"type": "object", "additionalProperties": False,
@@ -30,10 +29,7 @@ ADD = {"type": "function", "name": "add", "description": "Add two integers", "st
                       "required": ["a", "b"]}}
 
 
-def _start(port: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port",
-                             str(port), "--max-model-len", "2048", "--kv-cache-space", "0.5"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+SERVE_ARGS = ["--max-model-len", "2048", "--kv-cache-space", "0.5"]
 
 
 def _idle(http: httpx.Client, timeout: float = 30.0) -> float:
@@ -172,45 +168,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = _start(port)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        with httpx.Client(base_url=base, timeout=120) as http:
-            for _ in range(480):
-                try:
-                    if http.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.5)
-            client = openai.OpenAI(base_url=f"{base}/v1", api_key="EMPTY", max_retries=0)
-            model = client.models.list().data[0].id
-            rows, response = continuation(client, model, args.repeats)
-            print("## previous_response_id continuation (prefix cache)\n")
-            print("| first turn input tokens | second turn input tokens | cached | cached / first |")
-            print("|---|---|---|---|")
-            for a, b, c, ratio in rows:
-                print(f"| {a} | {b} | {c} | {ratio:.3f} |")
-            print(f"\nmedian cached / first-turn prompt: "
-                  f"{statistics.median(r[3] for r in rows):.3f}\n")
-            print("## one streamed function call (tool_choice named), its events\n")
-            print(" -> ".join(tool_call_events(client, model)) + "\n")
-            print(f"## background responses (medians of {args.repeats})\n")
-            for k, v in background(client, http, model, args.repeats).items():
-                print(f"- {k}: {v:.3f}")
-            print("\n## refused by name\n")
-            print("| input | status | param | message |\n|---|---|---|---|")
-            for name, status, param, msg in refusals(client, model):
-                print(f"| {name} | {status} | {param} | {msg[:160]} |")
-            health = http.get("/health").status_code
-            plain = client.responses.create(model=model, input="Hi.", max_output_tokens=2)
-            print(f"\nafterwards: /health {health}, a plain request: {plain.status}\n")
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with serving(SERVE_ARGS) as base, httpx.Client(base_url=base, timeout=120) as http:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="EMPTY", max_retries=0)
+        model = client.models.list().data[0].id
+        rows, response = continuation(client, model, args.repeats)
+        print("## previous_response_id continuation (prefix cache)\n")
+        print("| first turn input tokens | second turn input tokens | cached | cached / first |")
+        print("|---|---|---|---|")
+        for a, b, c, ratio in rows:
+            print(f"| {a} | {b} | {c} | {ratio:.3f} |")
+        print(f"\nmedian cached / first-turn prompt: "
+              f"{statistics.median(r[3] for r in rows):.3f}\n")
+        print("## one streamed function call (tool_choice named), its events\n")
+        print(" -> ".join(tool_call_events(client, model)) + "\n")
+        print(f"## background responses (medians of {args.repeats})\n")
+        for k, v in background(client, http, model, args.repeats).items():
+            print(f"- {k}: {v:.3f}")
+        print("\n## refused by name\n")
+        print("| input | status | param | message |\n|---|---|---|---|")
+        for name, status, param, msg in refusals(client, model):
+            print(f"| {name} | {status} | {param} | {msg[:160]} |")
+        health = http.get("/health").status_code
+        plain = client.responses.create(model=model, input="Hi.", max_output_tokens=2)
+        print(f"\nafterwards: /health {health}, a plain request: {plain.status}\n")
     print("## the store at 10,000 responses (a real response object + a 2,000-character input)\n")
     print("| bounds | kept | JSON bytes counted | Python heap (tracemalloc) |\n|---|---|---|---|")
     for label, kept, counted, heap in store_memory(response):

@@ -301,6 +301,17 @@ class AsyncLLMEngine:
             if not stream.finished:
                 self._abort_stream(stream)
 
+    async def final_output(self, stream: RequestStream) -> RequestOutput | None:
+        """The request's last output (None if it ended without one). However the caller
+        leaves (also cancelled before the first output), an unfinished request is aborted."""
+        final: RequestOutput | None = None
+        try:
+            async for out in self.stream_outputs(stream):
+                final = out
+        finally:
+            self.abort_unfinished([stream])
+        return final
+
     async def generate(
         self,
         prompt: "PromptType",

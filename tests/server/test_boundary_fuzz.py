@@ -1085,6 +1085,17 @@ VALID_RESPONSES: dict[str, st.SearchStrategy] = {
 VALID_RESPONSES_INPUTS = pool(*(i for i, bad in _RESPONSES_INPUTS if bad is False))
 
 
+def _draw_schema_and_unknown_fields(data, body: dict, schema_fields: dict) -> None:
+    """Up to two fields of the server's schema with a value of their declared type (or junk),
+    and now and then an unknown field."""
+    for name in data.draw(st.lists(st.sampled_from(sorted(schema_fields)), max_size=2,
+                                   unique=True), label="schema fields"):
+        body[name] = data.draw(schema_fields[name], label=f"{name} (schema)")
+    if data.draw(st.integers(0, 4), label="unknown field?") == 0:
+        body[data.draw(UNKNOWN_NAMES, label="unknown name")] = data.draw(
+            st.sampled_from(JUNK), label="unknown value")
+
+
 def draw_responses_body(data, schema_fields: dict, mostly_valid: bool) -> dict:
     """A /v1/responses body, drawn as draw_case draws the others."""
     body: dict[str, Any] = {}
@@ -1110,12 +1121,7 @@ def draw_responses_body(data, schema_fields: dict, mostly_valid: bool) -> dict:
         for name in data.draw(st.lists(st.sampled_from(sorted(RESPONSES_FIELDS)), max_size=6,
                                        unique=True), label="fields"):
             body[name] = data.draw(RESPONSES_FIELDS[name], label=name)
-        for name in data.draw(st.lists(st.sampled_from(sorted(schema_fields)), max_size=2,
-                                       unique=True), label="schema fields"):
-            body[name] = data.draw(schema_fields[name], label=f"{name} (schema)")
-        if data.draw(st.integers(0, 4), label="unknown field?") == 0:
-            body[data.draw(UNKNOWN_NAMES, label="unknown name")] = data.draw(
-                st.sampled_from(JUNK), label="unknown value")
+        _draw_schema_and_unknown_fields(data, body, schema_fields)
     if "max_output_tokens" not in body and data.draw(st.integers(0, 9)) > 0:
         body["max_output_tokens"] = data.draw(small_max, label="max_output_tokens (capped)")
     return body
@@ -1188,14 +1194,7 @@ def draw_case(data, fields_from_schema: dict) -> tuple[str, dict]:
                           label="fields")
         for name in names:
             body[name] = data.draw(table[name], label=name)
-        # fields of the server's schema with a value of their declared type (or junk)
-        schema_fields = fields_from_schema[path]
-        for name in data.draw(st.lists(st.sampled_from(sorted(schema_fields)), max_size=2,
-                                       unique=True), label="schema fields"):
-            body[name] = data.draw(schema_fields[name], label=f"{name} (schema)")
-        if data.draw(st.integers(0, 4), label="unknown field?") == 0:
-            body[data.draw(UNKNOWN_NAMES, label="unknown name")] = data.draw(
-                st.sampled_from(JUNK), label="unknown value")
+        _draw_schema_and_unknown_fields(data, body, fields_from_schema[path])
     if "max_tokens" not in body and (chat and "max_completion_tokens" not in body
                                      or data.draw(st.integers(0, 9)) > 0):
         body["max_tokens"] = data.draw(small_max, label="max_tokens (capped)")

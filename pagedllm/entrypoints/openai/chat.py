@@ -182,12 +182,7 @@ class ChatServer:
                 body, media_type="text/event-stream", headers={**SSE_HEADERS, **fields.headers},
                 background=BackgroundTask(engine.abort_unfinished, [stream]),
             )
-        final: RequestOutput | None = None
-        try:
-            async for out in engine.stream_outputs(stream):
-                final = out
-        finally:
-            engine.abort_unfinished([stream])
+        final = await engine.final_output(stream)
         final = select_best(fields, final)  # best_of: the n most likely samples
         return JSONResponse(
             self._response(request, request_id, created, final, plan).model_dump(),

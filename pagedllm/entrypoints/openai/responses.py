@@ -44,7 +44,6 @@ from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest, ref
 from pagedllm.entrypoints.openai.responses_turn import Turn
 from pagedllm.entrypoints.openai.streaming import SSE_HEADERS
 from pagedllm.entrypoints.openai.tool_calling import ToolPlan
-from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -133,12 +132,7 @@ class ResponsesServer:
                 turn.stream(raw_request, stream, plan), media_type="text/event-stream",
                 headers={**SSE_HEADERS, **headers},
                 background=BackgroundTask(engine.abort_unfinished, [stream]))
-        final: RequestOutput | None = None
-        try:
-            async for out in engine.stream_outputs(stream):
-                final = out
-        finally:
-            engine.abort_unfinished([stream])
+        final = await engine.final_output(stream)
         return JSONResponse(await turn.full(final, plan), headers=headers)
 
     def _start_background(self, turn: Turn, stream: RequestStream, plan: ToolPlan,
