@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -19,25 +20,110 @@ import pytest
 # but the cheap ones); `pytest -m "not slow"` runs the rest in about a minute. CI runs everything.
 
 
+# The budgets of docs/testing.md, on the slowest machine of this kind seen (CI's).
+QUICK_TIER_BUDGET_S = 90
+WHOLE_SUITE_BUDGET_S = 25 * 60
+SLOWEST_SHOWN = 20
+
+
 def pytest_sessionstart(session):
     from tests import startups
 
     startups.count_engine_cores()
+    session.config._pagedllm_started = time.monotonic()
+
+
+def pytest_runtest_logreport(report):
+    """Set-up, call and teardown of each test, summed (under xdist the workers' reports come here)."""
+    from tests import startups
+
+    startups.test_seconds[report.nodeid] += report.duration
+
+
+def pytest_sessionfinish(session):
+    from tests import startups
+
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand its counts to the controller
+        session.config.workeroutput["pagedllm_startups"] = dict(startups.counts)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    from tests import startups
+
+    startups.counts.update(getattr(node, "workeroutput", {}).get("pagedllm_startups", {}))
+
+
+def _budget(config) -> tuple[str, int] | None:
+    """Which budget this run is held to: the quick tier, the whole suite, or none (a subset)."""
+    tests_dir = (config.rootpath / "tests").resolve()
+    whole = not config.getoption("keyword", "") and all(
+        (config.invocation_params.dir / a.split("::")[0]).resolve() == tests_dir for a in config.args)
+    markexpr = (config.getoption("markexpr", "") or "").replace(" ", "")
+    if whole and markexpr == "notslow":
+        return "the quick tier (-m 'not slow')", QUICK_TIER_BUDGET_S
+    if whole and not markexpr:
+        return "the whole suite", WHOLE_SUITE_BUDGET_S
+    return None
 
 
 def pytest_terminal_summary(terminalreporter):
     from tests import startups
 
+    config = terminalreporter.config
+    if hasattr(config, "workeroutput"):
+        return
+    slowest = sorted(startups.test_seconds.items(), key=lambda kv: kv[1], reverse=True)[:SLOWEST_SHOWN]
+    if slowest and slowest[0][1] >= 1.0:
+        terminalreporter.write_sep("-", f"the {len(slowest)} slowest tests (set-up + call + teardown)")
+        for nodeid, seconds in slowest:
+            terminalreporter.write_line(f"{seconds:7.1f} s  {nodeid}")
     setup = os.environ.get("PAGEDLLM_TEST_SETUP_SECONDS")
-    if startups.counts or setup:
-        terminalreporter.write_sep("-", "start-ups in this run")
-        if setup:
-            terminalreporter.write_line(f"{int(setup):5d}  seconds of scripts/setup-venv.sh before pytest")
-        for kind, n in sorted(startups.counts.items()):
-            terminalreporter.write_line(f"{n:5d}  {kind}")
+    terminalreporter.write_sep("-", "start-ups and time in this run")
+    if setup:
+        terminalreporter.write_line(f"{int(setup):5d}  seconds of scripts/setup-venv.sh before pytest")
+    for kind, n in sorted(startups.counts.items()):
+        terminalreporter.write_line(f"{n:5d}  {kind}")
+    elapsed = time.monotonic() - getattr(config, "_pagedllm_started", time.monotonic())
+    budget = _budget(config)
+    if budget is None:
+        terminalreporter.write_line(f"{elapsed:7.0f}  seconds of pytest (a subset: no budget applies)")
+    else:
+        name, limit = budget
+        verdict = "within" if elapsed <= limit else "OVER"
+        terminalreporter.write_line(
+            f"{elapsed:7.0f}  seconds of pytest: {verdict} {name}'s budget of {limit} s on the slowest "
+            f"machine seen ({100 * elapsed / limit:.0f}%; CI's machine can be 2x slower than this one)")
 
 
+# Parallel runs (`-n 2 --dist loadgroup`, docs/testing.md): which tests share a worker. A file's
+# tests stay together (its module-scoped engines, servers and checkpoints are built once); so do
+# all users of a session-scoped server or of transformers' SmolLM2 (one of each per run, not per
+# worker) and the Ray tests (one local Ray cluster at a time).
+_SHARED_GROUPS = (
+    ("session-servers", {"server", "trusted_server"}),
+    ("transformers-smollm2", {"hf_smollm2", "smollm2_hf_folder"}),
+)
+_RAY_FILES = {"test_ray_executor.py", "test_ray_replicas.py"}
+
+
+def worker_group(item) -> str:
+    """The xdist group of a test: a shared expensive fixture's, the Ray tests', or its file's."""
+    names = set(getattr(item, "fixturenames", ()))
+    for group, fixtures in _SHARED_GROUPS:
+        if names & fixtures:
+            return group
+    if item.path.name in _RAY_FILES:
+        return "ray"
+    return str(item.path.relative_to(item.config.rootpath))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("dist", "no") == "loadgroup":
+        for item in items:
+            if item.get_closest_marker("xdist_group") is None:
+                item.add_marker(pytest.mark.xdist_group(worker_group(item)))
     cuda = None
     for item in items:
         if item.get_closest_marker("gpu") is not None:
@@ -126,4 +212,4 @@ def shared_llm():
 @pytest.fixture(scope="session")
 def smollm2_llm(shared_llm, smollm2_gguf):
     """One default-configured engine on SmolLM2 shared by the tests that don't change knobs."""
-    return shared_llm(model=smollm2_gguf, kv_cache_space=1.0, max_model_len=2048)
+    return shared_llm(pin=True, model=smollm2_gguf, kv_cache_space=1.0, max_model_len=2048)

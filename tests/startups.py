@@ -9,6 +9,8 @@ import collections
 import functools
 
 counts: collections.Counter[str] = collections.Counter()
+# nodeid -> seconds of set-up, call and teardown: the root conftest prints the slowest.
+test_seconds: collections.defaultdict[str, float] = collections.defaultdict(float)
 
 
 def record(kind: str) -> None:

@@ -460,3 +460,45 @@ def decode_step_kernel(variant: str | None = None) -> DecodeStepKernel | None:
         return None
     return DecodeStepKernel(run, _kernel_function("decode_step.c", "decode_step_work_floats", (_PTR, _I64), _I64,
                                                   variant=variant))
+
+
+def prebuild(variants: list[str] | None = None, jobs: int | None = None) -> dict[tuple[str, str], KernelState]:
+    """Build (or find cached) every kernel source for each of `variants` (None: the one this CPU
+    runs best), `jobs` compilers at a time: what an install step or a test set-up runs once so
+    that no engine start-up (or test) waits on a compiler. Returns each library's state."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names: list[str | None] = list(variants) if variants else [None]
+    pairs = [(source, variant) for variant in names for source in kernel_sources()]
+
+    def build(pair: tuple[str, str | None]) -> KernelState:
+        _build(*pair)  # not build_library: its lock would make the compilers take turns
+        return _status[_key(*pair)[0]]
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs or os.cpu_count() or 1)) as pool:
+        states = list(pool.map(build, pairs))
+    return {(source, state.variant or str(variant)): state for (source, variant), state in zip(pairs, states)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pagedllm.kernels.build [--all-variants] [--jobs N]`: fill the kernel cache."""
+    import argparse
+
+    from pagedllm.kernels.isa import runnable_variants
+
+    parser = argparse.ArgumentParser(description="Build the C kernels into the kernel cache ahead of use.")
+    parser.add_argument("--all-variants", action="store_true",
+                        help="every instruction-set variant this CPU runs, not only the best one")
+    parser.add_argument("--jobs", type=int, default=None, help="compilers run at once (default: the CPU count)")
+    args = parser.parse_args(argv)
+    variants = [v.name for v in runnable_variants()] if args.all_variants else None
+    states = prebuild(variants, args.jobs)
+    failed = {key: state.reason for key, state in states.items() if not state.active}
+    print(f"{len(states) - len(failed)} of {len(states)} kernel libraries ready in {cache_dir() / 'kernels'}")
+    for (source, variant), reason in sorted(failed.items()):
+        print(f"  {source} [{variant}]: {reason}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -188,17 +188,23 @@ print(json.dumps({"variant": variants.pop() if len(variants) == 1 else sorted(va
 """
 
 
-@pytest.mark.slow  # builds the attention libraries per variant
-@pytest.mark.parametrize("variant", _runnable())
-def test_every_variant_attends_correctly(variant, tmp_path):
-    """The decode and prefill attention kernels of this variant (the op reads the process's
-    variant, so each runs in a child with PAGEDLLM_KERNEL_MARCH) against torch references."""
-    env = dict(os.environ, PAGEDLLM_KERNEL_MARCH=variant, PAGEDLLM_CACHE_DIR=str(tmp_path))
-    env["PAGEDLLM_CACHE_DIR"] = os.environ.get("PAGEDLLM_CACHE_DIR", str(tmp_path))  # reuse built libraries
+@pytest.mark.slow  # a child process per variant (the kernel cache: scripts/test.sh fills it)
+@pytest.mark.skipif(not _runnable(), reason="no compiler: no variant builds")
+def test_every_variant_attends_correctly():
+    """The decode and prefill attention kernels of every variant this CPU runs (the op reads the
+    process's variant, so each runs in a child with PAGEDLLM_KERNEL_MARCH; the children run at
+    once) against torch references, from the shared kernel cache."""
+    from pagedllm.model_source import cache_dir
+
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", _ATTENTION_CHILD], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["variant"] == variant
-    assert result["worst"] < 1e-4
+    children = {}
+    for variant in _runnable():
+        env = dict(os.environ, PAGEDLLM_KERNEL_MARCH=variant, PAGEDLLM_CACHE_DIR=str(cache_dir()))
+        children[variant] = subprocess.Popen([sys.executable, "-c", _ATTENTION_CHILD], env=env, cwd=root,
+                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for variant, proc in children.items():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, (variant, err[-3000:])
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result["variant"] == variant
+        assert result["worst"] < 1e-4, (variant, result)

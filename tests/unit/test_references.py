@@ -1,0 +1,101 @@
+"""The stored references (tests/references.py): written in write mode, read by default, a
+missing or stale one fails saying what changed and how to regenerate it, a live check compares
+with a tolerance for floats only."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import references
+from tests.references import content_hash, reference
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    monkeypatch.setattr(references, "STORE", tmp_path / "references")
+    monkeypatch.delenv(references.MODE_ENV, raising=False)
+    return tmp_path
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights")
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+def _write(monkeypatch, name, value, **kw):
+    monkeypatch.setenv(references.MODE_ENV, "write")
+    assert reference(name, lambda: value, **kw) == value
+    monkeypatch.delenv(references.MODE_ENV)
+
+
+def test_written_then_read_without_computing(store, checkpoint, monkeypatch):
+    _write(monkeypatch, "m.case", [[1, 2, 3]], sources=[checkpoint], inputs={"prompt": [5, 6]})
+    assert reference("m.case", lambda: pytest.fail("computed in stored mode"), sources=[checkpoint],
+                     inputs={"prompt": [5, 6]}) == [[1, 2, 3]]
+
+
+def test_missing_reference_fails_with_the_regeneration_command(store):
+    with pytest.raises(pytest.fail.Exception, match="no stored reference 'm.none'.*scripts/make_references.py"):
+        reference("m.none", lambda: 1)
+
+
+@pytest.mark.parametrize("change", ["inputs", "sources"])
+def test_stale_key_fails_naming_what_changed(store, checkpoint, monkeypatch, change):
+    _write(monkeypatch, "m.case", [1], sources=[checkpoint], inputs={"max_tokens": 4})
+    inputs = {"max_tokens": 5} if change == "inputs" else {"max_tokens": 4}
+    if change == "sources":
+        (checkpoint / "model.safetensors").write_bytes(b"other weights")
+    with pytest.raises(pytest.fail.Exception, match=f"stale \\(its {change} changed\\).*make_references"):
+        reference("m.case", lambda: [1], sources=[checkpoint], inputs=inputs)
+
+
+def test_a_library_version_change_is_stale(store, monkeypatch):
+    _write(monkeypatch, "m.case", [1])
+    monkeypatch.setattr(references, "library_version", lambda name: "0.0-other")
+    with pytest.raises(pytest.fail.Exception, match="its versions changed.*0.0-other"):
+        reference("m.case", lambda: [1])
+
+
+def test_live_check_compares_ids_exactly_and_floats_within_tolerance(store, monkeypatch):
+    _write(monkeypatch, "m.ids", {"ids": [1, 2], "logprob": -1.25})
+    assert reference("m.ids", lambda: {"ids": [1, 2], "logprob": -1.25 + 1e-6}, live=True)["ids"] == [1, 2]
+    with pytest.raises(AssertionError, match=r"value\['ids'\]\[1\]: 3 != 2.*drifted"):
+        reference("m.ids", lambda: {"ids": [1, 3], "logprob": -1.25}, live=True)
+    with pytest.raises(AssertionError, match=r"value\['logprob'\]"):
+        reference("m.ids", lambda: {"ids": [1, 2], "logprob": -1.3}, live=True)
+
+
+def test_live_mode_recomputes_every_reference(store, monkeypatch):
+    _write(monkeypatch, "m.case", [7])
+    monkeypatch.setenv(references.MODE_ENV, "live")
+    with pytest.raises(AssertionError, match="drifted"):
+        reference("m.case", lambda: [8])
+
+
+def test_tensors_are_stored_as_lists(store, monkeypatch):
+    import torch
+
+    _write(monkeypatch, "m.tensor", [0.5, 1.5], inputs={"ids": torch.tensor([1, 2])})
+    assert reference("m.tensor", lambda: None, inputs={"ids": [1, 2]}) == [0.5, 1.5]
+
+
+def test_content_hash_ignores_where_a_folder_is(tmp_path, checkpoint):
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    for f in checkpoint.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    assert content_hash(other) == content_hash(checkpoint)
+    (other / "config.json").write_text('{"x": 1}')
+    assert content_hash(other) != content_hash(checkpoint)
+
+
+def test_bad_mode_and_name_are_refused(store, monkeypatch):
+    with pytest.raises(ValueError, match="plain file name"):
+        reference("a/b", lambda: 1)
+    monkeypatch.setenv(references.MODE_ENV, "sometimes")
+    with pytest.raises(ValueError, match="PAGEDLLM_REFERENCES='sometimes'"):
+        reference("m.case", lambda: 1)
