@@ -10,6 +10,10 @@ EXTRAS=test bash scripts/setup-venv.sh
 # time, into the kernel cache (a second or two when it is current): no test waits on a compiler,
 # and tests/unit/test_kernel_isa.py checks each variant from the cache.
 .venv/bin/python -m pagedllm.kernels.build --all-variants --jobs "$(nproc)"
+# Bytecode is written (some machines set PYTHONDONTWRITEBYTECODE): every server, engine core and
+# worker process of the run then loads pagedllm's compiled modules instead of compiling them
+# again, and pytest keeps its rewritten test modules between runs.
+unset PYTHONDONTWRITEBYTECODE
 export PAGEDLLM_TEST_SETUP_SECONDS="$SECONDS"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 exec .venv/bin/python -m pytest -q "$@"

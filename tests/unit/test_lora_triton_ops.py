@@ -13,6 +13,7 @@ from pagedllm.lora import ops
 from pagedllm.lora import triton_ops as tops
 from tests.unit.test_lora_ops import assert_within, make_indices, make_stack, oracle_expand, oracle_shrink
 from tests.unit.triton_checks import assert_needs_triton_without_it, compile_to_cubin, needs_ptxas
+from tests.triton_cache import triton_compile_cache
 
 needs_triton = pytest.mark.skipif(not tops.HAS_TRITON, reason="triton is not installed")
 
@@ -110,7 +111,7 @@ def test_compiles_to_cuda_binary(monkeypatch, tmp_path, name, dtype):
     from triton.compiler import ASTSource
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(triton_compile_cache()))
     fn = tops._kernel(name)
     constexprs = dict(NUM_SEGS=5, BLOCK_M=32, BLOCK_N=64, BLOCK_K=16 if name == "expand" else 64,
                       IEEE=dtype == torch.float32)

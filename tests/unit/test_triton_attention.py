@@ -33,6 +33,7 @@ from pagedllm.layers.backends import triton_attention_checks as ta_checks
 from pagedllm.layers.backends import triton_attention_kernels as ta_kernels
 from pagedllm.layers.backends import triton_attention_tiles as ta_tiles
 from tests.unit.triton_checks import assert_needs_triton_without_it, compile_to_cubin, needs_ptxas
+from tests.triton_cache import triton_compile_cache
 
 needs_triton = pytest.mark.skipif(not ta_kernels.HAS_TRITON, reason="triton is not installed (pip install triton): the "
                                   "kernels cannot run, not even in Triton's CPU interpreter")
@@ -710,7 +711,7 @@ def test_softcap_compiles_to_cuda_binary(monkeypatch, tmp_path, capability, head
     attention (16 query / 8 KV heads of 256, window 4096, cap 50) and at head_dim 128
     (Gemma 2 27B); the capped decode keeps its tensor-core dot."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(triton_compile_cache()))
     Hq, Hk, B, T, S, W = 16, 8, 16, 256, 8, 64
     cache = torch.empty(2, 32, B, Hk, head_dim, dtype=q_dtype)
     scales = torch.ones(Hk)
@@ -743,7 +744,7 @@ def test_compiles_to_cuda_binary(monkeypatch, tmp_path, capability, case):
     if cache_dtype == torch.float8_e4m3fn and capability < 89:
         pytest.skip("Triton has no fp8e4nv before sm_89 (the wrappers refuse it there: test_e4m3_refused_before_sm89)")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))  # a real compilation every run
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(triton_compile_cache()))
     cache = torch.empty(2, 32, B, Hk, D, dtype=cache_dtype)
     fp8 = cache_dtype in FP8
     scales = torch.ones(Hk)

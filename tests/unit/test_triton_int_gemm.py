@@ -28,6 +28,7 @@ import torch
 from pagedllm.quantization.kernels import triton_int_gemm as tig
 from pagedllm.quantization.formats.packing import dequantize, pack_int32
 from tests.unit.triton_checks import assert_needs_triton_without_it, compile_to_cubin, needs_ptxas
+from tests.triton_cache import triton_compile_cache
 
 needs_triton = pytest.mark.skipif(not tig.HAS_TRITON, reason="triton is not installed (pip install triton): "
                                   "the kernel cannot run, not even in Triton's CPU interpreter")
@@ -308,7 +309,7 @@ def test_compiles_to_cuda_binary(monkeypatch, tmp_path, capability, M, K, N, bit
     from triton.compiler import ASTSource
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))  # a real compilation every run
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(triton_compile_cache()))
     fn = tig._kernel()
     cfg = tig._pick_config(M, N, K, gs, torch.device("cpu"))
     constexprs = tig._constexprs(cfg, bits, x_dtype, act_order)
