@@ -96,6 +96,59 @@ def _canonical(value: Any) -> Any:
     return value
 
 
+# Float arrays of at least this many values are stored packed (see `_pack`): JSON spells a float
+# in about 20 characters, the packed form in 5.3 (float32) or 10.7 (float64).
+PACK_MIN_VALUES = 64
+
+
+def _shape(value: Any) -> list[int] | None:
+    """The shape of a rectangular nested list of numbers with at least one float, else None."""
+    if not isinstance(value, list) or not value:
+        return None
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        return [len(value)] if any(isinstance(v, float) for v in value) else None
+    inner = [_shape(v) for v in value]
+    if inner[0] is None or any(s != inner[0] for s in inner):
+        return None
+    return [len(value), *inner[0]]
+
+
+def _pack(value: Any) -> Any:
+    """The stored form of a value: float arrays as little-endian bytes in base64 (float32 when
+    every value is one exactly, as logits and embeddings are), the rest as JSON."""
+    import base64
+
+    import numpy as np
+
+    if isinstance(value, dict):
+        return {k: _pack(v) for k, v in value.items()}
+    shape = _shape(value)
+    if shape is not None and int(np.prod(shape)) >= PACK_MIN_VALUES:
+        wide = np.asarray(value, dtype="<f8")
+        narrow = wide.astype("<f4")
+        dtype, data = ("float32", narrow) if np.array_equal(narrow.astype("<f8"), wide, equal_nan=True) \
+            else ("float64", wide)
+        return {"__packed__": dtype, "shape": shape, "data": base64.b64encode(data.tobytes()).decode()}
+    if isinstance(value, list):
+        return [_pack(v) for v in value]
+    return value
+
+
+def _unpack(value: Any) -> Any:
+    import base64
+
+    import numpy as np
+
+    if isinstance(value, dict):
+        if "__packed__" in value:
+            data = np.frombuffer(base64.b64decode(value["data"]), dtype="<f4" if value["__packed__"] == "float32" else "<f8")
+            return data.astype(np.float64).reshape(value["shape"]).tolist()
+        return {k: _unpack(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unpack(v) for v in value]
+    return value
+
+
 def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(_canonical(value), sort_keys=True).encode()).hexdigest()
 
@@ -124,12 +177,14 @@ def reference(name: str, compute: Callable[[], Any], *, sources: Iterable[str | 
     key = _digest(parts)
     path = _path(name)
     stored = json.loads(path.read_text()) if path.exists() else None
+    if stored is not None:
+        stored["value"] = _unpack(stored["value"])
     how = mode()
     if how == "write":
-        value = _canonical(compute())
+        packed = _pack(_canonical(compute()))
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"key": key, "parts": parts, "value": value}, sort_keys=True) + "\n")
-        return value
+        path.write_text(json.dumps({"key": key, "parts": parts, "value": packed}, sort_keys=True) + "\n")
+        return _unpack(packed)  # what a stored-mode run reads: the same types either way
     command = regenerate_command(_calling_test_file())
     if stored is None:
         pytest.fail(f"no stored reference {name!r} ({path.relative_to(STORE.parent.parent)}); "

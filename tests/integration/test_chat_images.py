@@ -1,6 +1,7 @@
 """Offline `LLM.chat` with image parts end to end on the tiny random LLaVA (issue 45): an
 `image_url` data URL, a file:// URL under allowed_local_media_path and an `image_pil` part give
-transformers' own greedy tokens for the same rendered prompt and image; the limit is enforced."""
+transformers' own greedy tokens for the same rendered prompt and image (stored: tests/references.py,
+`chat_images.image_parts`); the limit is enforced."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import io
 
 import pytest
 
-from tests.integration.vlm_fixtures import chat_prompt, hf_greedy, sample_images, user_turn
+from tests.integration.vlm_fixtures import chat_prompt, sample_images, stored_greedy, user_turn
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +35,8 @@ def test_chat_image_parts_match_transformers(llava, tmp_path):
 
     image = sample_images(1, seed=3)[0]
     (tmp_path / "img.png").write_bytes(_png(image))
-    expected = hf_greedy(llava, chat_prompt(llava, user_turn(QUESTION, 1)), [image], MAX_TOKENS)
+    expected = stored_greedy("chat_images.image_parts", llava, [(chat_prompt(llava, user_turn(QUESTION, 1)), [image])],
+                             MAX_TOKENS)[0]
     llm = LLM(model=llava, max_model_len=512, kv_cache_space=0.05, allowed_local_media_path=str(tmp_path),
               limit_mm_per_prompt={"image": 1})
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)

@@ -1,7 +1,13 @@
 """Pooling models against sentence-transformers and transformers on tiny random float32
 checkpoints (docs/pooling.md's parity table): embeddings cosine >= 0.99999 and max-abs <=
 1e-4, cross-encoder scores equal to `CrossEncoder.predict` within 1e-4 with the same order,
-Matryoshka truncation and normalisation as sentence-transformers does them."""
+Matryoshka truncation and normalisation as sentence-transformers does them.
+
+The reference libraries' outputs are stored (tests/references.py, `pooling_parity.*`) and compared
+with our engine as strictly as before; three are computed live every run, each reference
+library's check that the store has not drifted: sentence-transformers' `encode`
+(bert-mean-dense-prompt), its `CrossEncoder.predict` (ce-bert) and transformers' plain hidden
+states (the architecture default)."""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import pytest
 import torch
 
 from tests.integration.pooling_fixtures import save_decoder_embedder, save_encoder
+from tests.references import reference
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
 
@@ -25,6 +32,12 @@ TEXTS = [
 QUERY = "what is the capital of france"
 DOCS = ["paris is the capital of france", "the cat is on the tree", "a small blue book", "music of the city",
         "the engine has a cache"]
+ST_LIBS = ("transformers", "sentence-transformers")
+# Stored against live: recomputed on other float32 paths (one thread, oneDNN off) these references
+# moved by at most 2.2e-7 (relative, at least absolute), as another CPU's rounding would; TOLERANCE is
+# 50 times that and a tenth of the tests' 1e-4, TIGHT a fifth of the architecture-default test's 1e-5.
+TOLERANCE = 1e-5
+TIGHT = 2e-6
 
 
 def _st_model(hf_folder, out_folder, pooling: str, dense: int | None = None, normalize: bool = True,
@@ -85,15 +98,20 @@ def test_embeddings_match_sentence_transformers(folders, tmp_path, case):
     from pagedllm import LLM
 
     name, hf, pooling, dense, normalize, prompt, kwargs = case
-    ref_model = _st_model(folders / hf, tmp_path / name, pooling, dense, normalize, prompt)
-    ref = torch.tensor(ref_model.encode(TEXTS, convert_to_numpy=True))
+    ref_model = _st_model(folders / hf, tmp_path / name, pooling, dense, normalize, prompt)  # the engine's folder
+    refs = reference(f"pooling_parity.st_embed.{name}",
+                     lambda: {"full": ref_model.encode(TEXTS, convert_to_numpy=True),
+                              "truncate_dim_16": ref_model.encode(TEXTS, truncate_dim=16, normalize_embeddings=True)},
+                     sources=[tmp_path / name], inputs={"texts": TEXTS, "truncate_dim": 16}, libs=ST_LIBS,
+                     live=name == "bert-mean-dense-prompt", tolerance=TOLERANCE)
+    ref = torch.tensor(refs["full"])
     llm = LLM(str(tmp_path / name), runner="pooling", num_kv_blocks=64, **kwargs)
     ours = _embed(llm, TEXTS)
     cos, max_abs = _compare(ours, ref)
     print(f"PARITY {name}: min cosine {cos:.8f}, max abs {max_abs:.2e}")
     assert cos >= 0.99999 and max_abs <= 1e-4, (cos, max_abs)
     # Matryoshka: truncate, then normalise (encode(truncate_dim=16, normalize_embeddings=True))
-    ref16 = torch.tensor(ref_model.encode(TEXTS, truncate_dim=16, normalize_embeddings=True))
+    ref16 = torch.tensor(refs["truncate_dim_16"])
     ours16 = _embed(llm, TEXTS, dimensions=16, normalize=True)
     assert ours16.shape == (len(TEXTS), 16)
     cos16, abs16 = _compare(ours16, ref16)
@@ -108,13 +126,19 @@ def test_architecture_default_without_sentence_transformers_files(folders):
 
     from pagedllm import LLM
 
-    tok = AutoTokenizer.from_pretrained(folders / "bert")
-    hf = AutoModel.from_pretrained(folders / "bert").eval()
-    with torch.no_grad():
-        states = [hf(**tok(t, return_tensors="pt")).last_hidden_state[0] for t in TEXTS]
-    cls_ref = torch.nn.functional.normalize(torch.stack([s[0] for s in states]), dim=-1)
+    def hf_pooled():
+        tok = AutoTokenizer.from_pretrained(folders / "bert")
+        hf = AutoModel.from_pretrained(folders / "bert").eval()
+        with torch.no_grad():
+            states = [hf(**tok(t, return_tensors="pt")).last_hidden_state[0] for t in TEXTS]
+        return {"cls_normalized": torch.nn.functional.normalize(torch.stack([s[0] for s in states]), dim=-1),
+                "mean": torch.stack([s.mean(0) for s in states])}
+
+    refs = reference("pooling_parity.bert_default_pooling", hf_pooled, sources=[folders / "bert"],
+                     inputs={"texts": TEXTS}, live=True, tolerance=TIGHT)
+    cls_ref = torch.tensor(refs["cls_normalized"])
     assert _compare(_embed(LLM(str(folders / "bert")), TEXTS), cls_ref)[1] <= 1e-5
-    mean_ref = torch.stack([s.mean(0) for s in states])
+    mean_ref = torch.tensor(refs["mean"])
     llm = LLM(str(folders / "bert"), pooler_config='{"pooling_type": "MEAN", "normalize": false}')
     assert _compare(_embed(llm, TEXTS), mean_ref)[1] <= 1e-5
 
@@ -125,7 +149,10 @@ def test_rerank_scores_match_cross_encoder(folders, ce):
 
     from pagedllm import LLM
 
-    ref = CrossEncoder(str(folders / ce), device="cpu").predict([(QUERY, d) for d in DOCS])
+    ref = reference(f"pooling_parity.cross_encoder.{ce}",
+                    lambda: CrossEncoder(str(folders / ce), device="cpu").predict([(QUERY, d) for d in DOCS]),
+                    sources=[folders / ce], inputs={"query": QUERY, "documents": DOCS}, libs=ST_LIBS,
+                    live=ce == "ce-bert", tolerance=TOLERANCE)
     llm = LLM(str(folders / ce), task="score")
     ours = [o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)]
     diff = max(abs(a - float(b)) for a, b in zip(ours, ref))
@@ -194,7 +221,9 @@ def test_hub_id_resolves_sentence_transformers_folder(folders, tmp_path, monkeyp
     from tests.hub_cache import add_folder, commit_hash
 
     folder = tmp_path / "st"
-    ref = _st_model(folders / "bert", folder, "mean", 32, True, "query: ")
+    st_model = _st_model(folders / "bert", folder, "mean", 32, True, "query: ")
+    ref = reference("pooling_parity.hub_st_embed", lambda: st_model.encode(TEXTS), sources=[folder],
+                    inputs={"texts": TEXTS}, libs=ST_LIBS, tolerance=TOLERANCE)
     cache = tmp_path / "hub"
     add_folder(cache, "org/tiny-st-embed", commit_hash("st-v1"), folder)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
@@ -202,7 +231,7 @@ def test_hub_id_resolves_sentence_transformers_folder(folders, tmp_path, monkeyp
     llm = LLM("org/tiny-st-embed", download_dir=str(cache))
     assert llm.llm_engine.pooling_inputs.pooler.source == "sentence-transformers"
     got = _embed(llm, TEXTS)
-    assert _compare(got, torch.tensor(ref.encode(TEXTS)))[1] <= 1e-4
+    assert _compare(got, torch.tensor(ref))[1] <= 1e-4
     files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
     _, patterns = _choose_files("org/tiny-st-embed", files, None, None, weights=True)
     import fnmatch

@@ -1,7 +1,12 @@
 """The tiny VLM fixtures (vlm_fixtures.py) are what the image-input parity tests stand on: each
 loads offline with transformers' own classes, expands its image markers into the number of image
 tokens its processor's outputs imply, and generates tokens that depend on the image (so a parity
-test fails if an engine ignores the image) and on the order of several images."""
+test fails if an engine ignores the image) and on the order of several images.
+
+transformers' outputs on the fixtures are stored (tests/references.py, `vlm_fixtures.*`), as every
+VLM parity test's are; `test_fixture_loads_and_depends_on_the_image` computes its references live
+every run, one per family: each arch's check (LLaVA 1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Gemma 3,
+Idefics3 for Idefics3/SmolVLM) that the store has not drifted from transformers."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import pytest
 import torch
 
 from tests.integration import vlm_fixtures as vf
+from tests.references import reference
 
 pytestmark = pytest.mark.slow  # builds and runs models: not in the quick `not slow` tier
 
@@ -63,7 +69,9 @@ def test_fixture_loads_and_depends_on_the_image(tiny_vlm, arch):
     ids = vf.hf_prompt_ids(path, prompt, [a])
     if arch != "llava_next":  # its count depends on the original size (notes); checked below
         assert ids.count(model.config.image_token_id) == image_token_count(arch, vf.processor_inputs(path, prompt, [a]))
-    out_a, out_b = vf.hf_greedy(path, prompt, [a], 6), vf.hf_greedy(path, prompt, [b], 6)
+    # the family's live check: computed now, it must equal the stored value
+    out_a, out_b = vf.stored_greedy(f"vlm_fixtures.depends_on_the_image.{arch}", path, [(prompt, [a]), (prompt, [b])],
+                                    6, live=True)
     assert len(out_a) == 6 and out_a != out_b, "generation must depend on the image"
     assert vf.hf_greedy(path, prompt, [a], 6) == out_a
 
@@ -71,16 +79,16 @@ def test_fixture_loads_and_depends_on_the_image(tiny_vlm, arch):
 @pytest.mark.parametrize("arch", sorted(CLASSES))
 def test_several_images_in_one_prompt(tiny_vlm, arch):
     path = tiny_vlm(arch)
-    _, model = vf.load_reference(path)
     a, b = vf.sample_images(2, seed=5)
     (c,) = vf.sample_images(1, seed=6, size=WIDE)
     prompt = vf.chat_prompt(path, vf.user_turn("Compare them.", num_images=2))
-    image_id = model.config.image_token_id
+    image_id = vf.image_token_id(path)
     one = [vf.hf_prompt_ids(path, vf.chat_prompt(path, vf.user_turn("x")), [im]).count(image_id) for im in (a, c)]
     assert vf.hf_prompt_ids(path, prompt, [a, c]).count(image_id) == sum(one)
     if arch != "llava_next":
         assert sum(one) == image_token_count(arch, vf.processor_inputs(path, prompt, [a, c]))
-    assert vf.hf_greedy(path, prompt, [a, b], 6) != vf.hf_greedy(path, prompt, [b, a], 6), "image order must matter"
+    ab, ba = vf.stored_greedy(f"vlm_fixtures.image_order.{arch}", path, [(prompt, [a, b]), (prompt, [b, a])], 6)
+    assert ab != ba, "image order must matter"
 
 
 def test_dynamic_resolutions(tiny_vlm):
@@ -92,7 +100,7 @@ def test_dynamic_resolutions(tiny_vlm):
         path = tiny_vlm(arch)
         prompt = vf.chat_prompt(path, vf.user_turn("x"))
         ids = vf.hf_prompt_ids(path, prompt, [image], kwargs or None)
-        return ids.count(vf.load_reference(path)[1].config.image_token_id), vf.processor_inputs(path, prompt, [image], kwargs)
+        return ids.count(vf.image_token_id(path)), vf.processor_inputs(path, prompt, [image], kwargs)
 
     n, inputs = count("qwen2_vl", wide)
     assert inputs["image_grid_thw"].tolist() == [[1, 4, 12]] and n == 12  # 96x40 -> 96x32 pixels: 4x12 patches
@@ -101,7 +109,7 @@ def test_dynamic_resolutions(tiny_vlm):
     assert inputs["image_sizes"].tolist() == [[40, 96]] and n_wide != n_square
     path = tiny_vlm("idefics3")
     ids = vf.hf_prompt_ids(path, vf.chat_prompt(path, vf.user_turn("x")), [wide])
-    tok = vf.load_reference(path)[0].tokenizer
+    tok = vf.cached_processor(path).tokenizer
     assert tok.convert_tokens_to_ids("<row_1_col_2>") in ids and tok.convert_tokens_to_ids("<global-img>") in ids
     n_plain, _ = count("gemma3", wide)
     n_pas, inputs = count("gemma3", wide, **vf.PAN_AND_SCAN)
@@ -110,15 +118,22 @@ def test_dynamic_resolutions(tiny_vlm):
 
 
 def test_greedy_choices_are_not_near_ties(tiny_vlm):
-    """The parity tests compare greedy tokens: a margin this wide survives float rounding."""
+    """The parity tests compare greedy tokens: a margin this wide survives float rounding. The
+    gaps between transformers' top two logits are stored (`vlm_fixtures.greedy_gaps.<arch>`)."""
     for arch in sorted(CLASSES):
         path = tiny_vlm(arch)
-        _, model = vf.load_reference(path)
-        inputs = vf.processor_inputs(path, vf.chat_prompt(path, vf.user_turn("Describe.")), vf.sample_images(1, 7))
-        with torch.no_grad():
-            out = model.generate(**inputs, do_sample=False, max_new_tokens=8, output_scores=True,
-                                 return_dict_in_generate=True)
-        gaps = [float(s[0].topk(2).values.diff().abs()) for s in out.scores]
+        prompt, images = vf.chat_prompt(path, vf.user_turn("Describe.")), vf.sample_images(1, 7)
+
+        def top2_gaps(path=path, prompt=prompt, images=images) -> list[float]:
+            _, model = vf.load_reference(path)
+            inputs = vf.processor_inputs(path, prompt, images)
+            with torch.no_grad():
+                out = model.generate(**inputs, do_sample=False, max_new_tokens=8, output_scores=True,
+                                     return_dict_in_generate=True)
+            return [float(s[0].topk(2).values.diff().abs()) for s in out.scores]
+
+        gaps = reference(f"vlm_fixtures.greedy_gaps.{arch}", top2_gaps, sources=[path],
+                         inputs=vf.case_inputs([(prompt, images)], max_new_tokens=8, scores="top-2 gap"))
         assert min(gaps) > 1e-3, (arch, gaps)
 
 

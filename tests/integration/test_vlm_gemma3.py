@@ -3,7 +3,10 @@ transformers' float32 greedy with the same images, token for token: one image, t
 pan-and-scan crops, a prefill budget smaller than the prompt (images kept whole in a chunk),
 a prefix-cache hit that ends inside an image, a text-only prompt; and the two things the
 parity rests on, shown to matter: attention inside an image is bidirectional, and a chunk
-cut inside an image would change the output."""
+cut inside an image would change the output.
+
+transformers' side is read from the reference store (tests/references.py, `vlm_gemma3.*`;
+test_vlm_fixtures.py computes the family's references live, the check against drift)."""
 
 from __future__ import annotations
 
@@ -48,26 +51,28 @@ def _request(path: str, text: str, images: list) -> tuple[str, dict | str]:
     return prompt, ({"prompt": prompt, "multi_modal_data": {"image": images}} if images else prompt)
 
 
-def _check(llm: LLM, path: str, cases: list[tuple[str, list]], processor_kwargs: dict | None = None) -> list:
-    """Generate every case in one batch; each must equal transformers' greedy tokens (the
-    outputs are returned)."""
+def _check(name: str, llm: LLM, path: str, cases: list[tuple[str, list]], processor_kwargs: dict | None = None) -> list:
+    """Generate every case in one batch; each must equal transformers' greedy tokens (stored
+    under `vlm_gemma3.<name>`; the outputs are returned)."""
     prompts, requests = zip(*(_request(path, text, images) for text, images in cases))
     outs = llm.generate(list(requests), GREEDY, use_tqdm=False)
-    for (text, images), prompt, out in zip(cases, prompts, outs):
+    wants = vf.stored_greedy(f"vlm_gemma3.{name}", path, [(p, images) for p, (_, images) in zip(prompts, cases)],
+                             MAX_TOKENS, processor_kwargs)
+    for (text, images), prompt, out, want in zip(cases, prompts, outs, wants):
         assert list(out.prompt_token_ids) == vf.hf_prompt_ids(path, prompt, images, processor_kwargs), text
-        want = vf.hf_greedy(path, prompt, images, MAX_TOKENS, processor_kwargs)
         assert list(out.outputs[0].token_ids)[:len(want)] == want, (text, len(images))
     return outs
 
 
 def test_one_image_each_and_text_only_match_transformers(llm, folder):
-    outs = _check(llm, folder, [("What is this?", IMAGES[:1]), ("What is this?", IMAGES[1:]),
-                                ("Just text, no image at all.", [])])
+    outs = _check("one_image_each_and_text", llm, folder, [("What is this?", IMAGES[:1]),
+                                                           ("What is this?", IMAGES[1:]),
+                                                           ("Just text, no image at all.", [])])
     assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids  # the image decides the answer
 
 
 def test_two_images_in_one_prompt_match_transformers(llm, folder):
-    _check(llm, folder, [("Compare the two.", IMAGES), ("Compare the two.", IMAGES[::-1])])
+    _check("two_images", llm, folder, [("Compare the two.", IMAGES), ("Compare the two.", IMAGES[::-1])])
 
 
 def test_pan_and_scan_crops_match_transformers(folder):
@@ -86,26 +91,26 @@ def test_pan_and_scan_crops_match_transformers(folder):
     assert [f.data["pixel_values"].shape[0] for f in features] == [4, 1]
     assert all(f.whole_in_one_chunk for f in features)
     llm = LLM(model=folder, num_kv_blocks=96, mm_processor_kwargs=vf.PAN_AND_SCAN)
-    _check(llm, folder, [("Describe both.", [WIDE, SQUARE]), ("What is this?", IMAGES[:1])],
+    _check("pan_and_scan", llm, folder, [("Describe both.", [WIDE, SQUARE]), ("What is this?", IMAGES[:1])],
            processor_kwargs=vf.PAN_AND_SCAN)
 
 
 def test_chunked_prefill_keeps_images_whole_and_matches_transformers(chunked_llm, folder):
     prompt, _ = _request(folder, "What is this?", IMAGES[:1])
     ids = vf.hf_prompt_ids(folder, prompt, IMAGES[:1])
-    image_token = vf.load_reference(folder)[1].config.image_token_id
+    image_token = vf.image_token_id(folder)
     first = ids.index(image_token)
     assert first < CHUNK_BUDGET < first + 16 and len(ids) > CHUNK_BUDGET  # a plain cut lands inside
-    _check(chunked_llm, folder, [("What is this?", IMAGES[:1]), ("Compare the two.", IMAGES),
-                                 ("Just text, no image at all.", [])])
+    _check("chunked_prefill", chunked_llm, folder, [("What is this?", IMAGES[:1]), ("Compare the two.", IMAGES),
+                                                    ("Just text, no image at all.", [])])
 
 
 def test_prefix_cache_hit_inside_an_image_matches_transformers(llm, folder):
     """The same image then other text: the cached block [0, 16) ends inside the image (5..21),
     so the second prompt's chunk starts inside it and still matches."""
     llm.reset_prefix_cache()
-    _check(llm, folder, [("Tell me about it.", IMAGES[1:])])
-    out = _check(llm, folder, [("Something else entirely, please.", IMAGES[1:])])[0]
+    _check("prefix_cache_first", llm, folder, [("Tell me about it.", IMAGES[1:])])
+    out = _check("prefix_cache_hit", llm, folder, [("Something else entirely, please.", IMAGES[1:])])[0]
     assert out.num_cached_tokens == 16
 
 
@@ -115,7 +120,7 @@ def test_causal_attention_inside_an_image_would_differ(llm, folder, monkeypatch)
     prompt, request = _request(folder, "Which colours?", IMAGES[:1])
     llm.reset_prefix_cache()
     got = list(llm.generate([request], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
-    assert got != vf.hf_greedy(folder, prompt, IMAGES[:1], MAX_TOKENS)
+    assert got != vf.stored_greedy("vlm_gemma3.causal_would_differ", folder, [(prompt, IMAGES[:1])], MAX_TOKENS)[0]
 
 
 def test_a_chunk_cut_inside_an_image_would_differ(chunked_llm, folder, monkeypatch):
@@ -125,7 +130,8 @@ def test_a_chunk_cut_inside_an_image_would_differ(chunked_llm, folder, monkeypat
     prompt, request = _request(folder, "Which shapes?", IMAGES[:1])
     chunked_llm.reset_prefix_cache()
     got = list(chunked_llm.generate([request], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
-    assert got != vf.hf_greedy(folder, prompt, IMAGES[:1], MAX_TOKENS)
+    assert got != vf.stored_greedy("vlm_gemma3.chunk_cut_would_differ", folder, [(prompt, IMAGES[:1])],
+                                   MAX_TOKENS)[0]
 
 
 @pytest.mark.skipif(not triton_attention_kernels.HAS_TRITON, reason="triton is not installed")
@@ -140,4 +146,4 @@ def test_triton_backend_matches_transformers(folder, monkeypatch):
     prompt, request = _request(folder, "What is this?", IMAGES[:1])
     got = list(llm.generate([request], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
                             use_tqdm=False)[0].outputs[0].token_ids)
-    assert got == vf.hf_greedy(folder, prompt, IMAGES[:1], 6)
+    assert got == vf.stored_greedy("vlm_gemma3.triton", folder, [(prompt, IMAGES[:1])], 6)[0]

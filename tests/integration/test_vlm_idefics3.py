@@ -3,7 +3,8 @@ greedy equal to transformers' float32 `generate` token for token with one image,
 different sizes (2x2 and 1x2 crops plus their global images: one run of `<image>` per crop, text
 tokens between), a text-only prompt, and prefill chunks of 7 tokens whose boundaries fall inside
 an image's crop runs. SmolVLM's fixture has its own model classes and Idefics3's processor
-(vlm_fixtures._smolvlm)."""
+(vlm_fixtures._smolvlm). transformers' side is read from the reference store (tests/references.py;
+test_vlm_fixtures.py computes Idefics3's references live, the family's check against drift)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ def setup(request, tmp_path_factory, smollm2_gguf):
 
     arch, chunk = request.param
     path = vf.tiny_vlm_folder(tmp_path_factory, smollm2_gguf, arch)
-    cases = _CASES.setdefault(path, vc.cases(path))
+    if path not in _CASES:
+        _CASES[path] = vc.cases(path)
+    cases = _CASES[path]
     return path, cases, LLM(model=path, num_kv_blocks=96, max_num_batched_tokens=chunk)
 
 

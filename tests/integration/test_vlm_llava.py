@@ -1,15 +1,19 @@
 """LLaVA 1.5 on the paged engine (docs/multimodal.md): greedy equal to transformers' float32
 generate given the same images, in every engine mode: one chunk, a chunk boundary inside an
 image, prefix-cache hits on a shared image (and none across different images), preemption,
-parallel samples and beams; bad image inputs refused by name while the engine goes on."""
+parallel samples and beams; bad image inputs refused by name while the engine goes on.
+
+transformers' side is read from the reference store (tests/references.py, `vlm_llava.*`;
+test_vlm_fixtures.py computes the family's references live, the check against drift)."""
 
 from __future__ import annotations
 
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from tests.integration.vlm_fixtures import chat_prompt, hf_greedy, hf_prompt_ids, sample_images, tiny_vlm_folder, \
-    user_turn
+from tests.integration.vlm_fixtures import case_inputs, chat_prompt, hf_prompt_ids, sample_images, stored_greedy, \
+    tiny_vlm_folder, user_turn
+from tests.references import reference
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +41,9 @@ def generate(llm: LLM, prompts: list[tuple[str, list]], params: SamplingParams =
     return outs
 
 
-def reference(folder: str, prompts: list[tuple[str, list]]) -> list[list[int]]:
-    return [hf_greedy(folder, p, imgs, MAX) for p, imgs in prompts]
+def hf_reference(name: str, folder: str, prompts: list[tuple[str, list]], max_tokens: int = MAX) -> list[list[int]]:
+    """transformers' greedy tokens of `prompts`, stored as `vlm_llava.<name>`."""
+    return stored_greedy(f"vlm_llava.{name}", folder, prompts, max_tokens)
 
 
 def test_greedy_equals_transformers_and_depends_on_the_image(llava, llm):
@@ -46,7 +51,7 @@ def test_greedy_equals_transformers_and_depends_on_the_image(llava, llm):
     prompts = [(prompt_of(llava, "What is in the picture?"), [im]) for im in images]
     outs = generate(llm, prompts)
     got = [list(o.outputs[0].token_ids) for o in outs]
-    assert got == reference(llava, prompts)
+    assert got == hf_reference("greedy_depends_on_the_image", llava, prompts)
     assert len({tuple(g) for g in got}) == 3  # the image changes the answer
     assert list(outs[0].prompt_token_ids) == hf_prompt_ids(llava, *prompts[0])
 
@@ -55,7 +60,7 @@ def test_two_images_in_one_prompt(llava, llm):
     a, b = sample_images(2, seed=2)
     prompts = [(prompt_of(llava, "Compare them.", 2), [a, b]), (prompt_of(llava, "Compare them.", 2), [b, a])]
     got = [list(o.outputs[0].token_ids) for o in generate(llm, prompts)]
-    assert got == reference(llava, prompts) and got[0] != got[1]
+    assert got == hf_reference("two_images", llava, prompts) and got[0] != got[1]
 
 
 def test_a_chunk_boundary_inside_an_image(llava):
@@ -64,7 +69,8 @@ def test_a_chunk_boundary_inside_an_image(llava):
     engine = LLM(model=llava, num_kv_blocks=64, block_size=8, max_num_batched_tokens=5,
                  enable_prefix_caching=False)
     prompts = [(prompt_of(llava, "Describe."), [im]) for im in sample_images(2, seed=3)]
-    assert [list(o.outputs[0].token_ids) for o in generate(engine, prompts)] == reference(llava, prompts)
+    assert [list(o.outputs[0].token_ids) for o in generate(engine, prompts)] == \
+        hf_reference("chunk_boundary", llava, prompts)
     enc = engine.llm_engine.core.scheduler.encoder_cache
     assert enc.images_encoded == 2 and enc.rows_encoded == 32
 
@@ -87,7 +93,7 @@ def test_the_same_image_twice_skips_its_encoding_and_prefill(llava, llm):
     start = list(third.prompt_token_ids).index(llm.llm_engine.inputs.multimodal.image_token_id)
     assert third.num_cached_tokens == start // 8 * 8  # only the blocks before the image
     assert enc.images_encoded == encoded + 1
-    assert list(third.outputs[0].token_ids) == reference(llava, [(prompt, [other])])[0]
+    assert list(third.outputs[0].token_ids) == hf_reference("same_image_twice", llava, [(prompt, [other])])[0]
 
 
 def test_preemption_under_a_small_pool(llava):
@@ -99,7 +105,7 @@ def test_preemption_under_a_small_pool(llava):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outs = generate(engine, prompts, params)
     assert engine.llm_engine.core.scheduler.num_preemptions > 0
-    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(llava, p, i, 24) for p, i in prompts]
+    assert [list(o.outputs[0].token_ids) for o in outs] == hf_reference("preemption", llava, prompts, 24)
 
 
 def test_parallel_samples_and_beams_share_the_image_prompt(llava, llm):
@@ -110,19 +116,25 @@ def test_parallel_samples_and_beams_share_the_image_prompt(llava, llm):
     (im,) = sample_images(1, seed=6)
     prompt = prompt_of(llava, "Two ways?")
     (out,) = generate(llm, [(prompt, [im])], SamplingParams(n=2, max_tokens=MAX, temperature=0.0, ignore_eos=True))
-    ref = reference(llava, [(prompt, [im])])[0]
+    ref = hf_reference("parallel_samples", llava, [(prompt, [im])])[0]
     assert [list(c.token_ids) for c in out.outputs] == [ref, ref]
     from pagedllm import BeamSearchParams
 
     beams = llm.beam_search([{"prompt": prompt, "multi_modal_data": {"image": [im]}}],
                             BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    _, model = load_reference(llava)
-    inputs = processor_inputs(llava, prompt, [im])
-    with torch.no_grad():
-        hf = model.generate(**inputs, do_sample=False, num_beams=2, num_return_sequences=2, max_new_tokens=6,
-                            early_stopping=True, length_penalty=1.0)
-    n = inputs["input_ids"].shape[1]
-    assert [list(c.token_ids) for c in beams[0].outputs] == [row[n:].tolist() for row in hf]
+    beam_params = dict(do_sample=False, num_beams=2, num_return_sequences=2, max_new_tokens=6, early_stopping=True,
+                       length_penalty=1.0)
+
+    def hf_beams() -> list[list[int]]:
+        _, model = load_reference(llava)
+        inputs = processor_inputs(llava, prompt, [im])
+        with torch.no_grad():
+            hf = model.generate(**inputs, **beam_params)
+        n = inputs["input_ids"].shape[1]
+        return [row[n:].tolist() for row in hf]
+
+    want = reference("vlm_llava.beams", hf_beams, sources=[llava], inputs=case_inputs([(prompt, [im])], **beam_params))
+    assert [list(c.token_ids) for c in beams[0].outputs] == want
 
 
 @pytest.mark.slow
@@ -131,7 +143,8 @@ def test_tensor_parallel_two_ranks(llava):
     engine = LLM(model=llava, num_kv_blocks=64, block_size=8, tensor_parallel_size=2, max_num_batched_tokens=9)
     try:
         prompts = [(prompt_of(llava, "Split?"), [im]) for im in sample_images(2, seed=8)]
-        assert [list(o.outputs[0].token_ids) for o in generate(engine, prompts)] == reference(llava, prompts)
+        assert [list(o.outputs[0].token_ids) for o in generate(engine, prompts)] == \
+            hf_reference("tensor_parallel", llava, prompts)
     finally:
         engine.llm_engine.core.executor.shutdown()
 
@@ -160,7 +173,7 @@ def test_bad_image_inputs_are_refused_by_name_and_the_engine_goes_on(llava, llm)
     kv = core.kv_cache_manager
     assert kv.num_free_blocks == kv.num_usable_blocks  # no block held by a refused request
     assert [list(o.outputs[0].token_ids) for o in generate(llm, [(prompt, [im])])] == \
-        reference(llava, [(prompt, [im])])
+        hf_reference("after_refusals", llava, [(prompt, [im])])
 
 
 @pytest.mark.parametrize("spelling", ["transformers-5", "vision_model-wrapper"])
@@ -187,7 +200,8 @@ def test_both_checkpoint_spellings_load(llava, tmp_path, spelling):
     save_file(out, folder / "model.safetensors", metadata={"format": "pt"})
     engine = LLM(model=str(folder), num_kv_blocks=32, block_size=8)
     prompts = [(prompt_of(llava, "Names?"), [im]) for im in sample_images(1, seed=9)]
-    assert [list(o.outputs[0].token_ids) for o in generate(engine, prompts)] == reference(llava, prompts)
+    assert [list(o.outputs[0].token_ids) for o in generate(engine, prompts)] == \
+        hf_reference(f"checkpoint_spelling.{spelling}", llava, prompts)
 
 
 def test_the_dashboard_state_shows_a_running_requests_image_span(llava, llm):
@@ -219,4 +233,4 @@ def test_a_draft_model_is_refused_by_name_ngram_runs(llava):
     engine = LLM(model=llava, num_kv_blocks=64, block_size=8,
                  speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
     prompts = [(prompt_of(llava, "Again and again?"), [im]) for im in sample_images(1, seed=11)]
-    assert [list(o.outputs[0].token_ids) for o in generate(engine, prompts)] == reference(llava, prompts)
+    assert [list(o.outputs[0].token_ids) for o in generate(engine, prompts)] == hf_reference("ngram", llava, prompts)

@@ -1,7 +1,9 @@
 """LLaVA-NeXT (anyres tiles, `image_newline`) on the paged engine: greedy equal to transformers'
 float32 `generate` token for token with one image, two images of different sizes (different tile
 grids: the smaller one keeps only its own tiles of the padded `pixel_values`), a text-only
-prompt, and prefill chunks of 7 tokens whose boundaries fall inside the image's run."""
+prompt, and prefill chunks of 7 tokens whose boundaries fall inside the image's run.
+transformers' side is read from the reference store (tests/references.py; test_vlm_fixtures.py
+computes the family's references live, the check against drift)."""
 
 from __future__ import annotations
 

@@ -3,14 +3,15 @@ parity table): a prefix-cache hit on a shared image (its encoding and prefill sk
 different image with the same placeholders (no block shared past the image), preemption under
 a small pool, and tensor parallelism over two ranks; greedy equal to transformers each time.
 LLaVA 1.5 has the same in tests/integration/test_vlm_llava.py, chunk boundaries are in each
-architecture's own file."""
+architecture's own file. transformers' side is read from the reference store (tests/references.py,
+`vlm_modes.*`); test_vlm_fixtures.py computes each family's references live, the check against drift)."""
 
 from __future__ import annotations
 
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from tests.integration.vlm_fixtures import chat_prompt, hf_greedy, sample_images, user_turn
+from tests.integration.vlm_fixtures import chat_prompt, sample_images, stored_greedy, user_turn
 
 pytestmark = pytest.mark.slow
 
@@ -29,9 +30,10 @@ def _generate(llm: LLM, cases, max_tokens: int = MAX):
                         use_tqdm=False)
 
 
-def _matches(folder: str, cases, outs, max_tokens: int = MAX) -> bool:
-    for (p, im), out in zip(cases, outs):
-        want = hf_greedy(folder, p, [im], max_tokens)
+def _matches(name: str, folder: str, cases, outs, max_tokens: int = MAX) -> bool:
+    """Each output starts with transformers' greedy tokens (stored as `vlm_modes.<name>`)."""
+    wants = stored_greedy(f"vlm_modes.{name}", folder, [(p, [im]) for p, im in cases], max_tokens)
+    for want, out in zip(wants, outs):
         if list(out.outputs[0].token_ids)[:len(want)] != want:
             return False
     return True
@@ -56,7 +58,7 @@ def test_a_shared_image_hits_and_another_image_does_not(tiny_vlm, arch):
     start = list(third.prompt_token_ids).index(image_token)
     assert third.num_cached_tokens == start // BLOCK * BLOCK  # nothing past the image's first block
     assert enc.images_encoded == encoded + 1
-    assert _matches(folder, [(prompt, im), (prompt, other)], [first, third])
+    assert _matches(f"shared_image.{arch}", folder, [(prompt, im), (prompt, other)], [first, third])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -75,7 +77,7 @@ def test_preemption_keeps_parity(tiny_vlm, arch):
               max_num_batched_tokens=max(64, longest))
     outs = _generate(llm, cases, 16)
     assert llm.llm_engine.core.scheduler.num_preemptions > 0
-    assert _matches(folder, cases, outs, 16)
+    assert _matches(f"preemption.{arch}", folder, cases, outs, 16)
 
 
 # The vision tower is kept outside the sharded module tree (model/multimodal.py) and the rows
@@ -93,6 +95,6 @@ def test_tensor_parallel_two_ranks(tiny_vlm, arch):
     llm = LLM(model=folder, num_kv_blocks=128, block_size=BLOCK, tensor_parallel_size=2)
     try:
         cases = [(_prompt(folder, "Split?"), im) for im in sample_images(2, seed=33)]
-        assert _matches(folder, cases, _generate(llm, cases))
+        assert _matches(f"tensor_parallel.{arch}", folder, cases, _generate(llm, cases))
     finally:
         llm.llm_engine.core.executor.shutdown()

@@ -3,6 +3,9 @@ float32 `generate` token for token with the same images, on tiny random checkpoi
 (vlm_fixtures.py): one image, two images of different sizes (dynamic resolution, M-RoPE across
 both), a text-only prompt, prefill chunks that end inside an image, preemption by recompute,
 and the prefix cache. Decode steps run in the C decode step (1-D positions + rope delta).
+
+transformers' side is read from the reference store (tests/references.py, `vlm_qwen2_vl.<arch>.*`;
+test_vlm_fixtures.py computes each family's references live, the check against drift).
 """
 
 from __future__ import annotations
@@ -11,10 +14,10 @@ import pytest
 
 from tests.integration.vlm_fixtures import (
     chat_prompt,
-    hf_greedy,
     hf_prompt_ids,
-    load_reference,
+    image_token_id,
     sample_images,
+    stored_greedy,
     tiny_vlm_folder,
     user_turn,
 )
@@ -30,6 +33,13 @@ IMAGES = [sample_images(1, seed=s, size=size)[0] for s, size in ((1, (48, 40)), 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
 def folder(request, tmp_path_factory, smollm2_gguf) -> str:
     return tiny_vlm_folder(tmp_path_factory, smollm2_gguf, request.param)
+
+
+def _arch(folder: str) -> str:
+    import json
+
+    with open(f"{folder}/config.json", encoding="utf-8") as f:
+        return json.load(f)["model_type"]
 
 
 def _cases(folder: str) -> list[tuple[str, list]]:
@@ -49,10 +59,11 @@ def _generate(llm, cases: list[tuple[str, list]]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _assert_parity(folder: str, llm, cases: list[tuple[str, list]]) -> None:
+def _assert_parity(name: str, folder: str, llm, cases: list[tuple[str, list]]) -> None:
+    """Our greedy tokens equal transformers' (stored as `vlm_qwen2_vl.<arch>.<name>`)."""
     ours = _generate(llm, cases)
-    for i, ((prompt, images), got) in enumerate(zip(cases, ours, strict=True)):
-        want = hf_greedy(folder, prompt, images, MAX_TOKENS)
+    wants = stored_greedy(f"vlm_qwen2_vl.{_arch(folder)}.{name}", folder, cases, MAX_TOKENS)
+    for i, ((prompt, images), got, want) in enumerate(zip(cases, ours, wants, strict=True)):
         assert got == want, f"case {i} ({len(images)} images): ours {got} != transformers {want}"
 
 
@@ -71,7 +82,7 @@ def llm(folder):
 
 def test_greedy_parity_images_and_text(folder, llm):
     cases = _cases(folder)
-    _assert_parity(folder, llm, cases)
+    _assert_parity("cases", folder, llm, cases)
     # the output depends on the image (an engine that ignored it could not match both)
     first, second = _generate(llm, cases[:2])
     assert first != second
@@ -83,15 +94,15 @@ def test_prefix_cache_hits_keep_positions(folder, llm):
     # the same two-image prompt again, then with the images swapped: hits only where both match
     prompt = chat_prompt(folder, user_turn("Compare them again, in detail please.", 2))
     cases = [(prompt, [IMAGES[0], IMAGES[1]])]
-    _assert_parity(folder, llm, cases)
+    _assert_parity("prefix_cache_first", folder, llm, cases)
     before = llm.kv_cache_stats().prefix_cache_hits
-    _assert_parity(folder, llm, cases + [(prompt, [IMAGES[1], IMAGES[0]])])
+    _assert_parity("prefix_cache_swapped", folder, llm, cases + [(prompt, [IMAGES[1], IMAGES[0]])])
     assert llm.kv_cache_stats().prefix_cache_hits > before
 
 
 def _chunk_ends_inside_image(folder: str, prompt: str, images: list) -> bool:
     ids = hf_prompt_ids(folder, prompt, images)
-    image_token = load_reference(folder)[1].config.image_token_id
+    image_token = image_token_id(folder)
     return any(ids[end - 1] == image_token and ids[end] == image_token for end in range(CHUNK, len(ids), CHUNK))
 
 
@@ -102,7 +113,7 @@ def test_chunked_prefill_inside_images(folder):
     engine = _llm(folder, num_kv_blocks=64, max_num_batched_tokens=CHUNK, max_num_seqs=1,
                   enable_prefix_caching=False)
     try:
-        _assert_parity(folder, engine, cases)
+        _assert_parity("cases", folder, engine, cases)
     finally:
         engine.shutdown()
 
@@ -112,7 +123,7 @@ def test_preemption_by_recompute(folder):
     cases = _cases(folder)
     engine = _llm(folder, num_kv_blocks=10, block_size=8, enable_prefix_caching=False)
     try:
-        _assert_parity(folder, engine, cases)
+        _assert_parity("cases", folder, engine, cases)
         stats = engine.kv_cache_stats()
         assert stats.num_preemptions > 0 and stats.used_blocks == 0
     finally:

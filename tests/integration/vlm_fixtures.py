@@ -7,11 +7,15 @@ that `AutoProcessor` (`load_processor` for the Qwen processors where torchvision
 the arch's model class load it offline. Sizes are tiny (a fixture builds
 in about a second) and weights are drawn wide enough that greedy choices are not near-ties and
 that what is generated depends on the image: an engine that ignored the image fails parity.
-`hf_greedy` / `hf_prompt_ids` / `chat_prompt` give transformers' own answers for such a folder."""
+`hf_greedy` / `hf_prompt_ids` / `chat_prompt` give transformers' own answers for such a folder;
+`stored_greedy` gives `hf_greedy`'s answers from the reference store (tests/references.py), keyed by
+the folder's bytes, the prompts, the images' pixels and the processor kwargs, so that a run loads
+no transformers model (the processor still renders prompts and expands images)."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -304,19 +308,33 @@ def sample_images(n: int, seed: int = 0, size: tuple[int, int] = (48, 40)) -> li
 # ---- transformers' float32 reference --------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
+def cached_processor(path: str):
+    """`load_processor(path)`, once per process: prompts and image expansion need no model."""
+    return load_processor(path)
+
+
+@functools.lru_cache(maxsize=None)
 def load_reference(path: str):
     """(processor, model) of a tiny VLM folder, loaded once per process (float32, eval)."""
     from transformers import AutoModelForImageTextToText
 
-    processor = load_processor(path)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    return processor, model
+    return cached_processor(path), model
+
+
+def image_token_id(path: str | Path) -> int:
+    """The image placeholder's token id of a tiny VLM folder (its config, without the model)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(path))
+    found = getattr(config, "image_token_id", None)
+    return found if found is not None else config.image_token_index
 
 
 def processor_inputs(path: str | Path, prompt: str, images: list, processor_kwargs: dict | None = None):
     """The processor's tensors for one prompt (the image markers in `prompt` expanded);
     `processor_kwargs` go to the processor call (e.g. PAN_AND_SCAN)."""
-    processor, _ = load_reference(str(path))
+    processor = cached_processor(str(path))
     return processor(text=prompt, images=list(images) or None, return_tensors="pt", **(processor_kwargs or {}))
 
 
@@ -336,10 +354,36 @@ def hf_greedy(path: str | Path, prompt: str, images: list, max_new_tokens: int,
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
+def image_key(image) -> dict:
+    """What a reference depends on of a PIL image: its mode, size and the SHA-256 of its pixels."""
+    return {"mode": image.mode, "size": list(image.size), "sha256": hashlib.sha256(image.tobytes()).hexdigest()}
+
+
+def case_inputs(cases: list[tuple[str, list]], processor_kwargs: dict | None = None, **params) -> dict:
+    """A reference's `inputs` for `cases` [(prompt, images)]: each prompt's text and its images'
+    pixels, the processor kwargs and whatever else the computation takes (`params`)."""
+    return {"cases": [{"prompt": p, "images": [image_key(im) for im in images]} for p, images in cases],
+            "processor_kwargs": processor_kwargs or {}, **params}
+
+
+def stored_greedy(name: str, path: str | Path, cases: list[tuple[str, list]], max_new_tokens: int,
+                  processor_kwargs: dict | None = None, live: bool = False) -> list[list[int]]:
+    """`hf_greedy` of each (prompt, images) in `cases`, from the reference store under `name`
+    (tests/references.py: computed only when writing, or every run with `live`), keyed by the
+    folder's bytes (checkpoint and processor), the prompts, the images' pixels, `max_new_tokens`
+    and `processor_kwargs`."""
+    from tests.references import reference
+
+    return reference(name, lambda: [hf_greedy(path, p, images, max_new_tokens, processor_kwargs)
+                                    for p, images in cases],
+                     sources=[path], inputs=case_inputs(cases, processor_kwargs, max_new_tokens=max_new_tokens),
+                     live=live)
+
+
 def chat_prompt(path: str | Path, messages: list[dict]) -> str:
     """`messages` (content lists of {"type": "image"} / {"type": "text", "text": ...}) rendered by
     the processor's chat template with the generation prompt, as text for `processor(text=...)`."""
-    processor, _ = load_reference(str(path))
+    processor = cached_processor(str(path))
     return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 

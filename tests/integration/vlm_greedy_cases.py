@@ -1,6 +1,7 @@
 """Greedy parity cases shared by the per-architecture VLM tests (test_vlm_idefics3.py,
 test_vlm_llava_next.py): prompts with one image, two images of different sizes, none; each
-prompt's transformers float32 greedy continuation (vlm_fixtures.hf_greedy) is the reference."""
+prompt's transformers float32 greedy continuation (vlm_fixtures.hf_greedy) is the reference, read
+from the reference store (`vlm_greedy_cases.<model_type>`, tests/references.py)."""
 
 from __future__ import annotations
 
@@ -35,10 +36,19 @@ def cases(path: str) -> dict[str, Case]:
            "one_b": Case(vf.chat_prompt(path, vf.user_turn("What is this?")), [b]),
            "two": Case(vf.chat_prompt(path, vf.user_turn("Compare them.", 2)), [a, wide]),
            "text": Case(text_only, [])}
-    for c in out.values():
-        c.expected = vf.hf_greedy(path, c.prompt, c.images, MAX_TOKENS)
+    expected = vf.stored_greedy(f"vlm_greedy_cases.{model_type(path)}", path,
+                                [(c.prompt, c.images) for c in out.values()], MAX_TOKENS)
+    for c, want in zip(out.values(), expected, strict=True):
+        c.expected = want
         c.prompt_ids = vf.hf_prompt_ids(path, c.prompt, c.images)
     return out
+
+
+def model_type(path: str) -> str:
+    import json
+
+    with open(f"{path}/config.json", encoding="utf-8") as f:
+        return json.load(f)["model_type"]
 
 
 def greedy(llm, chosen: list[Case]) -> list[list[int]]:

@@ -1,7 +1,8 @@
 """/v1/chat/completions with image parts on a `pagedllm serve` of the tiny random LLaVA (issue
 45): a data URL and an http URL from an allowed host (a local http.server) give transformers'
 greedy tokens; refusals are 400s naming the flag; a slow image URL holds neither the event loop
-nor other requests (a text request finishes while it waits)."""
+nor other requests (a text request finishes while it waits). transformers' tokens are stored
+(tests/references.py, `chat_images_server.*`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from tests.integration.vlm_fixtures import chat_prompt, hf_greedy, sample_images, user_turn
+from tests.integration.vlm_fixtures import chat_prompt, sample_images, stored_greedy, user_turn
 from tests.server.conftest import serving
 
 pytestmark = pytest.mark.slow
@@ -87,7 +88,8 @@ def _image(url: str) -> dict:
 
 def test_image_urls_match_transformers(vlm_server, http, image_host):
     _, folder = vlm_server
-    expected = hf_greedy(folder, chat_prompt(folder, user_turn(QUESTION, 1)), [IMAGE], MAX_TOKENS)
+    expected = stored_greedy("chat_images_server.image_urls", folder,
+                             [(chat_prompt(folder, user_turn(QUESTION, 1)), [IMAGE])], MAX_TOKENS)[0]
     data_url = "data:image/png;base64," + base64.b64encode(PNG).decode()
     for url in (data_url, f"{image_host}/img.png"):
         r = http.post("/v1/chat/completions", json=_body(_image(url)))
@@ -145,7 +147,8 @@ def test_official_client_streams_an_image_chat_and_the_engine_shows_it(vlm_serve
     url = "data:image/png;base64," + base64.b64encode(_png(im)).decode()
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url, "detail": "low"}},
                                              {"type": "text", "text": QUESTION}]}]
-    expected = hf_greedy(folder, chat_prompt(folder, user_turn(QUESTION, 1)), [im], MAX_TOKENS)
+    expected = stored_greedy("chat_images_server.official_client", folder,
+                             [(chat_prompt(folder, user_turn(QUESTION, 1)), [im])], MAX_TOKENS)[0]
     tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(folder)
     model = client.models.list().data[0].id
     plain = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0)

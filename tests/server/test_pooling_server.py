@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.integration.pooling_fixtures import save_decoder_embedder
+from tests.references import reference as stored_reference
 from tests.server.conftest import serving
 from tests.server.helpers import read_metrics
 
@@ -55,14 +56,25 @@ def clients(embed_server):
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    """transformers' last hidden state of the last token, normalised, per text."""
-    from transformers import AutoModel, AutoTokenizer
+    """The tokenizer, and transformers' last hidden state of the last token, normalised, per text
+    (stored: tests/references.py, `pooling_server.last_token`; the plain transformers pooling
+    reference computed live is test_pooling_parity's architecture-default test)."""
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModel.from_pretrained(model_dir).eval()
-    with torch.no_grad():
-        vecs = [model(**tok(t, return_tensors="pt")).last_hidden_state[0, -1] for t in TEXTS]
-    return tok, torch.nn.functional.normalize(torch.stack(vecs), dim=-1)
+
+    def last_token():
+        from transformers import AutoModel
+
+        model = AutoModel.from_pretrained(model_dir).eval()
+        with torch.no_grad():
+            vecs = [model(**tok(t, return_tensors="pt")).last_hidden_state[0, -1] for t in TEXTS]
+        return torch.nn.functional.normalize(torch.stack(vecs), dim=-1)
+
+    # tolerance: float32 rounding on another CPU (~1e-7), well under the tests' 1e-4
+    vecs = stored_reference("pooling_server.last_token", last_token, sources=[model_dir], inputs={"texts": TEXTS},
+                            tolerance=1e-5)
+    return tok, torch.tensor(vecs)
 
 
 def test_embeddings_float_base64_and_default(clients, reference):

@@ -2,15 +2,19 @@
 serve`: /rerank, /v1/rerank and /v2/rerank in Jina's and Cohere's request shapes with
 relevance scores equal to sentence-transformers' `CrossEncoder.predict` (order included),
 /score and /v1/score, /classify; /v1/embeddings refused by task; hostile bodies are 400s
-naming the field, and a plain request succeeds after them."""
+naming the field, and a plain request succeeds after them. `CrossEncoder.predict`'s scores are
+stored (tests/references.py, `rerank_server.cross_encoder`; the live CrossEncoder check is
+test_pooling_parity's ce-bert)."""
 
 from __future__ import annotations
 
+import importlib.util
 import time
 
 import pytest
 
 from tests.integration.pooling_fixtures import save_encoder
+from tests.references import reference
 from tests.server.conftest import serving
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
@@ -43,10 +47,18 @@ def http(server):
 
 @pytest.fixture(scope="module")
 def expected(model_dir):
-    pytest.importorskip("sentence_transformers")
-    from sentence_transformers import CrossEncoder
+    if importlib.util.find_spec("sentence_transformers") is None:  # installed; imported only to compute
+        pytest.skip("could not import 'sentence_transformers'")
 
-    return [float(s) for s in CrossEncoder(str(model_dir), device="cpu").predict([(QUERY, d) for d in DOCS])]
+    def predict():
+        from sentence_transformers import CrossEncoder
+
+        return [float(s) for s in CrossEncoder(str(model_dir), device="cpu").predict([(QUERY, d) for d in DOCS])]
+
+    # tolerance: float32 rounding on another CPU (~1e-7), well under the tests' 1e-4
+    return reference("rerank_server.cross_encoder", predict, sources=[model_dir],
+                     inputs={"query": QUERY, "documents": DOCS}, libs=("transformers", "sentence-transformers"),
+                     tolerance=1e-5)
 
 
 def test_jina_shape_rerank(http, expected):

@@ -99,3 +99,23 @@ def test_bad_mode_and_name_are_refused(store, monkeypatch):
     monkeypatch.setenv(references.MODE_ENV, "sometimes")
     with pytest.raises(ValueError, match="PAGEDLLM_REFERENCES='sometimes'"):
         reference("m.case", lambda: 1)
+
+
+def test_float_arrays_are_stored_packed_and_read_back_exactly(store, monkeypatch):
+    import json
+
+    import torch
+
+    logits = torch.randn(3, 40)  # float32: stored as 4 bytes a value
+    wide = [x / 3 for x in range(70)]  # not float32-exact: stored as float64
+    value = {"logits": logits, "wide": wide, "ids": list(range(100)), "ragged": [[0.5, 1.5], [2.5]]}
+    monkeypatch.setenv(references.MODE_ENV, "write")
+    written = reference("m.packed", lambda: value)
+    monkeypatch.delenv(references.MODE_ENV)
+    raw = json.loads((references.STORE / "m.packed.json").read_text())["value"]
+    assert raw["logits"]["__packed__"] == "float32" and raw["wide"]["__packed__"] == "float64"
+    assert raw["ids"] == list(range(100)) and raw["ragged"] == [[0.5, 1.5], [2.5]]  # ints and ragged: plain JSON
+    got = reference("m.packed", lambda: None)
+    assert got == written  # a write run's test sees what a stored run's sees
+    assert got["logits"] == logits.tolist() and got["wide"] == wide
+    assert got["ids"] == list(range(100)) and got["ragged"] == [[0.5, 1.5], [2.5]]
