@@ -16,4 +16,10 @@ EXTRAS=test bash scripts/setup-venv.sh
 unset PYTHONDONTWRITEBYTECODE
 export PAGEDLLM_TEST_SETUP_SECONDS="$SECONDS"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m pytest -q "$@"
+# Two workers (pytest-xdist), tests grouped so that each file's module-scoped engines and servers,
+# the session servers and transformers' SmolLM2 are each built on one worker only
+# (tests/conftest.py: worker_group); PAGEDLLM_TEST_WORKERS=0 runs in this process alone.
+WORKERS="${PAGEDLLM_TEST_WORKERS:-2}"
+PARALLEL=()
+if [ "$WORKERS" != 0 ]; then PARALLEL=(-n "$WORKERS" --dist loadgroup --no-loadscope-reorder); fi
+exec .venv/bin/python -m pytest -q "${PARALLEL[@]}" "$@"

@@ -118,12 +118,24 @@ def worker_group(item) -> str:
     return str(item.path.relative_to(item.config.rootpath))
 
 
+def _schedule_rank(item) -> int:
+    group = worker_group(item)
+    if group == "session-servers":
+        return 0
+    return {"server": 1, "integration": 2, "unit": 4}.get(item.path.parent.name, 3)
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     if config.getoption("dist", "no") == "loadgroup":
         for item in items:
             if item.get_closest_marker("xdist_group") is None:
                 item.add_marker(pytest.mark.xdist_group(worker_group(item)))
+        # Longest first, so that no worker is left with a long group at the end while the other
+        # idles: the session servers' group, then the other server and integration files, the
+        # many short unit files last (scripts/test.sh passes --no-loadscope-reorder, which would
+        # otherwise order the groups by their number of tests).
+        items.sort(key=_schedule_rank)
     cuda = None
     for item in items:
         if item.get_closest_marker("gpu") is not None:

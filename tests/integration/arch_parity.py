@@ -7,6 +7,12 @@ given mode (one-shot prefill, chunked prefill, preemption by recompute / swap) a
 with transformers' `generate`, token for token; `prefill_logits_max_abs` reports our logits'
 largest difference from transformers' on prompt + continuation. With `PAGEDLLM_PARITY_REPORT`
 set to a path, every check appends one JSON line there (the closing note's parity table).
+
+transformers' side is stored (tests/references.py): `greedy_reference` / `logits_reference`,
+keyed by the checkpoint folder's bytes and the prompts, under `<ref>.greedy`, `<ref>.logits`,
+`<ref>.prefix-hit` where `<ref>` names the checkpoint (`module.checkpoint`, the fixture's fourth
+item): every engine mode of a checkpoint compares with the one stored greedy reference. A
+caller passes `live=True` on one check per model family (see each test module's docstring).
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from typing import Any
 import torch
 
 from pagedllm.core.kv_cache_groups import hybrid_kv_cache_groups
-from tests.integration.model_fixtures import ToyBlocks, step_plan, table_step
+from tests.integration.model_fixtures import (HFModel, ToyBlocks, hf_model_of, logits_reference, sources_of,
+                                              step_plan, table_step)
+from tests.references import reference
 
 MAX_TOKENS = 32
 # Longer than the tests' sliding windows (8-16) and than one 16-token chunk.
@@ -96,16 +104,29 @@ def record(arch: str, check: str, ok: bool, **extra: Any) -> None:
             f.write(json.dumps({"arch": arch, "check": check, "ok": ok} | extra) + "\n")
 
 
-def check_engine_greedy(arch: str, path: Path, hf_model, mode: str, references: dict[int, list[int]] | None = None,
-                        max_tokens: int = MAX_TOKENS, **llm_kwargs: Any) -> list[list[int]]:
+def greedy_reference(name: str, sources, hf: HFModel, prompts: list[list[int]], max_tokens: int = MAX_TOKENS,
+                     live: bool = False, inputs: dict | None = None) -> list[list[int]]:
+    """transformers' greedy continuations (`hf_greedy`) of `prompts`, stored as `name`, keyed by
+    `sources` (the checkpoint `hf` was saved to or loaded from) and the prompts; `inputs`:
+    whatever else the output depends on (a change made to the model after loading)."""
+    return reference(name, lambda: [hf_greedy(hf_model_of(hf), p, max_tokens) for p in prompts],
+                     sources=sources_of(sources), live=live,
+                     inputs={"prompts": prompts, "max_tokens": max_tokens} | (inputs or {}))
+
+
+def check_engine_greedy(arch: str, path: Path, hf_model, mode: str, ref: str, max_tokens: int = MAX_TOKENS,
+                        live: bool = False, source=None, **llm_kwargs: Any) -> list[list[int]]:
     """Greedy output of the whole engine in `mode` equals transformers' `generate` on every
-    prompt (`references`, prompt index -> tokens, memoises transformers' side across modes);
-    `max_tokens` below MAX_TOKENS compares that many (slow paths: Triton's interpreter)."""
+    prompt: the stored reference `<ref>.greedy` of the checkpoint (`source`, default `path`:
+    the folder, or the sources, transformers' model was saved to), shared by every mode; `max_tokens` below
+    MAX_TOKENS compares that many (slow paths: Triton's interpreter). `hf_model` may be a
+    `LazyModel` (its config at hand, the model built only to compute the reference)."""
     from pagedllm import LLM, SamplingParams
 
-    prompts = tiny_prompts(hf_model.config.vocab_size)
+    config = hf_model.config
+    prompts = tiny_prompts(config.vocab_size)
     kwargs = dict(block_size=BLOCK_SIZE, enable_prefix_caching=False) | MODES[mode] | llm_kwargs
-    groups = hybrid_kv_cache_groups(hf_model.config, kwargs.get("disable_hybrid_kv_cache_manager", False))
+    groups = hybrid_kv_cache_groups(config, kwargs.get("disable_hybrid_kv_cache_manager", False))
     if groups is not None:  # a block holds `slots` layers, not all: the same bytes of cache
         kwargs["num_kv_blocks"] = -(-kwargs["num_kv_blocks"] * groups.num_layers // groups.slots)
         if mode.startswith("preempt") and all(g.is_sliding for g in groups.groups):
@@ -121,11 +142,8 @@ def check_engine_greedy(arch: str, path: Path, hf_model, mode: str, references: 
     finally:
         llm.shutdown()
     ours = [o.outputs[0].token_ids for o in outs]
-    references = {} if references is None else references
-    for i, p in enumerate(prompts):
-        if i not in references:
-            references[i] = hf_greedy(hf_model, p)
-    theirs = [references[i][:max_tokens] for i in range(len(prompts))]
+    references = greedy_reference(f"{ref}.greedy", path if source is None else source, hf_model, prompts, live=live)
+    theirs = [r[:max_tokens] for r in references]
     ok = ours == theirs
     record(arch, mode, ok, preemptions=stats.num_preemptions)
     for i, (a, b) in enumerate(zip(ours, theirs)):
@@ -141,10 +159,11 @@ def check_engine_greedy(arch: str, path: Path, hf_model, mode: str, references: 
     return ours
 
 
-def check_prefix_hits_greedy(arch: str, path: Path, hf_model, **llm_kwargs: Any) -> None:
+def check_prefix_hits_greedy(arch: str, path: Path, hf_model, ref: str, live: bool = False, **llm_kwargs: Any) -> None:
     """The same prompts twice with prefix caching, the second time grown by 5 generated tokens:
     the second pass hits (with a sliding window: in every group, each window's blocks only)
-    and still equals transformers' `generate` on the longer prompts."""
+    and still equals transformers' `generate` on the longer prompts (stored as
+    `<ref>.prefix-hit`, keyed by those prompts: our first pass's tokens are part of them)."""
     from pagedllm import LLM, SamplingParams
 
     prompts = tiny_prompts(hf_model.config.vocab_size)
@@ -158,7 +177,7 @@ def check_prefix_hits_greedy(arch: str, path: Path, hf_model, **llm_kwargs: Any)
     finally:
         llm.shutdown()
     ours = [o.outputs[0].token_ids for o in second]
-    theirs = [hf_greedy(hf_model, p) for p in longer]
+    theirs = greedy_reference(f"{ref}.prefix-hit", path, hf_model, longer, live=live)
     record(arch, "prefix-hit", ours == theirs, hit_tokens=stats.prefix_cache_hits)
     assert stats.prefix_cache_hits > 0, stats
     groups = hybrid_kv_cache_groups(hf_model.config, llm_kwargs.get("disable_hybrid_kv_cache_manager", False))
@@ -183,28 +202,50 @@ def our_prefill_logits(path: Path, config, sequences: list[list[int]]) -> list[t
 
 
 @torch.no_grad()
-def prefill_logits_max_abs(arch: str, path: Path, hf_model, sequences: list[list[int]], atol: float = 1e-4) -> float:
-    """`our_prefill_logits` vs transformers' logits; asserts `atol`, records and returns the max."""
+def prefill_logits_max_abs(arch: str, path: Path, hf_model, sequences: list[list[int]], ref: str,
+                           atol: float = 1e-4) -> float:
+    """`our_prefill_logits` vs transformers' logits (stored as `<ref>.logits`); asserts `atol`,
+    records and returns the max."""
     ours = our_prefill_logits(path, hf_model.config, sequences)
     worst = 0.0
-    for logits, s in zip(ours, sequences):
-        ref = hf_model(torch.tensor([s])).logits[0].float()
-        worst = max(worst, float((logits - ref).abs().max()))
+    for logits, theirs in zip(ours, logits_reference(f"{ref}.logits", path, hf_model, sequences)):
+        worst = max(worst, float((logits - theirs).abs().max()))
     record(arch, "logits", worst <= atol, max_abs=worst)
     assert worst <= atol, f"{arch}: logits differ from transformers by {worst:.3g} (> {atol})"
     return worst
 
 
+def reference_prefix(request, checkpoint: str) -> str:
+    """`module.checkpoint`: the stored references' names of a tiny checkpoint (`<prefix>.greedy`,
+    `.logits`, `.prefix-hit`), `module` the test module's name without `test_`."""
+    return f"{request.module.__name__.rsplit('.', 1)[-1].removeprefix('test_')}.{checkpoint}"
+
+
+class LazyModel:
+    """A transformers model's config at hand, the model itself loaded (once) only when called,
+    i.e. only when a reference is computed: for references of a checkpoint that the test does
+    not otherwise need transformers' model of."""
+
+    def __init__(self, config, load) -> None:
+        self.config, self._load, self._model = config, load, None
+
+    def __call__(self):
+        if self._model is None:
+            self._model = self._load()
+        return self._model
+
+
 def tiny_checkpoint_fixture(configs: dict[str, dict[str, Any]], make_config):
     """A module-scoped pytest fixture over `configs` (name -> `make_config` keyword arguments):
-    `(name, path, transformers model, references memo)` of each tiny checkpoint."""
+    `(name, path, transformers model, reference prefix)` of each tiny checkpoint (the prefix:
+    `reference_prefix`)."""
     import pytest
 
     @pytest.fixture(scope="module", params=list(configs))
     def tiny(request, tmp_path_factory):
         path = tmp_path_factory.mktemp(request.param)
         hf = build_tiny(make_config(**configs[request.param]), path, seed=len(request.param))
-        return request.param, path, hf, {}
+        return request.param, path, hf, reference_prefix(request, request.param)
 
     return tiny
 

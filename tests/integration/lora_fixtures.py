@@ -1,5 +1,6 @@
 """Tiny Llama checkpoints with LoRA adapters made by peft itself (the reference), for the LoRA
-integration and server tests."""
+integration and server tests; peft's (and transformers') outputs on them as stored references
+(`lora_reference`, tests/references.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from tests.integration.model_fixtures import save_tiny_llama
+from tests.integration.model_fixtures import checkpoint_sources, float32_lists, save_tiny_llama
+from tests.references import reference
 from tests.smollm2 import hf_tokenizer
 
 # name -> peft LoraConfig keywords: random A and B (init_lora_weights=False), so every adapter
@@ -75,3 +77,26 @@ def prompt_logprobs(model, prompt_ids: list[int]) -> torch.Tensor:
     """log p(prompt[i] | prompt[:i]) for i >= 1, float32."""
     logits = model(torch.tensor([prompt_ids])).logits[0, :-1].float()
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(prompt_ids[1:]).unsqueeze(1))[:, 0]
+
+
+def adapter_sources(folder: Path) -> list:
+    """An adapter folder as a reference's sources: its weights and its config, less the base
+    folder's path (another one each run) and with `target_modules` in a fixed order."""
+    return checkpoint_sources(folder)
+
+
+def lora_reference(name: str, tiny: TinyLoRA, adapter: str | None, prompts: list[list[int]], max_tokens: int,
+                   logprobs: bool = False, live: bool = False) -> dict:
+    """peft's PeftModel of `adapter` (None: transformers' base model) on `prompts`, stored as
+    `name`: {"greedy": tokens per prompt} and, with `logprobs`, {"prompt_logprobs": per prompt}."""
+    def compute():
+        model = tiny.hf_base if adapter is None else peft_model(tiny, adapter)
+        out = {"greedy": [greedy(model, p, max_tokens) for p in prompts]}
+        if logprobs:
+            out["prompt_logprobs"] = [float32_lists(prompt_logprobs(model, p)) for p in prompts]
+        return out
+
+    sources = [tiny.base] + ([] if adapter is None else adapter_sources(tiny.adapters[adapter]))
+    return reference(name, compute, sources=sources, live=live,
+                     libs=("transformers",) if adapter is None else ("transformers", "peft"),
+                     inputs={"adapter": adapter, "prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs})

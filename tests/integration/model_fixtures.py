@@ -1,17 +1,26 @@
 """Helpers for the model-side integration tests: tiny random transformers checkpoints, step plans
-(`ModelRunner.execute_model`'s contract, core/step_plan.py) that rewrite whole block tables, and a
-toy block allocator that hands out shuffled, non-contiguous block ids."""
+(`ModelRunner.execute_model`'s contract, core/step_plan.py) that rewrite whole block tables, a
+toy block allocator that hands out shuffled, non-contiguous block ids, and transformers' logits
+as stored references (`logits_reference`, tests/references.py)."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import torch
 
 from pagedllm.core.step_plan import SequenceStep, StepPlan
+from tests.references import reference
 from tests.smollm2 import hf_tokenizer
+
+# transformers' model, or a zero-argument callable that builds it: called only when a reference
+# is computed (written, or checked live), so that a run on the stored references never builds it.
+HFModel = Union[torch.nn.Module, Callable[[], torch.nn.Module]]
 
 TINY_VOCAB = 256
 
@@ -99,6 +108,58 @@ def save_checkpoint(model, path: Path) -> Path:
 def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
     """transformers' float32 logits `[len, vocab]` for one unpadded sequence."""
     return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def hf_model_of(hf: HFModel) -> torch.nn.Module:
+    return hf if isinstance(hf, torch.nn.Module) else hf()
+
+
+def float32_lists(t: torch.Tensor) -> Any:
+    """`t`'s float32 values as nested Python floats, exactly: tests/references.py stores such
+    arrays packed, 4 bytes a value."""
+    return t.float().tolist()
+
+
+# JSON fields that name the folder a tool read its input from (a temporary folder each run):
+# `pagedllm quantize` writes transformers' `_name_or_path`, peft its base model's path.
+LOCAL_PATH_FIELDS = ("_name_or_path", "base_model_name_or_path")
+
+
+def checkpoint_sources(folder: str | os.PathLike) -> list:
+    """A folder written by a tool that records where its input was (`pagedllm quantize`, peft's
+    `save_pretrained`), as a reference's sources: its files, JSON ones without
+    `LOCAL_PATH_FIELDS` and with peft's `target_modules` (a set, saved in hash order) sorted;
+    no README.md (peft's model card, naming the base's folder)."""
+    root = Path(folder)
+    out: list = []
+    for p in sorted(root.rglob("*")):
+        if not p.is_file() or p.name == "README.md":
+            continue
+        if p.suffix != ".json":
+            out.append(p)
+            continue
+        data = json.loads(p.read_text())
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if k not in LOCAL_PATH_FIELDS}
+            if isinstance(data.get("target_modules"), list):
+                data["target_modules"] = sorted(data["target_modules"])
+        out.append(str(p.relative_to(root)).encode() + b"\0" + json.dumps(data, sort_keys=True).encode())
+    return out
+
+
+def sources_of(sources: str | os.PathLike | bytes | Iterable) -> list:
+    return [sources] if isinstance(sources, (str, os.PathLike, bytes)) else list(sources)
+
+
+def logits_reference(name: str, sources, hf: HFModel, sequences: list[list[int]], *, live: bool = False,
+                     inputs: dict | None = None) -> list[torch.Tensor]:
+    """transformers' float32 logits `[len, vocab]` (`hf_logits`) of each of `sequences`, stored as
+    `name`, keyed by `sources` (the checkpoint `hf` was saved to or loaded from: folder or
+    files) and the sequences (`inputs`: whatever else the model depends on, e.g. a change made
+    to it after loading)."""
+    value = reference(name, lambda: [float32_lists(hf_logits(hf_model_of(hf), s)) for s in sequences],
+                      sources=sources_of(sources), inputs={"sequences": sequences} | (inputs or {}), live=live)
+    return [torch.tensor(v, dtype=torch.float32) for v in value]
 
 
 def save_tiny_llama(path: Path, smollm2_gguf: str):

@@ -4,7 +4,11 @@ and the Gemma parts shown to matter: transformers' own output changes without th
 final soft caps or with another window (so the parity is not vacuous), ours changes without the
 q/k norms or with one rope table; our per-layer windows, rope tables, scales and caps equal
 transformers'. Both windows (8) are shorter than every prompt but the first; the caps are small
-enough that they bend these models' scores."""
+enough that they bend these models' scores.
+
+transformers' outputs are stored references (tests/references.py, arch_parity): the one-shot
+prefill mode computes them live every run, the Gemma 2 and the Gemma 3 families' checks that
+the store has not drifted from transformers."""
 
 from __future__ import annotations
 
@@ -24,11 +28,15 @@ from tests.integration.arch_parity import (
     build_tiny,
     check_engine_greedy,
     check_prefix_hits_greedy,
+    greedy_reference,
     hf_greedy,
     our_prefill_logits,
     prefill_logits_max_abs,
+    reference_prefix,
     tiny_prompts,
 )
+from tests.integration.model_fixtures import logits_reference
+from tests.references import reference
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
 
@@ -56,19 +64,19 @@ EMBED_SHRINK = 0.1
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def tiny(request, tmp_path_factory):
-    """`(name, path, transformers model, references memo)` of each tiny checkpoint."""
+    """`(name, path, transformers model, reference prefix)` of each tiny checkpoint."""
     path = tmp_path_factory.mktemp(request.param)
     hf = build_tiny(_config(**CONFIGS[request.param]), path, seed=len(request.param))
     with torch.no_grad():
         hf.model.embed_tokens.weight.mul_(EMBED_SHRINK)
     hf.save_pretrained(path, safe_serialization=True)
-    return request.param, path, hf, {}
+    return request.param, path, hf, reference_prefix(request, request.param)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_matches_transformers(tiny, mode):
     name, path, hf, refs = tiny
-    check_engine_greedy(name, path, hf, mode, refs)
+    check_engine_greedy(name, path, hf, mode, refs, live=mode == "whole-prefill")  # the families' live checks
 
 
 def test_tensor_parallel_matches_transformers(tiny):
@@ -85,8 +93,8 @@ def test_one_table_for_every_layer_still_matches_transformers(tiny):
 
 
 def test_prefix_cache_hits_on_a_hybrid_cache_match_transformers(tiny):
-    name, path, hf, _ = tiny
-    check_prefix_hits_greedy(name, path, hf)
+    name, path, hf, refs = tiny
+    check_prefix_hits_greedy(name, path, hf, refs)
 
 
 @torch.no_grad()
@@ -101,8 +109,8 @@ def _max_diff(a, b) -> float:
 def test_logits_match_and_layers_are_transformers(tiny):
     """Logits parity; our model's per-layer windows, scales, caps and rope tables are
     transformers' (read off its modules)."""
-    name, path, hf, _ = tiny
-    prefill_logits_max_abs(name, path, hf, tiny_prompts(1000))
+    name, path, hf, refs = tiny
+    prefill_logits_max_abs(name, path, hf, tiny_prompts(1000), refs)
     model = load_model(str(path), None, hf.config, torch.float32, "cpu")
     cls = Gemma2ForCausalLM if name == "gemma2" else Gemma3ForCausalLM
     assert type(model) is cls is get_model_class(hf.config)
@@ -132,24 +140,39 @@ def test_soft_caps_and_windows_change_transformers_output(tiny, monkeypatch):
     """The parity is not vacuous: transformers itself gives other logits for these prompts
     without the attention soft cap (Gemma 2), without the final soft cap, or with the sliding
     window widened past every sequence, and other greedy tokens without the attention cap or
-    the window (the final cap is monotonic: it changes logprobs and sampling, not argmaxes)."""
+    the window (the final cap is monotonic: it changes logprobs and sampling, not argmaxes).
+    transformers' side is stored (`<ref>.variants`): each changed model's largest logit change
+    and its greedy tokens, and the change once undone."""
     name, path, hf, refs = tiny
     prompts = tiny_prompts(1000)
-    sequences = [p + refs.get(i, hf_greedy(hf, p)) for i, p in enumerate(prompts)]
-    ref = _hf_logits(hf, sequences)
-    greedy = [hf_greedy(hf, p) for p in prompts]
+    greedy = greedy_reference(f"{refs}.greedy", path, hf, prompts)
+    sequences = [p + g for p, g in zip(prompts, greedy)]
     variants = {"final_logit_softcapping": lambda: monkeypatch.setattr(hf.config, "final_logit_softcapping", None),
                 "sliding_window": lambda: monkeypatch.setattr(hf.config, "sliding_window", 10**6)}
     if name == "gemma2":
         variants["attn_logit_softcapping"] = lambda: [monkeypatch.setattr(layer.self_attn, "attn_logit_softcapping",
                                                                           None) for layer in hf.model.layers]
-    for what, change in variants.items():
-        change()
-        assert _max_diff(_hf_logits(hf, sequences), ref) > 1e-2, what
+
+    def compute():
+        ref = _hf_logits(hf, sequences)
+        out = {}
+        for what, change in variants.items():
+            change()
+            out[what] = {"max_diff": _max_diff(_hf_logits(hf, sequences), ref),
+                         "greedy": [hf_greedy(hf, p) for p in prompts]}
+            monkeypatch.undo()
+        out["undone_max_diff"] = _max_diff(_hf_logits(hf, sequences), ref)
+        return out
+
+    changed = reference(f"{refs}.variants", compute, sources=[path], inputs={
+        "sequences": sequences, "prompts": prompts, "max_tokens": len(greedy[0]),
+        "variants": {"final_logit_softcapping": None, "sliding_window": 10**6}
+        | ({"attn_logit_softcapping (every layer)": None} if name == "gemma2" else {})})
+    for what in variants:
+        assert changed[what]["max_diff"] > 1e-2, what
         if what != "final_logit_softcapping":  # tanh is monotonic: the final cap never moves an argmax
-            assert [hf_greedy(hf, p) for p in prompts] != greedy, what
-        monkeypatch.undo()
-    assert _max_diff(_hf_logits(hf, sequences), ref) == 0.0  # undone
+            assert changed[what]["greedy"] != greedy, what
+    assert changed["undone_max_diff"] == 0.0  # undone
 
 
 def _ours_with(path, config, sequences, edit, monkeypatch):
@@ -175,9 +198,9 @@ def _each_attention(fn):
 def test_our_gemma_parts_matter(tiny, monkeypatch):
     """Our logits leave transformers' without each part: no window on any layer, no attention
     soft cap (Gemma 2); the global rope table on every layer, no q/k norms (Gemma 3)."""
-    name, path, hf, _ = tiny
+    name, path, hf, refs = tiny
     sequences = [tiny_prompts(1000)[3]]
-    ref = _hf_logits(hf, sequences)
+    ref = logits_reference(f"{refs}.logits", path, hf, tiny_prompts(1000))[3:]  # test_logits_match's
     edits = {"no window": _each_attention(lambda a: setattr(a.attn, "sliding_window", None))}
     if name == "gemma2":
         edits["no attention cap"] = _each_attention(lambda a: setattr(a.attn, "logits_soft_cap", None))
@@ -275,7 +298,10 @@ def test_gguf_file_matches_transformers(name, tmp_path):
     torch.testing.assert_close(norm, hf.model.layers[1].pre_feedforward_layernorm.weight, rtol=0, atol=1e-6)
     sequences = tiny_prompts(1000)[2:]
     ours = our_prefill_logits(tmp_path / "tiny.gguf", hf.config, sequences)
-    assert _max_diff(ours, _hf_logits(hf, sequences)) < 1e-4
+    # transformers' model of the file's rounded weights: keyed by the folder (config, file)
+    theirs = logits_reference(f"arch_gemma.gguf-{name}.logits", tmp_path, hf, sequences,
+                              inputs={"weights": "tiny.gguf, dequantized"})
+    assert _max_diff(ours, theirs) < 1e-4
 
 
 def test_gguf_metadata_that_the_config_lost_is_refused(tmp_path):

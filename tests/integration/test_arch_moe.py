@@ -3,7 +3,12 @@ made by transformers' own classes: greedy output of the whole engine equal to tr
 `generate` in every engine mode and with tensor parallelism over 2 ranks; prefill logits; the
 prompts route to every expert of every sparse layer, as transformers' routers choose; the fused
 checkpoint form (`save_pretrained(save_original_format=False)`) loads to the same model; GPTQ
-experts; bad checkpoints are errors that name the tensor as the checkpoint spells it."""
+experts; bad checkpoints are errors that name the tensor as the checkpoint spells it.
+
+transformers' outputs (tokens, logits, routers' choices) are stored references
+(tests/references.py, arch_parity): Qwen2-MoE's one-shot prefill mode computes its greedy
+reference live every run, the mixture-of-experts family's check that the store has not drifted
+from transformers."""
 
 from __future__ import annotations
 
@@ -21,14 +26,18 @@ from pagedllm.model import get_model_class, load_model
 from pagedllm.model.llama import LlamaMLP
 from tests.integration.arch_parity import (
     MODES,
+    LazyModel,
     build_tiny,
     check_engine_greedy,
     our_prefill_logits,
     prefill_logits_max_abs,
     record,
+    reference_prefix,
     save_tokenizer,
     tiny_prompts,
 )
+from tests.integration.model_fixtures import checkpoint_sources
+from tests.references import reference
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
 
@@ -57,13 +66,13 @@ def tiny(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf = build_tiny(CONFIGS[request.param](), path, seed=len(request.param))
     no_eos(hf)
-    return request.param, path, hf, {}
+    return request.param, path, hf, reference_prefix(request, request.param)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_matches_transformers(tiny, mode):
     name, path, hf, refs = tiny
-    check_engine_greedy(name, path, hf, mode, refs)
+    check_engine_greedy(name, path, hf, mode, refs, live=name == "qwen2_moe" and mode == "whole-prefill")
 
 
 def test_greedy_matches_transformers_tensor_parallel(tiny):
@@ -73,8 +82,8 @@ def test_greedy_matches_transformers_tensor_parallel(tiny):
 
 
 def test_model_structure_and_logits(tiny):
-    name, path, hf, _ = tiny
-    prefill_logits_max_abs(name, path, hf, tiny_prompts(VOCAB))
+    name, path, hf, refs = tiny
+    prefill_logits_max_abs(name, path, hf, tiny_prompts(VOCAB), refs)
     model = load_model(str(path), None, hf.config, torch.float32, "cpu")
     assert type(model) is get_model_class(hf.config)
     for i, layer in enumerate(model.model.layers):
@@ -109,17 +118,24 @@ class RouterLog:
         self.handle.remove()
 
 
-def test_prompts_route_to_every_expert_as_transformers_routes(tiny):
-    name, path, hf, _ = tiny
-    sequences = tiny_prompts(VOCAB)
-    with RouterLog(TopKRouter, lambda out: out[1]) as ours:
-        our_prefill_logits(path, hf.config, sequences)
+def _hf_routing(hf, name: str, sequences: list[list[int]]) -> list[list[list[list[int]]]]:
+    """transformers' routers' chosen expert ids: per sequence, per sparse layer, [len, top-k]."""
     hf_router = type(hf.model.layers[SPARSE_LAYERS[name][0]].mlp.gate)
     theirs = []
     for s in sequences:  # one sequence at a time: transformers' routers see [len, hidden]
         with RouterLog(hf_router, lambda out: out[2]) as log, torch.no_grad():
             hf(torch.tensor([s]))
-        theirs.append(log.ids)
+        theirs.append([ids.tolist() for ids in log.ids])
+    return theirs
+
+
+def test_prompts_route_to_every_expert_as_transformers_routes(tiny):
+    name, path, hf, refs = tiny
+    sequences = tiny_prompts(VOCAB)
+    with RouterLog(TopKRouter, lambda out: out[1]) as ours:
+        our_prefill_logits(path, hf.config, sequences)
+    theirs = [[torch.tensor(ids) for ids in per_layer] for per_layer in reference(
+        f"{refs}.routing", lambda: _hf_routing(hf, name, sequences), sources=[path], inputs={"sequences": sequences})]
     sparse = SPARSE_LAYERS[name]
     assert len(ours.ids) == len(sparse)  # one batched prefill: each sparse layer's router once
     tokens = sum(len(s) for s in sequences)
@@ -158,7 +174,7 @@ def _expert_name(name: str, layer: int, expert: int, which: str) -> str:
 
 
 def test_fused_checkpoint_form_loads_the_same_model(tiny, tmp_path):
-    name, path, hf, _ = tiny
+    name, path, hf, refs = tiny
     fused = tmp_path / "fused"
     hf.save_pretrained(fused, save_original_format=False)
     save_tokenizer(fused, VOCAB)
@@ -170,7 +186,8 @@ def test_fused_checkpoint_form_loads_the_same_model(tiny, tmp_path):
     from_fused = our_prefill_logits(fused, hf.config, sequences)
     for a, b in zip(per_expert, from_fused):
         assert torch.equal(a, b)
-    check_engine_greedy(f"{name}-fused", fused, hf, "whole-prefill", tensor_parallel_size=2)
+    # transformers' model is the per-expert checkpoint's: its stored greedy reference
+    check_engine_greedy(f"{name}-fused", fused, hf, "whole-prefill", refs, source=path, tensor_parallel_size=2)
 
 
 def _bad(name: str, path: Path, tmp: Path, edit) -> str:
@@ -248,8 +265,14 @@ def test_gptq_experts_equal_transformers_on_the_dequantized_weights(tiny, tmp_pa
     original = load_file(str(path / "model.safetensors"))[gate0]
     assert not torch.equal(dequantized[gate0], original)  # int4: the experts' weights did change
     torch.testing.assert_close(dequantized[gate0], original, rtol=0, atol=0.2)
-    ref = tf.AutoModelForCausalLM.from_pretrained(ref_folder, dtype=torch.float32, attn_implementation="eager").eval()
-    no_eos(ref)
+
+    def load_reference():  # only to compute transformers' side: a stored run never loads it
+        ref = tf.AutoModelForCausalLM.from_pretrained(ref_folder, dtype=torch.float32,
+                                                      attn_implementation="eager").eval()
+        no_eos(ref)
+        return ref
+
+    ref = LazyModel(tf.AutoConfig.from_pretrained(ref_folder), load_reference)
     model = load_model(str(folder), None, tf.AutoConfig.from_pretrained(folder), torch.float32, "cpu",
                        quant_compute="exact")
     expert = model.model.layers[SPARSE_LAYERS[name][0]].mlp.experts[0]
@@ -257,8 +280,9 @@ def test_gptq_experts_equal_transformers_on_the_dequantized_weights(tiny, tmp_pa
     for proj in (expert.gate_up_proj, expert.down_proj):  # packed for the int kernel, no float copy
         assert proj.quant_method is not None and proj.int_weight is not None and not hasattr(proj, "weight")
     del model
-    refs: dict[int, list[int]] = {}
-    check_engine_greedy(f"{name}-gptq", folder, ref, "whole-prefill", refs, quant_compute="exact")
+    # transformers on the dequantized folder (less the path `pagedllm quantize` records), shared with tp=2
+    refs, source = f"arch_moe.{name}-gptq", checkpoint_sources(ref_folder)
+    check_engine_greedy(f"{name}-gptq", folder, ref, "whole-prefill", refs, source=source, quant_compute="exact")
     if name == "mixtral":  # 96 / 2 = 48 rows per rank: not whole groups of 32
         from pagedllm import LLM
 
@@ -266,8 +290,8 @@ def test_gptq_experts_equal_transformers_on_the_dequantized_weights(tiny, tmp_pa
                                              r"group: the 96 input rows split into shards of 48"):
             LLM(str(folder), tensor_parallel_size=2, quant_compute="exact")
         return
-    check_engine_greedy(f"{name}-gptq-tp2", folder, ref, "whole-prefill", refs, quant_compute="exact",
-                        tensor_parallel_size=2)
+    check_engine_greedy(f"{name}-gptq-tp2", folder, ref, "whole-prefill", refs, source=source,
+                        quant_compute="exact", tensor_parallel_size=2)
 
 
 def test_compiled_decode_graphs_equal_eager(tiny, monkeypatch):

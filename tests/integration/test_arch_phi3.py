@@ -2,7 +2,11 @@
 gate_up_proj in the checkpoint), greedy through the whole engine equal to transformers'
 `generate` in every engine mode, logits parity; LongRoPE with prompts on both sides of
 `original_max_position_embeddings` and sequences that grow across it (recomputed once, as
-transformers drops its cache there), partial rotary, sliding window."""
+transformers drops its cache there), partial rotary, sliding window.
+
+transformers' outputs are stored references (tests/references.py, arch_parity): the
+LongRoPE checkpoint's one-shot prefill mode computes its greedy reference live every run, the
+Phi-3 family's check that the store has not drifted from transformers."""
 
 from __future__ import annotations
 
@@ -18,12 +22,15 @@ from tests.integration.arch_parity import (
     build_tiny,
     check_engine_greedy,
     check_prefix_hits_greedy,
-    hf_greedy,
+    greedy_reference,
     our_prefill_logits,
     prefill_logits_max_abs,
+    reference_prefix,
     tiny_checkpoint_fixture,
     tiny_prompts,
 )
+from tests.integration.model_fixtures import float32_lists
+from tests.references import reference
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
 
@@ -57,21 +64,21 @@ tiny = tiny_checkpoint_fixture(CONFIGS, _config)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_matches_transformers(tiny, mode):
     name, path, hf, refs = tiny
-    check_engine_greedy(name, path, hf, mode, refs)
+    check_engine_greedy(name, path, hf, mode, refs, live=name == "phi3-longrope-partial" and mode == "whole-prefill")
 
 
 def test_prefix_cache_hits_match_transformers(tiny):
-    name, path, hf, _ = tiny
-    check_prefix_hits_greedy(name, path, hf)
+    name, path, hf, refs = tiny
+    check_prefix_hits_greedy(name, path, hf, refs)
 
 
 def test_checkpoint_is_fused_and_logits_match(tiny):
-    name, path, hf, _ = tiny
+    name, path, hf, refs = tiny
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     assert "model.layers.0.self_attn.qkv_proj.weight" in keys and "model.layers.0.mlp.gate_up_proj.weight" in keys
     assert get_model_class(hf.config) is Phi3ForCausalLM
-    prefill_logits_max_abs(name, path, hf, tiny_prompts(1000))
+    prefill_logits_max_abs(name, path, hf, tiny_prompts(1000), refs)
 
 
 def test_long_factors_apply_past_the_original_length(tmp_path):
@@ -80,11 +87,16 @@ def test_long_factors_apply_past_the_original_length(tmp_path):
     hf = build_tiny(_config(**CONFIGS["phi3-longrope-partial"]), tmp_path, seed=3)
     prompt = tiny_prompts(1000)[3]
     ours = our_prefill_logits(tmp_path, hf.config, [prompt])[0]
-    with torch.no_grad():
+
+    @torch.no_grad()
+    def compute():  # transformers' first 20 rows on the whole prompt; how far its first 20 alone are
         whole = hf(torch.tensor([prompt])).logits[0]
         head = hf(torch.tensor([prompt[:20]])).logits[0]
-    torch.testing.assert_close(ours[:20], whole[:20], atol=1e-4, rtol=0)
-    assert float((whole[:20] - head).abs().max()) > 1e-2  # the two regimes differ
+        return {"whole_head20": float32_lists(whole[:20]), "regimes_max_diff": float((whole[:20] - head).abs().max())}
+
+    theirs = reference("arch_phi3.long-factors", compute, sources=[tmp_path], inputs={"prompt": prompt, "rows": 20})
+    torch.testing.assert_close(ours[:20], torch.tensor(theirs["whole_head20"], dtype=torch.float32), atol=1e-4, rtol=0)
+    assert theirs["regimes_max_diff"] > 1e-2  # the two regimes differ
 
 
 def test_quantized_phi3_is_refused():
@@ -109,13 +121,14 @@ def _run(path, **kwargs):
     return outs, recomputes
 
 
-def test_growing_past_the_original_length_recomputes_once(tmp_path, monkeypatch):
+def test_growing_past_the_original_length_recomputes_once(tmp_path, monkeypatch, request):
     """The 5- and 19-token prompts cross 32 tokens while generating: each is recomputed once in
     the long regime (twice over two rounds), prefix caching on (the second round hits blocks of
     the right regime only). Without the recompute the output leaves transformers'."""
     path = tmp_path
-    hf = build_tiny(_config(**CONFIGS["phi3-longrope-partial"]), path, seed=len("phi3-longrope-partial"))
-    theirs = [hf_greedy(hf, p) for p in tiny_prompts(1000)]
+    name = "phi3-longrope-partial"
+    hf = build_tiny(_config(**CONFIGS[name]), path, seed=len(name))  # the fixture's checkpoint
+    theirs = greedy_reference(f"{reference_prefix(request, name)}.greedy", path, hf, tiny_prompts(1000))
     outs, recomputes = _run(path, enable_prefix_caching=True)
     assert outs == [theirs, theirs] and recomputes == 4
 

@@ -1,6 +1,10 @@
 """Qwen3 (dense): tiny random checkpoints by transformers' own class, greedy through the whole
 engine equal to transformers' `generate` in every engine mode, logits parity, and the q/k norms
-shown to matter (skipping them changes the logits)."""
+shown to matter (skipping them changes the logits).
+
+transformers' outputs are stored references (tests/references.py, arch_parity): the `qwen3`
+checkpoint's one-shot prefill mode computes its greedy reference live every run, the Qwen3
+family's check that the store has not drifted from transformers."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from tests.integration.arch_parity import (
     build_tiny,
     check_engine_greedy,
     check_prefix_hits_greedy,
+    logits_reference,
     our_prefill_logits,
     prefill_logits_max_abs,
     tiny_checkpoint_fixture,
@@ -45,18 +50,18 @@ tiny = tiny_checkpoint_fixture(CONFIGS, _config)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_matches_transformers(tiny, mode):
     name, path, hf, refs = tiny
-    check_engine_greedy(name, path, hf, mode, refs)
+    check_engine_greedy(name, path, hf, mode, refs, live=name == "qwen3" and mode == "whole-prefill")
 
 
 def test_prefix_cache_hits_match_transformers(tiny):
-    name, path, hf, _ = tiny
-    check_prefix_hits_greedy(name, path, hf)
+    name, path, hf, refs = tiny
+    check_prefix_hits_greedy(name, path, hf, refs)
 
 
 def test_logits_match_and_qk_norms_matter(tiny, monkeypatch):
-    name, path, hf, _ = tiny
+    name, path, hf, refs = tiny
     sequences = tiny_prompts(1000)
-    prefill_logits_max_abs(name, path, hf, sequences)
+    prefill_logits_max_abs(name, path, hf, sequences, refs)
     model = load_model(str(path), None, hf.config, torch.float32, "cpu")
     assert type(model) is Qwen3ForCausalLM is get_model_class(hf.config)
     layers = model.model.layers
@@ -65,8 +70,7 @@ def test_logits_match_and_qk_norms_matter(tiny, monkeypatch):
         torch.testing.assert_close(ours.self_attn.q_norm.weight, theirs.self_attn.q_norm.weight, rtol=0, atol=0)
         assert ours.self_attn.attn.sliding_window == theirs.self_attn.sliding_window
     # The same checkpoint without the q/k norms (Llama's forward) gives other logits.
-    with torch.no_grad():
-        ref = hf(torch.tensor([sequences[2]])).logits[0]
+    ref = logits_reference(f"{refs}.logits", path, hf, sequences)[2]  # prefill_logits_max_abs's, stored
     monkeypatch.setattr(Qwen3Attention, "forward", LlamaAttention.forward)
     without = our_prefill_logits(path, hf.config, [sequences[2]])[0]
     assert float((without - ref).abs().max()) > 1e-2

@@ -3,7 +3,10 @@ output equals peft's PeftModel token for token (each adapter alone, and mixed wi
 in one batch), prompt logprobs agree with peft's, a request never runs with another adapter's
 weights (more adapters than slots, preemption shuffling rows), prefix caching keyed by the
 adapter, n > 1, beams, swap, structured outputs, and bad adapters refused by name with the
-engine still serving."""
+engine still serving.
+
+peft's outputs are stored references (tests/references.py, lora_fixtures.lora_reference); the
+`all7` adapter's are computed live every run, peft's check that the store has not drifted."""
 
 from __future__ import annotations
 
@@ -13,8 +16,10 @@ import pytest
 import torch
 
 from pagedllm import LLM, LoRARequest, SamplingParams
-from tests.integration.lora_fixtures import (ADAPTERS, greedy, make_tiny_lora, peft_model, prompt_logprobs,
+from tests.integration.lora_fixtures import (ADAPTERS, adapter_sources, greedy, lora_reference, make_tiny_lora,
                                              tokenizer)
+from tests.integration.model_fixtures import checkpoint_sources
+from tests.references import reference as stored_reference
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
 
@@ -42,10 +47,12 @@ def _ids(smollm2_gguf) -> list[list[int]]:
 def reference(tiny, smollm2_gguf):
     """name (None: base) -> per prompt: (prompt ids, peft's greedy tokens, peft's prompt logprobs)."""
     ids = _ids(smollm2_gguf)
-    out = {None: [(p, greedy(tiny.hf_base, p, MAX_TOKENS), prompt_logprobs(tiny.hf_base, p)) for p in ids]}
-    for name in ADAPTERS:
-        model = peft_model(tiny, name)
-        out[name] = [(p, greedy(model, p, MAX_TOKENS), prompt_logprobs(model, p)) for p in ids]
+    out = {}
+    for name in [None, *ADAPTERS]:
+        ref = lora_reference(f"lora.{name or 'base'}", tiny, name, ids, MAX_TOKENS, logprobs=True,
+                             live=name == "all7")
+        out[name] = [(p, g, torch.tensor(lp, dtype=torch.float32))
+                     for p, g, lp in zip(ids, ref["greedy"], ref["prompt_logprobs"])]
     return out
 
 
@@ -201,10 +208,20 @@ def test_adapters_over_a_quantized_base_equal_peft_over_its_dequantized_weights(
     assert layer.quant_method is not None and layer.int_weight is not None and layer.lora is not None
     names = [None, *ADAPTERS, "all7"]
     outs = _run(llm, reference, loras, names)
-    for i, (name, o) in enumerate(zip(names, outs)):
-        ref = reference_model(out)
-        if name is not None:
-            ref = PeftModel.from_pretrained(ref, tiny.adapters[name]).eval()
-        prompt = reference[name][i % len(PROMPTS)][0]
-        assert list(o.outputs[0].token_ids) == greedy(ref, prompt, MAX_TOKENS), (fmt, name)
+    items = [(name, reference[name][i % len(PROMPTS)][0]) for i, name in enumerate(names)]
+
+    def compute():
+        tokens = []
+        for name, prompt in items:
+            ref = reference_model(out)
+            if name is not None:
+                ref = PeftModel.from_pretrained(ref, tiny.adapters[name]).eval()
+            tokens.append(greedy(ref, prompt, MAX_TOKENS))
+        return tokens
+
+    sources = checkpoint_sources(out) + [s for name in ADAPTERS for s in adapter_sources(tiny.adapters[name])]
+    theirs = stored_reference(f"lora.{fmt}-base", compute, sources=sources, libs=("transformers", "peft"),
+                              inputs={"items": items, "max_tokens": MAX_TOKENS, "base": "reference_model"})
+    for (name, _), o, want in zip(items, outs, theirs):
+        assert list(o.outputs[0].token_ids) == want, (fmt, name)
     assert len({tuple(o.outputs[0].token_ids) for o in outs[:4]}) == 4  # the adapters matter here too

@@ -4,6 +4,10 @@ run through the real loader, ModelRunner, paged KV cache and attention backend.
 Scenarios: one-step batched prefill of sequences of different lengths; chunked prefill on top of
 cached context, then decodes batched with another sequence's prefill; prefix-cache hits and
 copy-on-write forks. Block ids are shuffled (non-contiguous) and block sizes vary.
+
+transformers' logits (and its `generate`) are stored references (tests/references.py), keyed
+by each checkpoint's bytes and the sequences (our greedy tokens among them); the Llama family's
+live check is test_tiny_models'.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from transformers import GenerationConfig
 from tests.integration.model_fixtures import (
     TINY_VOCAB,
     ToyBlocks,
-    hf_logits,
+    logits_reference,
     make_hf_model,
     save_checkpoint,
     step_plan,
@@ -28,6 +32,7 @@ from pagedllm.core.step_plan import SequenceStep
 from pagedllm.layers.rotary import compute_inv_freq
 from pagedllm.model import LlamaForCausalLM, get_model_class, load_model
 from pagedllm.worker import CacheEngine, ModelRunner
+from tests.references import reference
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
 
@@ -62,8 +67,12 @@ CASES = {
 
 
 class Case:
-    def __init__(self, name, hf_model, model, config):
-        self.name, self.hf, self.model, self.config = name, hf_model, model, config
+    def __init__(self, name, hf_model, model, config, path):
+        self.name, self.hf, self.model, self.config, self.path = name, hf_model, model, config, path
+
+    def logits(self, what: str, sequences: list[list[int]]) -> list[torch.Tensor]:
+        """transformers' logits of `sequences` on this checkpoint, stored as `model_parity.<case>.<what>`."""
+        return logits_reference(f"model_parity.{self.name}.{what}", self.path, self.hf, sequences)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -73,7 +82,7 @@ def case(request, tmp_path_factory) -> Case:
     hf_model = make_hf_model(config, seed=len(request.param))
     path = save_checkpoint(hf_model, tmp_path_factory.mktemp(request.param))
     model = load_model(str(path), None, config, torch.float32, torch.device("cpu"))
-    return Case(request.param, hf_model, model, config)
+    return Case(request.param, hf_model, model, config, path)
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -105,8 +114,9 @@ def test_full_prefill_batch(case: Case, block_size: int) -> None:
 
     assert out.sample_logits.shape == (len(prompts), TINY_VOCAB)
     assert out.sample_logits.dtype == torch.float32
+    refs = case.logits(f"prefill-bs{block_size}", prompts)
     for i, p in enumerate(prompts):
-        ref = hf_logits(case.hf, p)
+        ref = refs[i]
         ours = out.all_logits[10 + i]
         assert ours.shape == ref.shape
         torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
@@ -149,10 +159,13 @@ def _run_step(runner: ModelRunner, blocks: ToyBlocks, plan: list[tuple[_Stream, 
     assert sample_row == out.sample_logits.shape[0]
 
 
-def _check_against_hf(case: Case, stream: _Stream) -> float:
-    """Our logits at every fed position vs transformers on the whole sequence; greedy tokens."""
-    fed = stream.tokens[:-1]  # the last sampled token has not been fed yet
-    ref = hf_logits(case.hf, fed)
+def _fed(stream: _Stream) -> list[int]:
+    return stream.tokens[:-1]  # the last sampled token has not been fed yet
+
+
+def _check_against_hf(stream: _Stream, ref: torch.Tensor) -> float:
+    """Our logits at every fed position vs transformers' (`ref`) on the whole sequence; greedy tokens."""
+    fed = _fed(stream)
     assert sorted(stream.rows) == list(range(len(fed)))
     ours = torch.stack([stream.rows[p] for p in range(len(fed))])
     torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
@@ -181,18 +194,20 @@ def test_chunked_prefill_then_decode_mixed_with_prefill(case: Case, block_size: 
             plan = [(a, 1), (c, 1), (b, 1)]
         _run_step(runner, blocks, plan)
 
-    for stream in (a, b, c):
-        _check_against_hf(case, stream)
+    for stream, ref in zip((a, b, c), case.logits(f"chunked-bs{block_size}", [_fed(s) for s in (a, b, c)])):
+        _check_against_hf(stream, ref)
     # transformers' own greedy generation agrees token for token.
-    gen_config = GenerationConfig(
-        max_new_tokens=len(a.tokens) - a.prompt_len, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    hf_out = case.hf.generate(
-        torch.tensor([a.tokens[: a.prompt_len]]),
-        attention_mask=torch.ones(1, a.prompt_len, dtype=torch.long),
-        generation_config=gen_config,
-    )
-    assert hf_out[0].tolist() == a.tokens
+    prompt, max_new = a.tokens[: a.prompt_len], len(a.tokens) - a.prompt_len
+
+    @torch.no_grad()
+    def generate():
+        gen_config = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        return case.hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, a.prompt_len, dtype=torch.long),
+                                generation_config=gen_config)[0].tolist()
+
+    hf_out = reference(f"model_parity.{case.name}.chunked-bs{block_size}.generate", generate, sources=[case.path],
+                       inputs={"prompt": prompt, "max_new_tokens": max_new})
+    assert hf_out == a.tokens
 
 
 def test_prefix_hit_and_copy_on_write_fork(case: Case) -> None:
@@ -221,9 +236,9 @@ def test_prefix_hit_and_copy_on_write_fork(case: Case) -> None:
 
     b_rows = {p: r for p, r in b.rows.items()}
     b.rows = {p: a.rows[p] for p in range(16)} | b_rows  # the shared prefix was computed by a
-    for stream in (a, b):
-        _check_against_hf(case, stream)
-    ref_c = hf_logits(case.hf, c.tokens[:-1])
+    ref_a, ref_b, ref_c = case.logits("prefix-fork", [_fed(a), _fed(b), c.tokens[:-1]])
+    for stream, ref in ((a, ref_a), (b, ref_b)):
+        _check_against_hf(stream, ref)
     ours_c = torch.stack([c.rows[p] for p in range(len(c.tokens) - 1)])
     torch.testing.assert_close(ours_c, ref_c, atol=ATOL, rtol=0)
 
@@ -271,7 +286,8 @@ def test_sharded_checkpoint_loads(tmp_path) -> None:
     out = runner.execute_model(
         step_plan([table_step(0, prompt, 0, [3, 9], all_logits=True)])
     )
-    torch.testing.assert_close(out.all_logits[0], hf_logits(hf_model, prompt), atol=ATOL, rtol=0)
+    ref = logits_reference("model_parity.sharded", tmp_path, hf_model, [prompt])[0]
+    torch.testing.assert_close(out.all_logits[0], ref, atol=ATOL, rtol=0)
 
 
 def test_cache_engine_layout_and_copy_blocks() -> None:
@@ -307,4 +323,5 @@ def test_bfloat16_model_and_cache(tmp_path) -> None:
     out2 = runner.execute_model(step_plan([rest]))
     ours = torch.cat([out.all_logits[0], out2.all_logits[0]])
     assert ours.dtype == torch.float32 and out2.sample_logits.dtype == torch.float32
-    torch.testing.assert_close(ours, hf_logits(hf_model, prompt), atol=0.1, rtol=0.05)
+    ref = logits_reference("model_parity.bfloat16", path, hf_model, [prompt])[0]
+    torch.testing.assert_close(ours, ref, atol=0.1, rtol=0.05)

@@ -2,7 +2,11 @@
 folders from a tiny random Llama; `LLM(folder)` detects the format, keeps the weights packed, and
 its greedy output equals transformers' float32 forward of the weights dequantized here in plain
 torch (formulas written in this file). One SmolLM2 run checks that the text stays sensible.
-Bad checkpoints fail with errors that name the tensor."""
+Bad checkpoints fail with errors that name the tensor.
+
+transformers' side is stored (tests/references.py), keyed by each quantized folder's bytes (the
+weights it dequantizes to; `checkpoint_sources`: less the source folder's path in its config)
+and the prompt ids."""
 
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ from safetensors.torch import load_file, save_file
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.cli import main as cli_main
 from pagedllm.quantization.algorithms.checkpoint_writer import quantize_model
-from tests.integration.model_fixtures import save_tiny_llama
+from tests.integration.model_fixtures import checkpoint_sources, save_tiny_llama
+from tests.references import reference
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
 
@@ -124,13 +129,23 @@ def test_quantized_tiny_llama_greedy_equals_dequantized_reference(case, tiny_lla
     else:  # groups of 16: the portable path keeps the canonical tensors
         assert layer.int_weight is None and layer.qweight.dtype == torch.int32
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
-    ref_model = reference_model(out)
-    for prompt, o in zip(PROMPTS, outs):
-        ids = torch.tensor([o.prompt_token_ids])
-        with torch.inference_mode():
-            ref = ref_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                                     pad_token_id=0)
-        assert o.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), (case, prompt)
+    prompt_ids = [list(o.prompt_token_ids) for o in outs]
+
+    def compute():
+        ref_model = reference_model(out)
+        refs = []
+        for p in prompt_ids:
+            ids = torch.tensor([p])
+            with torch.inference_mode():
+                ref = ref_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                                         pad_token_id=0)
+            refs.append(ref[0, ids.shape[1]:].tolist())
+        return refs
+
+    refs = reference(f"quantized_checkpoints.{case}.greedy", compute, sources=checkpoint_sources(out),
+                     inputs={"prompts": prompt_ids, "max_new_tokens": 16, "dequantized": "reference_model"})
+    for prompt, o, ref in zip(PROMPTS, outs, refs):
+        assert o.outputs[0].token_ids == ref, (case, prompt)
     assert len({t for o in outs for t in o.outputs[0].token_ids}) > 3  # not degenerate
 
 

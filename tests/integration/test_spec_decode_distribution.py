@@ -12,6 +12,7 @@ token after both drafts) or from a later step. 6000 draws: 60 prompts of n = 100
 
 The exact distribution: transformers' float32 model, every prefix of the tiny vocabulary
 enumerated (t4: 4096 contexts in one batched forward), P(t1 .. t4) = p(t1) p(t2|t1) ....
+It is a stored reference (tests/references.py), keyed by the checkpoint's bytes and the prompt.
 
 False alarms: each run makes five tests (the marginals of t1, t2, t3, t4 and the joint of
 (t2, t3)), each at alpha / 5, alpha = 1e-3 (Bonferroni): a correct sampler fails a run with
@@ -29,6 +30,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.integration.model_fixtures import make_hf_model, save_checkpoint, tiny_config
+from tests.references import reference
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
 
@@ -118,11 +120,13 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def joint(tiny):
     """The exact joint distribution of output tokens 1..4, [V, V, V, V] (float64): one batched
-    forward per position over every prefix of the tokens before it."""
-    _, model, prompt = tiny
-    joint = torch.ones(())
-    prefixes = torch.tensor([prompt])
-    with torch.no_grad():
+    forward per position over every prefix of the tokens before it (stored)."""
+    path, model, prompt = tiny
+
+    @torch.no_grad()
+    def compute():
+        joint = torch.ones(())
+        prefixes = torch.tensor([prompt])
         for j in range(MAX_TOKENS):
             probs = model(prefixes).logits[:, -1].double().softmax(-1)  # [V^j, V]
             joint = (joint.reshape(-1, 1) * probs).reshape((V,) * (j + 1))
@@ -130,6 +134,11 @@ def joint(tiny):
                 n = prefixes.shape[0]
                 prefixes = torch.cat([prefixes.repeat_interleave(V, 0),
                                       torch.arange(V).repeat(n).unsqueeze(1)], dim=1)
+        return joint
+
+    joint = torch.tensor(reference("spec_decode_distribution.joint", compute, sources=[path],
+                                   inputs={"prompt": prompt, "max_tokens": MAX_TOKENS}), dtype=torch.float64)
+    assert joint.shape == (V,) * MAX_TOKENS
     assert float(joint.sum()) == pytest.approx(1.0, abs=1e-9)
     return joint
 

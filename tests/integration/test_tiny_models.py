@@ -1,5 +1,8 @@
 """Other architectures: tiny random Qwen2 / Mistral / Llama checkpoints saved by transformers,
-run through the whole engine, greedy equal to transformers' `generate`."""
+run through the whole engine, greedy equal to transformers' `generate`.
+
+transformers' side is stored (tests/references.py); the Llama checkpoint computes it live every
+run, the Llama family's check (of the tiny checkpoints) that the store has not drifted."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from tests.references import reference
 from tests.smollm2 import hf_tokenizer
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
@@ -55,13 +59,23 @@ def test_tiny_model_greedy_matches_transformers(kind, tmp_path, smollm2_gguf):
     llm = LLM(str(tmp_path), kv_cache_space=0.05, block_size=8)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20),
                         use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        ids = torch.tensor([out.prompt_token_ids])
-        with torch.inference_mode():
-            ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
-                                    do_sample=False,
-                                    pad_token_id=tok.eos_token_id)
-        assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), prompt
+    prompt_ids = [list(out.prompt_token_ids) for out in outs]
+
+    def compute():
+        refs = []
+        for p in prompt_ids:
+            ids = torch.tensor([p])
+            with torch.inference_mode():
+                ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
+                                        do_sample=False,
+                                        pad_token_id=tok.eos_token_id)
+            refs.append(ref[0, ids.shape[1]:].tolist())
+        return refs
+
+    refs = reference(f"tiny_models.{kind}.greedy", compute, sources=[tmp_path], live=kind == "llama",
+                     inputs={"prompts": prompt_ids, "max_new_tokens": 20, "pad_token_id": tok.eos_token_id})
+    for prompt, out, ref in zip(prompts, outs, refs):
+        assert out.outputs[0].token_ids == ref, prompt
     assert len({t for o in outs for t in o.outputs[0].token_ids}) > 3  # not degenerate
 
 

@@ -2,7 +2,8 @@
 official openai client: adapters from --lora-modules (both forms) listed in /v1/models with
 the base as parent and chosen by `model`, greedy output equal to peft's, streaming, runtime
 load / unload behind the API key, bad adapters a 400 naming the problem, unknown names a 404,
-vllm:lora_requests_info, and a plain request (and an empty pool) afterwards."""
+vllm:lora_requests_info, and a plain request (and an empty pool) afterwards.
+peft's outputs are stored references (tests/references.py; the live peft check is test_lora's)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import shutil
 
 import pytest
 
-from tests.integration.lora_fixtures import ADAPTERS, greedy, make_tiny_lora, peft_model, tokenizer
+from tests.integration.lora_fixtures import ADAPTERS, lora_reference, make_tiny_lora, tokenizer
 from tests.server.conftest import serving
 from tests.server.helpers import API_KEY, read_metrics
 
@@ -29,9 +30,8 @@ def tiny(tmp_path_factory, smollm2_gguf):
 @pytest.fixture(scope="module")
 def reference(tiny, smollm2_gguf):
     ids = tokenizer(smollm2_gguf).encode(PROMPT)
-    out = {None: greedy(tiny.hf_base, ids, MAX_TOKENS)}
-    for name in ADAPTERS:
-        out[name] = greedy(peft_model(tiny, name), ids, MAX_TOKENS)
+    out = {name: lora_reference(f"lora_server.{name or 'base'}", tiny, name, [ids], MAX_TOKENS)["greedy"][0]
+           for name in [None, *ADAPTERS]}
     return ids, out
 
 
