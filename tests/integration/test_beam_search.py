@@ -1,5 +1,8 @@
 """Beam search on SmolLM2 equals transformers' `generate(num_beams=...)`, and its beams share
-KV blocks (fork, copy-on-write, dropped beams freed)."""
+KV blocks (fork, copy-on-write, dropped beams freed).
+
+transformers' beams are stored (tests/references.py); the Llama family's live check is
+test_engine_parity.py::test_chat_api_matches_transformers."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import torch
 
 from pagedllm import BeamSearchParams, SamplingParams
 from tests.integration.prompts import PROMPTS
+from tests.references import reference
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
 
@@ -30,7 +34,7 @@ def hf_beams(hf_model, prompt_ids, eos_ids, length_penalty, early_stopping):
     return beams
 
 
-def test_beam_search_equals_transformers(smollm2_llm, hf_smollm2):
+def test_beam_search_equals_transformers(smollm2_llm, smollm2_gguf, request):
     eos = sorted(smollm2_llm.llm_engine.eos_token_ids)
     ours: dict[int, list[list[int]]] = {}
     for k, (lp, es) in enumerate(SETTINGS):
@@ -42,10 +46,16 @@ def test_beam_search_equals_transformers(smollm2_llm, hf_smollm2):
             assert len(out.outputs) == WIDTH and out.finished
             ours[i] = [c.token_ids for c in out.outputs]
             ours[-1 - i] = out.prompt_token_ids
+    prompt_ids = [ours[-1 - i] for i in range(len(PROMPTS))]
+    settings = [SETTINGS[i % len(SETTINGS)] for i in range(len(PROMPTS))]
+    refs = reference(
+        "beam_search.beams",
+        lambda: [hf_beams(request.getfixturevalue("hf_smollm2"), ids, eos, lp, es)
+                 for ids, (lp, es) in zip(prompt_ids, settings)],
+        sources=[smollm2_gguf], libs=("transformers", "gguf"),
+        inputs={"prompts": prompt_ids, "eos": eos, "settings": settings, "width": WIDTH, "max_tokens": MAX_TOKENS})
     best_equal = all_equal = 0
-    for i in range(len(PROMPTS)):
-        lp, es = SETTINGS[i % len(SETTINGS)]
-        ref = hf_beams(hf_smollm2, ours[-1 - i], eos, lp, es)
+    for i, ref in enumerate(refs):
         best_equal += ours[i][0] == ref[0]
         all_equal += ours[i] == ref
     assert best_equal >= 7, (best_equal, all_equal)

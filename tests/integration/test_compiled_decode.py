@@ -2,6 +2,8 @@
 
 A tiny random Llama checkpoint keeps compilation short; the graphs are the same code path as for
 SmolLM2 (whole model + LM head, the attention op opaque, padded rows on the scratch block).
+transformers' greedy output is stored (tests/references.py); the Llama family's live check is
+test_engine_parity.py::test_chat_api_matches_transformers.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.integration.test_tiny_models import _save_tiny, _tokenizer
+from tests.references import reference
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
 
@@ -52,14 +55,21 @@ def test_compiled_greedy_matches_eager_and_transformers(tiny_llama, compiled_llm
     eager = LLM(path, kv_cache_space=0.05, block_size=8, max_num_seqs=4, enforce_eager=True)
     assert eager.llm_engine.model_runner.decode_graphs is None
     eager_outs = eager.generate(PROMPTS, params, use_tqdm=False)
-    for c, e in zip(compiled, eager_outs):
-        assert c.outputs[0].token_ids == e.outputs[0].token_ids, c.prompt
-        ids = torch.tensor([c.prompt_token_ids])
+
+    def hf_generate(prompt_ids):
+        ids = torch.tensor([prompt_ids])
         with torch.inference_mode():
             ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
                                     do_sample=False, pad_token_id=tok.eos_token_id)
+        return ref[0, ids.shape[1]:].tolist()
+
+    prompt_ids = [list(c.prompt_token_ids) for c in compiled]
+    refs = reference("compiled_decode.greedy", lambda: [hf_generate(ids) for ids in prompt_ids], sources=[path],
+                     inputs={"prompts": prompt_ids, "max_new": 20, "pad": tok.eos_token_id})
+    for c, e, ref in zip(compiled, eager_outs, refs, strict=True):
+        assert c.outputs[0].token_ids == e.outputs[0].token_ids, c.prompt
         got = c.outputs[0].token_ids
-        assert got == ref[0, ids.shape[1]:].tolist()[: len(got)], c.prompt
+        assert got == ref[: len(got)], c.prompt
 
 
 def test_compiled_logprobs_match_eager(tiny_llama, compiled_llm):

@@ -3,7 +3,14 @@ the file's blocks: kernels/gguf_gemm.c) through the engine in its modes, against
 loading the same file: greedy output equal token for token with chunked prefill at a small
 budget, a prefix-cache hit and preemption by recompute; nothing widened to float32. (The int8
 path is checked against the exact one per kernel in tests/unit/test_gguf_kernel.py: this file's
-random ffn_down blocks make a model too erratic to compare whole generations.)"""
+random ffn_down blocks make a model too erratic to compare whole generations.)
+
+transformers' output on the file is stored (tests/references.py): its load alone takes tens of
+seconds. The live check of GGUF K-quant dequantization is
+test_gguf_loader.py::test_every_gguf_type_kept_in_its_blocks_matches_transformers (gguf-py's
+`dequantize`, which transformers' GGUF loader calls, on tiny files of every type); transformers'
+GGUF loader itself is checked live on the default model by
+test_engine_parity.py::test_chat_api_matches_transformers."""
 
 from __future__ import annotations
 
@@ -17,22 +24,30 @@ from pagedllm.quantization.kernels.gguf_kernel import kernel_takes
 from pagedllm.model.loader import weight_memory
 from tests.integration.prompts import PROMPTS
 from tests.integration.test_engine_parity import hf_greedy
+from tests.references import reference as stored_reference
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not kernel_takes("Q4_K", 256), reason="gguf_gemm.c cannot be built here")]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 
-@pytest.fixture(scope="module")
-def reference(smollm2_kquant_gguf):
+def _hf_greedy_on(gguf_path: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    folder, name = os.path.split(smollm2_kquant_gguf)
+    folder, name = os.path.split(gguf_path)
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return [hf_greedy(hf, p, max_new) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_kquant_gguf):
     llm = LLM(smollm2_kquant_gguf, kv_cache_space=0.25)
     tok = llm.get_tokenizer()
     ids = [tok.encode(p) for p in PROMPTS[:6]]
-    expected = [hf_greedy(hf, p, GREEDY.max_tokens) for p in ids]
+    expected = stored_reference("gguf_kquant_engine.greedy",
+                                lambda: _hf_greedy_on(smollm2_kquant_gguf, ids, GREEDY.max_tokens),
+                                sources=[smollm2_kquant_gguf], inputs={"prompts": ids, "max_new": GREEDY.max_tokens},
+                                libs=("transformers", "gguf"))
     return llm, [{"prompt_token_ids": p} for p in ids], expected
 
 

@@ -1,8 +1,17 @@
 """GGUF loading: the default SmolLM2 Q4_1 file against transformers' own GGUF loader, tiny GGUF
-files written here (mixed quantization types, llama.cpp's Q/K permutation), and the errors."""
+files written here (mixed quantization types, llama.cpp's Q/K permutation), and the errors.
+
+transformers' side on SmolLM2 is stored (tests/references.py; the Llama family's live check is
+test_engine_parity.py::test_chat_api_matches_transformers). The tiny GGUF tests compute theirs
+every run (a forward of a 2-layer model whose weights the test needs anyway to write the file):
+`test_every_gguf_type_kept_in_its_blocks_matches_transformers` is the live check of GGUF
+K-quant dequantization (gguf-py's `dequantize`, the call transformers' GGUF loader makes for
+every tensor, and transformers' Llama reverse permute), whose stored counterpart is
+test_gguf_kquant_engine.py's reference (transformers loading a K-quant SmolLM2 file)."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -21,6 +30,7 @@ from tests.integration.model_fixtures import (
     table_step,
     tiny_config,
 )
+from tests.references import reference
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server: not in the quick `not slow` tier
 
@@ -46,11 +56,43 @@ def smollm2_ours(smollm2_gguf, smollm2_config):
     return load_model(folder, name, smollm2_config, torch.float32, torch.device("cpu"))
 
 
-def test_smollm2_gguf_logits_match_transformers(smollm2_ours, smollm2_config, hf_smollm2) -> None:
+def _hf_final_hidden(hf_model, token_ids: list[int]) -> list[list[float]]:
+    """transformers' final hidden states (after the last norm: what its LM head multiplies),
+    each float32 written in its shortest decimal form (it reads back to the same float32)."""
+    with torch.no_grad():
+        hidden = hf_model.model(torch.tensor([token_ids])).last_hidden_state[0].float()
+    return [[float(str(v)) for v in row] for row in hidden.numpy()]
+
+
+@functools.cache
+def _token_embd(gguf_path: str) -> torch.Tensor:
+    """The GGUF's token table as transformers' GGUF loader reads it: its blocks dequantized by
+    gguf-py's `dequantize` (SmolLM2's LM head is tied to it). The blocks are found with the
+    engine's own index (gguf.GGUFReader spends 3 s on the vocabulary's metadata): were it wrong,
+    the engine's embeddings would be too, and its logits would leave transformers' anyway."""
+    from gguf.quants import dequantize
+
+    from pagedllm.model.gguf_index import read_gguf_index
+
+    tensor = next(t for t in read_gguf_index(gguf_path).tensors if t.name == "token_embd.weight")
+    return torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy())
+
+
+def smollm2_reference_logits(request, smollm2_gguf: str, token_ids: list[int]) -> torch.Tensor:
+    """transformers' float32 logits `[len, vocab]` on SmolLM2 (what `hf_logits` gives): its final
+    hidden states are stored (24k floats; the logits are 2M), its tied LM head is applied
+    here with the same matrix product (`F.linear`) on the same dequantized token table."""
+    hidden = reference("gguf_loader.smollm2_final_hidden",
+                       lambda: _hf_final_hidden(request.getfixturevalue("hf_smollm2"), token_ids),
+                       sources=[smollm2_gguf], inputs={"prompt": token_ids}, libs=("transformers", "gguf"))
+    return torch.nn.functional.linear(torch.tensor([hidden], dtype=torch.float32), _token_embd(smollm2_gguf))[0]
+
+
+def test_smollm2_gguf_logits_match_transformers(smollm2_ours, smollm2_config, smollm2_gguf, request) -> None:
     runner = ModelRunner(smollm2_ours, smollm2_config, 16, 16, torch.float32, "cpu")
     seq = table_step(0, PROMPT_IDS, 0, [7, 2, 11], sample=True, all_logits=True)
     out = runner.execute_model(step_plan([seq]))
-    ref = hf_logits(hf_smollm2, PROMPT_IDS)
+    ref = smollm2_reference_logits(request, smollm2_gguf, PROMPT_IDS)
     ours = out.all_logits[0]
     diff = (ours - ref).abs().max().item()
     print(f"SmolLM2 GGUF prefill: max |logits diff| = {diff:.3g} over {ref.shape}")
@@ -58,7 +100,7 @@ def test_smollm2_gguf_logits_match_transformers(smollm2_ours, smollm2_config, hf
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-def test_smollm2_gguf_greedy_decode_matches_transformers(smollm2_ours, smollm2_config, hf_smollm2) -> None:
+def test_smollm2_gguf_greedy_decode_matches_transformers(smollm2_ours, smollm2_config, smollm2_gguf, request) -> None:
     """Chunked prefill (16-token chunks) then greedy decode, against transformers' generate."""
     block_size, new_tokens = 8, 12
     runner = ModelRunner(smollm2_ours, smollm2_config, 32, block_size, torch.float32, "cpu")
@@ -72,11 +114,17 @@ def test_smollm2_gguf_greedy_decode_matches_transformers(smollm2_ours, smollm2_c
         pos += n
         if seq.sample:
             tokens.append(int(out.sample_logits[0].argmax()))
-    gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    ref = hf_smollm2.generate(
-        torch.tensor([PROMPT_IDS]), attention_mask=torch.ones(1, len(PROMPT_IDS), dtype=torch.long), generation_config=gen
-    )
-    assert ref[0].tolist() == tokens
+
+    def hf_generate():
+        gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        return request.getfixturevalue("hf_smollm2").generate(
+            torch.tensor([PROMPT_IDS]), attention_mask=torch.ones(1, len(PROMPT_IDS), dtype=torch.long),
+            generation_config=gen
+        )[0].tolist()
+
+    ref = reference("gguf_loader.smollm2_greedy", hf_generate, sources=[smollm2_gguf],
+                    inputs={"prompt": PROMPT_IDS, "max_new": new_tokens}, libs=("transformers", "gguf"))
+    assert ref == tokens
 
 
 def test_unsupported_architecture_raises() -> None:
