@@ -9,7 +9,7 @@ EXTRAS=test bash scripts/setup-venv.sh
 # Every kernel library in every instruction-set variant this CPU runs, compiled once, two at a
 # time, into the kernel cache (a second or two when it is current): no test waits on a compiler,
 # and tests/unit/test_kernel_isa.py checks each variant from the cache.
-.venv/bin/python -m pagedllm.kernels.build --all-variants --jobs "$(nproc)"
+.venv/bin/python -m pagedllm.kernels --all-variants --jobs "$(nproc)"
 # Bytecode is written (some machines set PYTHONDONTWRITEBYTECODE): every server, engine core and
 # worker process of the run then loads pagedllm's compiled modules instead of compiling them
 # again, and pytest keeps its rewritten test modules between runs.

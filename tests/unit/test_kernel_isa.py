@@ -208,3 +208,31 @@ def test_every_variant_attends_correctly():
         result = json.loads(out.strip().splitlines()[-1])
         assert result["variant"] == variant
         assert result["worst"] < 1e-4, (variant, result)
+
+
+def test_prebuild_builds_every_source_for_every_variant_asked(monkeypatch):
+    """`python -m pagedllm.kernels --all-variants` (scripts/test.sh): each source once per variant,
+    compilers side by side (not under build_library's lock), every state reported."""
+    import threading
+
+    built, inside, most = [], [0], [0]
+    lock = threading.Lock()
+
+    def fake_build(source, variant=None):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        threading.Event().wait(0.05)
+        with lock:
+            inside[0] -= 1
+            built.append((source, variant))
+        kernel_build._status[kernel_build._key(source, variant)[0]] = kernel_build.KernelState(True, "ok", variant)
+
+    monkeypatch.setattr(kernel_build, "_build", fake_build)
+    monkeypatch.setattr(kernel_build, "_status", {})
+    monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset(V3))
+    states = kernel_build.prebuild(["portable", "avx2"], jobs=2)
+    sources = kernel_build.kernel_sources()
+    assert sorted(built) == sorted((s, v) for v in ("portable", "avx2") for s in sources)
+    assert len(states) == 2 * len(sources) and all(s.active for s in states.values())
+    assert most[0] == 2
