@@ -16,10 +16,12 @@ EXTRAS=test bash scripts/setup-venv.sh
 unset PYTHONDONTWRITEBYTECODE
 export PAGEDLLM_TEST_SETUP_SECONDS="$SECONDS"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# Two workers (pytest-xdist), tests grouped so that each file's module-scoped engines and servers,
-# the session servers and transformers' SmolLM2 are each built on one worker only
-# (tests/conftest.py: worker_group); PAGEDLLM_TEST_WORKERS=0 runs in this process alone.
-WORKERS="${PAGEDLLM_TEST_WORKERS:-2}"
+# The whole suite (no arguments: what CI runs) on two workers (pytest-xdist), tests grouped so that
+# each file's module-scoped engines and servers, the session servers and transformers' SmolLM2
+# are each built on one worker only (tests/conftest.py: worker_group). A run given arguments (a
+# tier, a file, a test) runs in this process alone: the quick tier took 64 s so and 81 s on two
+# workers (their start-up). PAGEDLLM_TEST_WORKERS=N sets the workers either way (0: none).
+if [ $# -eq 0 ]; then WORKERS="${PAGEDLLM_TEST_WORKERS:-2}"; else WORKERS="${PAGEDLLM_TEST_WORKERS:-0}"; fi
 PARALLEL=()
 if [ "$WORKERS" != 0 ]; then PARALLEL=(-n "$WORKERS" --dist loadgroup --no-loadscope-reorder); fi
 exec .venv/bin/python -m pytest -q "${PARALLEL[@]}" "$@"
