@@ -221,7 +221,8 @@ def test_adapters_over_a_quantized_base_equal_peft_over_its_dequantized_weights(
 
     sources = checkpoint_sources(out) + [s for name in ADAPTERS for s in adapter_sources(tiny.adapters[name])]
     theirs = stored_reference(f"lora.{fmt}-base", compute, sources=sources, libs=("transformers", "peft"),
-                              inputs={"items": items, "max_tokens": MAX_TOKENS, "base": "reference_model"})
+                              inputs={"items": items, "max_tokens": MAX_TOKENS, "base": "reference_model"},
+                              machine_made=True)  # a quantizer's output: see quantized_checkpoints
     for (name, _), o, want in zip(items, outs, theirs):
         assert list(o.outputs[0].token_ids) == want, (fmt, name)
     assert len({tuple(o.outputs[0].token_ids) for o in outs[:4]}) == 4  # the adapters matter here too

@@ -142,8 +142,10 @@ def test_quantized_tiny_llama_greedy_equals_dequantized_reference(case, tiny_lla
             refs.append(ref[0, ids.shape[1]:].tolist())
         return refs
 
+    # machine_made: AWQ's calibration rounds differently with AVX2 kernels (other bytes on a Zen3)
     refs = reference(f"quantized_checkpoints.{case}.greedy", compute, sources=checkpoint_sources(out),
-                     inputs={"prompts": prompt_ids, "max_new_tokens": 16, "dequantized": "reference_model"})
+                     inputs={"prompts": prompt_ids, "max_new_tokens": 16, "dequantized": "reference_model"},
+                     machine_made=True)
     for prompt, o, ref in zip(PROMPTS, outs, refs):
         assert o.outputs[0].token_ids == ref, (case, prompt)
     assert len({t for o in outs for t in o.outputs[0].token_ids}) > 3  # not degenerate

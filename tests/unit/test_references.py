@@ -119,3 +119,15 @@ def test_float_arrays_are_stored_packed_and_read_back_exactly(store, monkeypatch
     assert got == written  # a write run's test sees what a stored run's sees
     assert got["logits"] == logits.tolist() and got["wide"] == wide
     assert got["ids"] == list(range(100)) and got["ragged"] == [[0.5, 1.5], [2.5]]
+
+
+def test_a_machine_made_source_that_differs_is_computed_live(store, checkpoint, monkeypatch):
+    """A quantizer's output on another CPU: other bytes, so this machine's reference is computed;
+    other inputs are still stale."""
+    _write(monkeypatch, "m.quantized", [1, 2], sources=[checkpoint], inputs={"n": 2})
+    (checkpoint / "model.safetensors").write_bytes(b"rounded otherwise")
+    assert reference("m.quantized", lambda: [1, 3], sources=[checkpoint], inputs={"n": 2}, machine_made=True) == [1, 3]
+    with pytest.raises(pytest.fail.Exception, match="stale"):
+        reference("m.quantized", lambda: [1, 3], sources=[checkpoint], inputs={"n": 2})
+    with pytest.raises(pytest.fail.Exception, match="its sources and inputs changed"):
+        reference("m.quantized", lambda: [1, 3], sources=[checkpoint], inputs={"n": 3}, machine_made=True)
