@@ -71,7 +71,7 @@ def pytest_terminal_summary(terminalreporter):
     from tests import startups
 
     config = terminalreporter.config
-    if hasattr(config, "workeroutput"):
+    if hasattr(config, "workeroutput") or config.option.collectonly:
         return
     slowest = sorted(startups.test_seconds.items(), key=lambda kv: kv[1], reverse=True)[:SLOWEST_SHOWN]
     if slowest and slowest[0][1] >= 1.0:
