@@ -23,5 +23,11 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # workers (their start-up). PAGEDLLM_TEST_WORKERS=N sets the workers either way (0: none).
 if [ $# -eq 0 ]; then WORKERS="${PAGEDLLM_TEST_WORKERS:-2}"; else WORKERS="${PAGEDLLM_TEST_WORKERS:-0}"; fi
 PARALLEL=()
-if [ "$WORKERS" != 0 ]; then PARALLEL=(-n "$WORKERS" --dist loadgroup --no-loadscope-reorder); fi
+if [ "$WORKERS" != 0 ]; then
+  PARALLEL=(-n "$WORKERS" --dist loadgroup --no-loadscope-reorder)
+  # One OpenMP / torch thread per process: two workers each running two threads on two cores
+  # made every test about 1.5x slower than alone (threads spinning against each other); six
+  # integration files took 195 s that way and 72 s with one thread each.
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+fi
 exec .venv/bin/python -m pytest -q "${PARALLEL[@]}" "$@"
