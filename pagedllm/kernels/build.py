@@ -411,6 +411,7 @@ class FusedOps(NamedTuple):
 
     add_rms_norm: Callable[..., None]  # (x, residual, weight, out, M, H, eps, add, threads)
     silu_mul: Callable[..., None]  # (gate_up, out, M, I, threads)
+    gelu_tanh_mul: Callable[..., None]  # (gate_up, out, M, I, threads)
     rotary: Callable[..., None]  # (qkv, cos, sin, T, row_stride, heads, D, threads)
     argmax_rows: Callable[..., None]  # (x, M, V, ld, out int64, threads)
 
@@ -422,10 +423,11 @@ def fused_ops_kernel(variant: str | None = None) -> FusedOps | None:
     if norm is None:
         return None
     silu = _kernel_function("fused_ops.c", "silu_mul_f32", (_PTR, _PTR, _I64, _I64, _I32), None, variant=variant)
+    gelu = _kernel_function("fused_ops.c", "gelu_tanh_mul_f32", (_PTR, _PTR, _I64, _I64, _I32), None, variant=variant)
     rotary = _kernel_function("fused_ops.c", "rotary_f32", (_PTR,) * 3 + (_I64,) * 4 + (_I32,), None, variant=variant)
     argmax = _kernel_function("fused_ops.c", "argmax_rows_f32", (_PTR, _I64, _I64, _I64, _PTR, _I32), None,
                               variant=variant)
-    return FusedOps(norm, silu, rotary, argmax)
+    return FusedOps(norm, silu, gelu, rotary, argmax)
 
 
 class LoraKernel(NamedTuple):
@@ -446,7 +448,7 @@ def lora_kernel(variant: str | None = None) -> LoraKernel | None:
 
 
 class DecodeStepKernel(NamedTuple):
-    """The functions of `decode_step.c` (one decode step of a Llama-family decoder per call)."""
+    """The functions of `decode_step.c` (one decode step of a dense decoder per call)."""
 
     run: Callable[..., int]  # (ops, model, layers, embedded, cos, sin, slots, tables, ctx, out, work, scratch, M, threads)
     work_floats: Callable[..., int]  # (model, M) -> floats of the work buffer

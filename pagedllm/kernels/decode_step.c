@@ -1,5 +1,9 @@
-/* One decode step of a Llama-family decoder (Llama, Mistral, Qwen2) in one call: every layer's
- * norms, projections, rotary, KV write, attention, gated MLP and residuals, then the final norm.
+/* One decode step of a dense decoder in one call: every layer's norms, projections, rotary, KV
+ * write, attention, gated MLP and residuals, then the final norm. One layer description serves
+ * the families (worker/cpu_decode_step.py fills it): Llama / Mistral / Qwen2 / Phi-3 (pre-norms,
+ * SiLU), Qwen3 (+ per-head q/k norms), Gemma 2 / 3 (+ post-norms after attention and MLP,
+ * GELU-tanh, soft caps, a rotary table per layer type, sliding layers in their own KV cache
+ * groups with their own block tables).
  *
  * Why: the eager step makes about 12 Python-level calls a layer (each a ctypes call with its
  * argument checks, views and fresh tensors): on SmolLM2-135M's 30 layers that was 6-8 ms of a
@@ -43,12 +47,19 @@ typedef struct {
     part_t parts[MAX_PARTS];
 } linear_t;
 
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+
 typedef struct {
-    const float *input_norm, *post_norm;
+    /* Llama placement: input_norm before attention, post_norm (adding the residual) before the
+     * MLP. Gemma's: post_norm normalizes the attention output, pre_ff_norm (adding the residual)
+     * precedes the MLP and post_ff_norm normalizes its output (NULL: Llama's placement). */
+    const float *input_norm, *post_norm, *pre_ff_norm, *post_ff_norm;
+    const float *q_norm, *k_norm; /* per-head norms over head_dim before rotary (NULL: none) */
     linear_t qkv, o, gate_up, down;
     void *key_cache, *value_cache;
     float scale, softcap;
-    int32_t window, pad;
+    int32_t window, rope_table; /* rope_table: which of the step's cos/sin tables */
+    int32_t kv_group, act;      /* kv_group: whose slots / block tables / lengths; act: ACT_* */
 } layer_t;
 
 typedef struct {
@@ -68,7 +79,7 @@ typedef struct {
 
 typedef struct {
     int32_t num_layers, num_heads, num_kv_heads, head_dim;
-    int32_t kv_kind, block_size, table_width, pad;
+    int32_t kv_kind, block_size, table_width, num_groups; /* KV cache groups (tables per group) */
     int64_t hidden, intermediate, num_blocks;
     float eps, pad2;
     const float *final_norm;
@@ -135,10 +146,20 @@ static inline void lap(const model_t *m, double *t0, int c) {
 
 #define FAIL(layer, stage, rc) return 1000 * ((layer) + 1) + 100 * (stage) + ((rc) > 99 ? 99 : (rc))
 
-/* `embedded [M, hidden]` (the tokens' embeddings; read only), `cos`/`sin [M, head_dim]`, the
- * decode attention's slots [M], block tables [M, table_width] and context lengths [M] (int64)
- * -> `out [M, hidden]`, the final norm's output. `work`: decode_step_work_floats floats;
- * `scratch`: the largest scratch any projection needs at M rows. */
+/* Per-head RMS norm of `heads` heads of D floats at the start of each of M rows (row stride
+ * `stride`), in place: the rows the eager path norms as [M * heads, D]. */
+static void head_norms(float *rows, int64_t stride, int64_t heads, int64_t D, const float *w, int64_t M, float eps,
+                       int threads) {
+    for (int64_t r = 0; r < M; ++r) {
+        float *row = rows + r * stride;
+        add_rms_norm_f32(row, row, w, row, heads, D, eps, 0, threads);
+    }
+}
+
+/* `embedded [M, hidden]` (the tokens' embeddings; read only), `cos`/`sin [tables, M, head_dim]`,
+ * the decode attention's slots [groups, M], block tables [groups, M, table_width] and context
+ * lengths [groups, M] (int64) -> `out [M, hidden]`, the final norm's output. `work`:
+ * decode_step_work_floats floats; `scratch`: the largest scratch any projection needs at M rows. */
 int decode_step_run(const ops_t *ops, const model_t *m, const layer_t *layers, const float *embedded,
                     const float *cos_t, const float *sin_t, const int64_t *slots, const int64_t *tables,
                     const int64_t *context_lens, float *out, float *work, void *scratch, int64_t M,
@@ -157,24 +178,40 @@ int decode_step_run(const ops_t *ops, const model_t *m, const layer_t *layers, c
         lap(m, &t0, 2);
         if ((rc = run_linear(ops, &L->qkv, normed, qkv, scratch, M, threads))) FAIL(l, 1, rc);
         lap(m, &t0, 0);
-        rotary_f32(qkv, cos_t, sin_t, M, qkv_w, m->num_heads + m->num_kv_heads, D, threads);
+        if (L->q_norm != NULL) {
+            head_norms(qkv, qkv_w, m->num_heads, D, L->q_norm, M, m->eps, threads);
+            head_norms(qkv + q, qkv_w, m->num_kv_heads, D, L->k_norm, M, m->eps, threads);
+        }
+        rotary_f32(qkv, cos_t + L->rope_table * M * D, sin_t + L->rope_table * M * D, M, qkv_w,
+                   m->num_heads + m->num_kv_heads, D, threads);
         lap(m, &t0, 2);
-        rc = ops->attention(m->kv_kind, qkv, qkv_w, qkv + q, qkv + q + kv, qkv_w, slots, L->key_cache,
-                            L->value_cache, tables, context_lens, attn, (int)M, m->num_heads, m->num_kv_heads,
-                            (int)D, m->block_size, m->table_width, m->num_blocks, L->scale, L->window, threads,
-                            L->softcap);
+        const int64_t g = L->kv_group;
+        rc = ops->attention(m->kv_kind, qkv, qkv_w, qkv + q, qkv + q + kv, qkv_w, slots + g * M, L->key_cache,
+                            L->value_cache, tables + g * M * m->table_width, context_lens + g * M, attn, (int)M,
+                            m->num_heads, m->num_kv_heads, (int)D, m->block_size, m->table_width, m->num_blocks,
+                            L->scale, L->window, threads, L->softcap);
         if (rc) FAIL(l, 2, rc);
         lap(m, &t0, 1);
         if ((rc = run_linear(ops, &L->o, attn, x, scratch, M, threads))) FAIL(l, 3, rc);
         lap(m, &t0, 0);
-        add_rms_norm_f32(x, residual, L->post_norm, normed, M, H, m->eps, 1, threads);
+        if (L->pre_ff_norm != NULL) { /* Gemma: post-norm the attention, then add and pre-norm */
+            add_rms_norm_f32(x, x, L->post_norm, x, M, H, m->eps, 0, threads);
+            add_rms_norm_f32(x, residual, L->pre_ff_norm, normed, M, H, m->eps, 1, threads);
+        } else {
+            add_rms_norm_f32(x, residual, L->post_norm, normed, M, H, m->eps, 1, threads);
+        }
         lap(m, &t0, 2);
         if ((rc = run_linear(ops, &L->gate_up, normed, gate_up, scratch, M, threads))) FAIL(l, 4, rc);
         lap(m, &t0, 0);
-        silu_mul_f32(gate_up, act, M, I, threads);
+        if (L->act == ACT_GELU_TANH) gelu_tanh_mul_f32(gate_up, act, M, I, threads);
+        else silu_mul_f32(gate_up, act, M, I, threads);
         lap(m, &t0, 2);
         if ((rc = run_linear(ops, &L->down, act, x, scratch, M, threads))) FAIL(l, 5, rc);
         lap(m, &t0, 0);
+        if (L->post_ff_norm != NULL) {
+            add_rms_norm_f32(x, x, L->post_ff_norm, x, M, H, m->eps, 0, threads);
+            lap(m, &t0, 2);
+        }
     }
     add_rms_norm_f32(x, residual, m->final_norm, out, M, H, m->eps, 1, threads);
     lap(m, &t0, 2);

@@ -1,6 +1,7 @@
 /* The small per-layer operations of a Llama layer, fused, float32, on CPU:
  *   add_rms_norm_f32: residual += x (optional), out = weight * (residual * rsqrt(mean(residual^2) + eps))
  *   silu_mul_f32:     out = silu(gate) * up, from the fused [gate | up] projection
+ *   gelu_tanh_mul_f32: out = gelu_tanh(gate) * up (Gemma's `gelu_pytorch_tanh`)
  *   rotary_f32:       rotate the q and k heads of the fused qkv projection in place
  *
  * Why: in eager torch each of these is 3-8 separate operators (pow, mean, add, rsqrt, mul, cat,
@@ -42,6 +43,21 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t M, int64_t I, int nu
         const float *g = gate_up + m * 2 * I, *u = g + I;
         float *o = out + m * I;
         for (int64_t j = 0; j < I; ++j) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+}
+
+/* torch's `gelu(x, approximate="tanh")`: 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))),
+ * times up. */
+void gelu_tanh_mul_f32(const float *gate_up, float *out, int64_t M, int64_t I, int num_threads) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * I >= PAR_MIN_ELEMS)
+    for (int64_t m = 0; m < M; ++m) {
+        const float *g = gate_up + m * 2 * I, *u = g + I;
+        float *o = out + m * I;
+        for (int64_t j = 0; j < I; ++j) {
+            const float x = g[j];
+            o[j] = 0.5f * x * (1.0f + tanhf(beta * (x + kappa * x * x * x))) * u[j];
+        }
     }
 }
 

@@ -180,9 +180,17 @@ static inline void k4_scales8(const uint8_t *b, float *s8, float *m8) {
     u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
     u[2] = mins_lo;
     u[0] &= k1;
-    const uint8_t *sc = (const uint8_t *)u, *mn = sc + 8;
     const float d = f16(b), dmin = f16(b + 2);
+#if defined(__AVX2__) /* one vector conversion each: scalar ones cost more than the block's whole
+                       * product at one activation row */
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)u);
+    _mm256_storeu_ps(s8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), _mm256_set1_ps(d)));
+    _mm256_storeu_ps(m8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))),
+                                       _mm256_set1_ps(-dmin)));
+#else
+    const uint8_t *sc = (const uint8_t *)u, *mn = sc + 8;
     for (int j = 0; j < 8; ++j) s8[j] = d * (float)sc[j], m8[j] = -(dmin * (float)mn[j]);
+#endif
 }
 
 static void k4_scales(const uint8_t *b, float *s, float *m) {
@@ -494,6 +502,236 @@ static void exact_rows_any(const traits_t *t, int type, const float *x, const ui
 #undef ROWS_FOR
 }
 
+/* ---- exact path, few rows, Q4_K / Q6_K: scales factored out of the inner sum -----------------
+ * Most of a K-quant file is Q4_K and Q6_K. Their weights are s * q + m per sub-block, so a row's
+ * product is sum_sub s_sub * sum(q * x) + m_sub * sum(x): the codes are widened to float and
+ * multiplied by the float32 activations, and the sub-block's scale is applied once to that sum
+ * (the minimums and Q6_K's code offset of 32 go through per-sub-block sums of the activations).
+ * Each product q * x is exact in float32 (q has at most 6 bits), so only the order of the sums
+ * changes against dequantize-then-matmul. The codes come out of the bytes without shuffles:
+ * each vector lane holds one 32-bit word of packed codes, and code t of every lane is
+ * (word >> 4t) & 0xF (Q6_K: its two high bits, from qh, the same way); the activations are put
+ * once in that lane order per call (reorder_*), so 16 weights cost a shift, a mask, a
+ * conversion and one FMA, where widening first (s * q + m, then the FMA) cost twice that:
+ * Q4_K at one row ran at 11% of the weight-streaming floor that way. Vectors of at least 8
+ * floats (AVX2, AVX-512); other builds keep the path above. */
+#if VL >= 8 && defined(__AVX2__)
+#define FACTORED 1
+typedef int32_t fi32v __attribute__((vector_size(VL * 4)));
+typedef float v8f __attribute__((vector_size(32)));
+#define Q4K_GROUPS (128 / (4 * VL)) /* 4*VL code bytes (VL words, 8 codes each) per group */
+#define Q6K_GROUPS (64 / (4 * VL))  /* per half of 128 weights */
+
+static inline fi32v load_words(const uint8_t *p) {
+    fi32v v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+/* Weight index (within a block of 256) of code t of lane j of group g: Q4_K's 32-byte chunks hold
+ * weights c*64 + l in their low nibbles and c*64 + 32 + l in their high ones. */
+static inline int q4k_weight(int g, int t, int j) {
+    const int p = g * 4 * VL + 4 * j + t / 2;
+    return (p / 32) * 64 + (t & 1) * 32 + p % 32;
+}
+
+/* Q6_K: per half of 128, ql byte p = l + 32 * (p / 32) holds weights l + 32 * (p / 32) (low
+ * nibble) and + 64 (high); qh byte l holds their high two bits at 2 * (p / 32) + 4 * nibble. */
+static inline int q6k_weight(int half, int g, int t, int j) {
+    const int p = g * 4 * VL + 4 * j + t / 2;
+    return half * 128 + (t & 1) * 64 + 32 * (p / 32) + p % 32;
+}
+
+/* Activation rows x[M, K] in the lane order above (xr[M, K]) and their sums per sub-block
+ * (xsum[M, K / sub]): Q4_K's minimums and Q6_K's offset of 32 are sub-block scalars. */
+static void reorder_activations(int type, const float *x, float *xr, float *xsum, int64_t M, int64_t K) {
+    int16_t perm[256];
+    for (int t = 0; t < 8; ++t)
+        for (int j = 0; j < VL; ++j) {
+            if (type == T_Q4_K)
+                for (int g = 0; g < Q4K_GROUPS; ++g) perm[g * 8 * VL + t * VL + j] = (int16_t)q4k_weight(g, t, j);
+            else
+                for (int half = 0; half < 2; ++half)
+                    for (int g = 0; g < Q6K_GROUPS; ++g)
+                        perm[half * 128 + g * 8 * VL + t * VL + j] = (int16_t)q6k_weight(half, g, t, j);
+        }
+    const int sub = type == T_Q4_K ? 32 : 16;
+    for (int64_t i = 0; i < M; ++i)
+        for (int64_t b = 0; b < K / 256; ++b) {
+            const float *src = x + i * K + b * 256;
+            float *dst = xr + i * K + b * 256;
+            for (int k = 0; k < 256; ++k) dst[k] = src[perm[k]];
+            for (int s = 0; s < 256 / sub; ++s) {
+                float sum = 0.0f;
+                for (int k = 0; k < sub; ++k) sum += src[s * sub + k];
+                xsum[i * (K / sub) + b * (256 / sub) + s] = sum;
+            }
+        }
+}
+
+/* Lane j's sub-block (index into the block's scales) for Q4_K group g, code parity par, and
+ * for Q6_K half, group g, nibble n: the scales are put in lane order by one permute each. */
+static inline fi32v q4k_sub_lanes(int g, int par) {
+    fi32v v;
+    for (int j = 0; j < VL; ++j) v[j] = q4k_weight(g, par, j) / 32;
+    return v;
+}
+
+static inline fi32v q6k_sub_lanes(int half, int g, int n) {
+    fi32v v;
+    for (int j = 0; j < VL; ++j) v[j] = q6k_weight(half, g, n, j) / 16;
+    return v;
+}
+
+/* A float vector of up to 16 scales (lanes VL.. of the second half where VL is 8). */
+static inline vf pick_scales(const float *s, fi32v lanes) {
+    vf a, b;
+    memcpy(&a, s, sizeof(a));
+    memcpy(&b, s + (VL < 16 ? VL : 0), sizeof(b));
+    return __builtin_shuffle(a, b, lanes);
+}
+
+static inline float hsum8(v8f v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
+
+/* Rows [r0, r1) of a Q4_K or Q6_K matrix against M reordered activation rows (M a constant where
+ * the caller specializes it). */
+static inline __attribute__((always_inline)) void factored_rows(
+    const int type, const float *xr, const float *xsum, const uint8_t *w, float *y, const int64_t M,
+    int64_t r0, int64_t r1, int64_t K, int64_t ldy) {
+    const int64_t nb = K / 256, bytes = type == T_Q4_K ? 144 : 210, row_bytes = nb * bytes;
+    const int nsub = type == T_Q4_K ? 8 : 16;
+    const fi32v mask4 = (fi32v){0} + 0xF, mask2 = (fi32v){0} + 3;
+    fi32v lanes[8], qh_shift = (fi32v){0};
+    if (type == T_Q4_K) {
+        for (int g = 0; g < Q4K_GROUPS; ++g) lanes[2 * g] = q4k_sub_lanes(g, 0), lanes[2 * g + 1] = q4k_sub_lanes(g, 1);
+    } else {
+        for (int half = 0; half < 2; ++half)
+            for (int g = 0; g < Q6K_GROUPS; ++g)
+                for (int n = 0; n < 2; ++n) lanes[(half * Q6K_GROUPS + g) * 2 + n] = q6k_sub_lanes(half, g, n);
+        for (int j = 0; j < VL; ++j) qh_shift[j] = 2 * (((4 * j) % 64) / 32); /* lanes past 32 ql bytes */
+    }
+    for (int64_t r = r0; r < r1; ++r) {
+        vf acc[MSMALL][2];
+        v8f accs[MSMALL];
+        prefetch_row(w + (r + PREFETCH_ROWS) * row_bytes, r + PREFETCH_ROWS < r1 ? row_bytes : 0);
+        for (int64_t i = 0; i < M; ++i) acc[i][0] = acc[i][1] = (vf){0}, accs[i] = (v8f){0};
+        const uint8_t *row = w + r * row_bytes;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = row + b * bytes;
+            const float *xb = xr + b * 256;
+            float s[16] __attribute__((aligned(64))), m[16] __attribute__((aligned(64)));
+            if (type == T_Q4_K) {
+                k4_scales8(blk, s, m);
+            } else {
+                const float d = f16(blk + 208);
+                const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
+                for (int h = 0; h < 2; ++h) { /* eight scales per conversion (see k4_scales8) */
+                    const __m256 sv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(sc, 8) : sc)),
+                                                    _mm256_set1_ps(d));
+                    _mm256_storeu_ps(s + 8 * h, sv);
+                    _mm256_storeu_ps(m + 8 * h, _mm256_mul_ps(sv, _mm256_set1_ps(-32.0f)));
+                }
+            }
+            /* sub-block terms: Q4_K's -dmin * m_j * sum(x), Q6_K's -32 * s_j * sum(x) */
+            for (int64_t i = 0; i < M; ++i) {
+                const float *xs = xsum + i * (K / (256 / nsub)) + b * nsub;
+                for (int h = 0; h < nsub; h += 8) {
+                    v8f mv, sv;
+                    memcpy(&mv, m + h, 32);
+                    memcpy(&sv, xs + h, 32);
+                    accs[i] += mv * sv;
+                }
+            }
+            if (type == T_Q4_K) {
+#pragma GCC unroll 4
+                for (int g = 0; g < Q4K_GROUPS; ++g) {
+                    const fi32v words = load_words(blk + 16 + g * 4 * VL);
+                    vf c[8];
+#pragma GCC unroll 8
+                    for (int t = 0; t < 8; ++t) c[t] = __builtin_convertvector((words >> (4 * t)) & mask4, vf);
+                    const vf se = pick_scales(s, lanes[2 * g]), so = pick_scales(s, lanes[2 * g + 1]);
+                    for (int64_t i = 0; i < M; ++i) {
+                        const float *xg = xb + i * K + g * 8 * VL;
+                        const vf e = (c[0] * loadv(xg) + c[2] * loadv(xg + 2 * VL)) + (c[4] * loadv(xg + 4 * VL) + c[6] * loadv(xg + 6 * VL));
+                        const vf o = (c[1] * loadv(xg + VL) + c[3] * loadv(xg + 3 * VL)) + (c[5] * loadv(xg + 5 * VL) + c[7] * loadv(xg + 7 * VL));
+                        acc[i][0] += se * e;
+                        acc[i][1] += so * o;
+                    }
+                }
+            } else {
+#pragma GCC unroll 4
+                for (int half = 0; half < 2; ++half) {
+                    fi32v qh = load_words(blk + 128 + 32 * half); /* 32 bytes: VL 16 repeats them */
+#if VL == 16
+                    qh = __builtin_shuffle(qh, (fi32v){0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7});
+#endif
+#pragma GCC unroll 2
+                    for (int g = 0; g < Q6K_GROUPS; ++g) {
+                        const fi32v ql = load_words(blk + 64 * half + g * 4 * VL);
+                        const fi32v qhl = qh >> (qh_shift + 2 * (g * 4 * VL / 32));
+                        vf c[8];
+#pragma GCC unroll 8
+                        for (int t = 0; t < 8; ++t)
+                            c[t] = __builtin_convertvector(((ql >> (4 * t)) & mask4) | (((qhl >> (4 * t)) & mask2) << 4), vf);
+                        const int li = (half * Q6K_GROUPS + g) * 2;
+                        const vf s0 = pick_scales(s, lanes[li]), s1 = pick_scales(s, lanes[li + 1]);
+                        for (int64_t i = 0; i < M; ++i) {
+                            const float *xg = xb + i * K + half * 128 + g * 8 * VL;
+                            const vf lo = (c[0] * loadv(xg) + c[2] * loadv(xg + 2 * VL)) + (c[4] * loadv(xg + 4 * VL) + c[6] * loadv(xg + 6 * VL));
+                            const vf hi = (c[1] * loadv(xg + VL) + c[3] * loadv(xg + 3 * VL)) + (c[5] * loadv(xg + 5 * VL) + c[7] * loadv(xg + 7 * VL));
+                            acc[i][0] += s0 * lo;
+                            acc[i][1] += s1 * hi;
+                        }
+                    }
+                }
+            }
+        }
+        for (int64_t i = 0; i < M; ++i) y[i * ldy + r] = hsum(acc[i][0] + acc[i][1]) + hsum8(accs[i]);
+    }
+}
+
+static void factored_rows_any(int type, const float *xr, const float *xsum, const uint8_t *w, float *y, int64_t M,
+                              int64_t r0, int64_t r1, int64_t K, int64_t ldy) {
+#define FACTORED_FOR(TYPE)                                                             \
+    switch (M) {                                                                       \
+        case 1: factored_rows(TYPE, xr, xsum, w, y, 1, r0, r1, K, ldy); break;        \
+        case 2: factored_rows(TYPE, xr, xsum, w, y, 2, r0, r1, K, ldy); break;        \
+        case 3: factored_rows(TYPE, xr, xsum, w, y, 3, r0, r1, K, ldy); break;        \
+        case 4: factored_rows(TYPE, xr, xsum, w, y, 4, r0, r1, K, ldy); break;        \
+        default: factored_rows(TYPE, xr, xsum, w, y, M, r0, r1, K, ldy); break;       \
+    }
+    if (type == T_Q4_K) FACTORED_FOR(T_Q4_K) else FACTORED_FOR(T_Q6_K)
+#undef FACTORED_FOR
+}
+#else
+#define FACTORED 0
+#endif
+
+#if FACTORED
+/* Q4_K / Q6_K below PANEL_FROM rows: threads split the weight rows in tasks of 8, and every
+ * chunk of up to MSMALL activation rows passes over a task's rows while they are in cache. */
+static int exact_factored(int type, const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K,
+                          int64_t ldy, int num_threads) {
+    float *xr = malloc((size_t)(M * K + M * (K / 16)) * sizeof(float));
+    if (xr == NULL) return 2;
+    float *xsum = xr + M * K;
+    reorder_activations(type, x, xr, xsum, M, K);
+    const int64_t sums = K / (type == T_Q4_K ? 32 : 16);
+    enum { ROWS_PER_TASK = 8 };
+    const int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * N * K >= 65536)
+    for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t r0 = task * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK < N ? r0 + ROWS_PER_TASK : N;
+        for (int64_t m0 = 0; m0 < M; m0 += MSMALL) {
+            const int64_t mc = M - m0 < MSMALL ? M - m0 : MSMALL;
+            factored_rows_any(type, xr + m0 * K, xsum + m0 * sums, w, y + m0 * ldy, mc, r0, r1, K, ldy);
+        }
+    }
+    free(xr);
+    return 0;
+}
+#endif
+
 static void exact_small(const traits_t *t, int type, const float *x, const uint8_t *w, float *y,
                         int64_t M, int64_t N, int64_t K, int64_t ldy, int num_threads) {
     enum { ROWS_PER_TASK = 8 };
@@ -548,6 +786,10 @@ int gguf_gemm_exact(int type, const float *x, const uint8_t *w, float *y, float 
                     int64_t N, int64_t K, int64_t ldy, int num_threads) {
     const traits_t *t = traits_of(type, K);
     if (t == NULL || M < 1 || N < 1 || ldy < N) return 1;
+#if FACTORED
+    if ((type == T_Q4_K || type == T_Q6_K) && M < PANEL_FROM)
+        return exact_factored(type, x, w, y, M, N, K, ldy, num_threads);
+#endif
     if (M < PANEL_FROM) { /* chunks of up to 16 rows: each chunk widens the weights again, which
                            * still costs less than widening them into panels (measured: 20 rows
                            * through panels ran 4x slower than two chunks) */

@@ -1,5 +1,11 @@
-"""The C decode step: a decode-only step of a Llama-family model (Llama, Mistral, Qwen2) on CPU as
-one call into kernels/decode_step.c — the CPU analogue of a captured CUDA graph.
+"""The C decode step: a decode-only step of a dense decoder on CPU as one call into
+kernels/decode_step.c — the CPU analogue of a captured CUDA graph.
+
+The families it describes (`describe_layer`): Llama / Mistral / Qwen2 / Phi-3 (pre-norms, SiLU),
+Qwen3 (per-head q/k norms), Gemma 2 / Gemma 3 (four norms a layer with `(1 + weight)`, GELU-tanh,
+attention soft caps, a rotary table per layer type, a scaled embedding), with sliding layers in
+a hybrid KV cache's own groups (each group's block tables). A family differs from the others by
+the fields of one layer description, not by a separate step.
 
 Why: the eager step calls about 12 Python-level operations a layer (views, argument checks and a
 ctypes call each); on the default model's 30 layers that was a third of a one-row step. Here the
@@ -10,10 +16,10 @@ arguments, so the hidden states are the eager path's to the bit (tests/integrati
 test_cpu_decode_step.py compares them).
 
 It applies to a step only when every part can run in C: a decode-only step (one token a
-sequence), no LoRA, one KV cache group, float32 on CPU, each projection's path at this batch
+sequence), no LoRA, float32 on CPU, each projection's path at this batch
 bucket one of the C kernels (layers/decode_step_parts.py: not where kernel_choice kept torch's
 op), KV caches of a kind the attention kernel reads (float32, bfloat16, int8). Anything else —
-prefills, mixed batches, other architectures, `enforce_eager=True`, `PAGEDLLM_DECODE_STEP=0` —
+prefills, mixed batches, other architectures (mixtures of experts, partial rotary), `enforce_eager=True`, `PAGEDLLM_DECODE_STEP=0` —
 runs the eager model, which stays the reference and the debugging path. When the kernel refuses
 its input (a bad slot, a block table too short) the step returns None and the eager step
 re-runs, which names the problem.
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -31,7 +37,7 @@ from torch import nn
 from pagedllm import envs
 from pagedllm.kernels import decode_step_kernel, gguf_gemm_kernel, int_gemm_kernel, packed_gemm_kernel
 from pagedllm.layers import kernel_choice
-from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.activation import GeluTanhAndMul, SiluAndMul
 from pagedllm.layers.backends.decode_op import decode_softcap_kernel
 from pagedllm.layers.decode_step_parts import (
     OP_GGUF_EXACT,
@@ -42,9 +48,10 @@ from pagedllm.layers.decode_step_parts import (
     StepPart,
 )
 from pagedllm.layers.kv_cache_dtype import KERNEL_KIND, split_kv_cache
-from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.norm import GemmaRMSNorm, RMSNorm
 from pagedllm.layers.mrope import MRotaryEmbedding
 from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.model.gemma2 import Gemma2DecoderLayer, Gemma2ForCausalLM
 from pagedllm.model.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -52,6 +59,7 @@ from pagedllm.model.llama import (
     LlamaMLP,
     LlamaModel,
 )
+from pagedllm.model.qwen3 import Qwen3Attention
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +79,17 @@ class _Linear(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Linear),
-                ("o", _Linear), ("gate_up", _Linear), ("down", _Linear), ("key_cache", ctypes.c_void_p),
-                ("value_cache", ctypes.c_void_p), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
-                ("window", ctypes.c_int32), ("pad", ctypes.c_int32)]
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("pre_ff_norm", ctypes.c_void_p),
+                ("post_ff_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("key_cache", ctypes.c_void_p), ("value_cache", ctypes.c_void_p), ("scale", ctypes.c_float),
+                ("softcap", ctypes.c_float), ("window", ctypes.c_int32), ("rope_table", ctypes.c_int32),
+                ("kv_group", ctypes.c_int32), ("act", ctypes.c_int32)]
+
+
+ACT_SILU, ACT_GELU_TANH = 0, 1  # decode_step.c's ACT_*
+_ACTIVATIONS = {SiluAndMul: ACT_SILU, GeluTanhAndMul: ACT_GELU_TANH}
+_NORMS = (RMSNorm, GemmaRMSNorm)  # both fused: `kernel_weight()` is what the kernel multiplies by
 
 
 class _Ops(ctypes.Structure):
@@ -85,7 +100,7 @@ class _Ops(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int32), ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32),
                 ("head_dim", ctypes.c_int32), ("kv_kind", ctypes.c_int32), ("block_size", ctypes.c_int32),
-                ("table_width", ctypes.c_int32), ("pad", ctypes.c_int32), ("hidden", ctypes.c_int64),
+                ("table_width", ctypes.c_int32), ("num_groups", ctypes.c_int32), ("hidden", ctypes.c_int64),
                 ("intermediate", ctypes.c_int64), ("num_blocks", ctypes.c_int64), ("eps", ctypes.c_float),
                 ("pad2", ctypes.c_float), ("final_norm", ctypes.c_void_p), ("seconds", ctypes.c_void_p)]
 
@@ -95,6 +110,7 @@ class _Plan(NamedTuple):
 
     layers: ctypes.Array  # _Layer per decoder layer
     model: _Model
+    norm_weights: list[torch.Tensor]  # the norms' kernel weights (Gemma's 1 + w), kept alive
     parts: list[StepPart]  # every projection part, for the scratch they need
     watched: list[tuple[torch.Tensor, int]]  # float weights with a kernel form, and their versions
     scratch_bytes: dict[int, int]  # rows -> the largest scratch a part needs (filled as steps come)
@@ -104,35 +120,72 @@ def _address(fn) -> int:
     return 0 if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
 
 
+def _layer_reason(i: int, layer: nn.Module) -> str | None:
+    """Why decoder layer `i` is not one the C step describes (None: it is)."""
+    attn, mlp = layer.self_attn, getattr(layer, "mlp", None)
+    if type(layer).forward not in (LlamaDecoderLayer.forward, Gemma2DecoderLayer.forward):
+        return f"layer {i} ({type(layer).__name__}) computes its own forward"
+    if type(attn).forward not in (LlamaAttention.forward, Qwen3Attention.forward):
+        return f"layer {i}: attention {type(attn).__name__} computes its own forward"
+    if not isinstance(mlp, LlamaMLP) or type(mlp).forward is not LlamaMLP.forward:
+        return f"layer {i}: {type(mlp).__name__} is not a dense gated MLP (a mixture of experts runs eager)"
+    if type(mlp.act_fn) not in _ACTIVATIONS:
+        return f"layer {i}: activation {type(mlp.act_fn).__name__}"
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if isinstance(layer, Gemma2DecoderLayer):
+        norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+    if isinstance(attn, Qwen3Attention):
+        norms += [attn.q_norm, attn.k_norm]
+    if any(type(n) not in _NORMS for n in norms):
+        return f"layer {i}: a norm other than RMSNorm / GemmaRMSNorm"
+    if attn.attn.backend.name != "torch_paged":
+        return f"layer {i}: attention backend {attn.attn.backend.name}"
+    if any(m.lora is not None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+        return "LoRA adapters on the layers"
+    return None
+
+
 def unsupported_reason(model: nn.Module, kv_caches: list[torch.Tensor]) -> str | None:
     """Why `model` cannot take C decode steps (None: it can, where each step's paths allow)."""
     if not envs.PAGEDLLM_DECODE_STEP:
         return f"{ENV}=0"
     if decode_step_kernel() is None or decode_softcap_kernel() is None:
         return "the C kernels are not available"
-    if type(model).forward is not LlamaForCausalLM.forward or type(model.model) is not LlamaModel:
-        return f"{type(model).__name__} is not a Llama-family decoder the step describes"
+    if type(model).forward not in (LlamaForCausalLM.forward, Gemma2ForCausalLM.forward) or not isinstance(
+            model.model, LlamaModel):
+        return f"{type(model).__name__} is not a decoder the step describes"
     if model.tp.world_size != 1 or model.dtype != torch.float32:
         return "tensor parallelism or a dtype other than float32"
     inner = model.model
     # M-RoPE over 1-D positions (decode steps: position + rope delta) is plain RoPE (layers/mrope.py)
-    if type(inner.norm) is not RMSNorm or type(inner.rotary_emb) not in (RotaryEmbedding, MRotaryEmbedding):
-        return "a norm or rotary embedding other than RMSNorm / plain RoPE"
+    if type(inner.norm) not in _NORMS or not isinstance(inner.rotary_emb, (RotaryEmbedding, MRotaryEmbedding)):
+        return "a norm or rotary embedding other than RMSNorm / RoPE"
     for i, (layer, cache) in enumerate(zip(inner.layers, kv_caches, strict=True)):
-        attn = layer.self_attn
-        if (type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(layer.mlp) is not LlamaMLP
-                or type(layer.mlp.act_fn) is not SiluAndMul
-                or type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm):
-            return f"layer {i} is not a plain Llama layer"
-        if attn.attn.backend.name != "torch_paged" or attn.attn.kv_cache_group != 0:
-            return f"layer {i}: attention backend {attn.attn.backend.name}, KV group {attn.attn.kv_cache_group}"
+        reason = _layer_reason(i, layer)
+        if reason is not None:
+            return reason
         if cache.device.type != "cpu" or cache.dtype not in KERNEL_KIND or not cache.is_contiguous():
             return f"a {cache.dtype} KV cache on {cache.device} (the step reads float32, bfloat16 and int8 caches)"
-        if any(m.lora is not None for m in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)):
-            return "LoRA adapters on the layers"
     if 2 * inner.rotary_emb.inv_freq.numel() != model.head_dim:
         return "partial rotary embedding"
     return None
+
+
+def _rotary_tables(model: nn.Module, positions: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]:
+    """This step's distinct `(cos, sin)` tables and each layer's index among them (Gemma 3: a
+    local and a global table; the others: one). Decode positions need no metadata."""
+    inner = model.model
+    per_layer = (inner.rotary_tables(positions, None) if hasattr(inner, "rotary_tables")
+                 else [inner.rotary_emb(positions)] * len(inner.layers))
+    tables: list[tuple[torch.Tensor, torch.Tensor]] = []
+    index: dict[int, int] = {}
+    which = []
+    for table in per_layer:
+        if id(table) not in index:
+            index[id(table)] = len(tables)
+            tables.append(table)
+        which.append(index[id(table)])
+    return tables, which
 
 
 class CpuDecodeStep:
@@ -184,6 +237,17 @@ class CpuDecodeStep:
         inner = self.model.model
         layers = (_Layer * len(inner.layers))()
         parts: list[StepPart] = []
+        norm_weights: list[torch.Tensor] = []
+        eps: set[float] = {inner.norm.variance_epsilon}
+
+        def norm(module: nn.Module | None) -> int | None:
+            if module is None:
+                return None
+            eps.add(module.variance_epsilon)
+            weight = module.kernel_weight().contiguous()
+            norm_weights.append(weight)
+            return weight.data_ptr()
+
         for desc, layer, cache in zip(layers, inner.layers, self.kv_caches, strict=True):
             attn = layer.self_attn
             for field, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", layer.mlp.gate_up_proj),
@@ -194,56 +258,70 @@ class CpuDecodeStep:
                 parts += linear_parts
                 _fill_linear(getattr(desc, field), module, linear_parts)
             key_cache, value_cache = split_kv_cache(cache, attn.num_kv_heads, attn.head_dim)
-            desc.input_norm = layer.input_layernorm.weight.data_ptr()
-            desc.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            gemma = isinstance(layer, Gemma2DecoderLayer)
+            desc.input_norm = norm(layer.input_layernorm)
+            desc.post_norm = norm(layer.post_attention_layernorm)
+            desc.pre_ff_norm = norm(layer.pre_feedforward_layernorm if gemma else None)
+            desc.post_ff_norm = norm(layer.post_feedforward_layernorm if gemma else None)
+            desc.q_norm = norm(getattr(attn, "q_norm", None))
+            desc.k_norm = norm(getattr(attn, "k_norm", None))
+            desc.act = _ACTIVATIONS[type(layer.mlp.act_fn)]
             desc.key_cache, desc.value_cache = key_cache.data_ptr(), value_cache.data_ptr()
             desc.scale = attn.attn.scale
             desc.softcap = attn.attn.logits_soft_cap or 0.0
             desc.window = attn.attn.sliding_window or 0
+            desc.kv_group = attn.attn.kv_cache_group
+        if len(eps) != 1:
+            return None  # the C step takes one epsilon for every norm
         first = inner.layers[0].self_attn
         config = self.model.config
         model_desc = _Model(
             num_layers=len(inner.layers), num_heads=first.num_heads, num_kv_heads=first.num_kv_heads,
             head_dim=first.head_dim, kv_kind=KERNEL_KIND[self.kv_caches[0].dtype], block_size=self.block_size,
+            num_groups=1 + max(layer.kv_group for layer in layers),
             hidden=config.hidden_size, intermediate=inner.layers[0].mlp.down_proj.input_size,
             num_blocks=split_kv_cache(self.kv_caches[0], first.num_kv_heads, first.head_dim)[0].shape[0],
-            eps=inner.norm.variance_epsilon, final_norm=inner.norm.weight.data_ptr(),
+            eps=eps.pop(), final_norm=norm(inner.norm),
         )
-        eps = {layer.input_layernorm.variance_epsilon for layer in inner.layers}
-        eps |= {layer.post_attention_layernorm.variance_epsilon for layer in inner.layers}
-        if eps != {inner.norm.variance_epsilon}:
-            return None  # the C step takes one epsilon for every norm
         watched = [(m.weight, m.weight._version) for m in self.model.modules()
-                   if getattr(m, "prepared", None) is not None and isinstance(getattr(m, "weight", None), torch.Tensor)]
-        return _Plan(layers, model_desc, parts, watched, {})
+                   if (getattr(m, "prepared", None) is not None or isinstance(m, _NORMS))
+                   and isinstance(getattr(m, "weight", None), torch.Tensor)]
+        return _Plan(layers, model_desc, norm_weights, parts, watched, {})
 
     # ---- one step ---------------------------------------------------------------------------
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor | None:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor | None:
         """The final hidden states `[M, hidden]` of a decode-only step of M sequences (row i is
-        sequence i), or None where this step must run eager."""
+        sequence i; `attn_metadata` gives each KV cache group's slots, block tables and context
+        lengths), or None where this step must run eager."""
         m = input_ids.shape[0]
-        if m == 0 or block_tables.shape[0] != m or context_lens.shape[0] != m or slot_mapping.shape[0] != m:
-            return None
-        plan = self._plan(kernel_choice.bucket_index(m))
+        plan = self._plan(kernel_choice.bucket_index(m)) if m else None
         if plan is None:
             return None
         model_desc = plan.model
-        inner = self.model.model
-        hidden = inner.embed_tokens(input_ids)
-        cos, sin = inner.rotary_emb(positions)
-        cos, sin = cos.contiguous(), sin.contiguous()
-        slots = slot_mapping.to(torch.int64).contiguous()
-        tables = block_tables.to(torch.int64).contiguous()
-        lens = context_lens.to(torch.int64).contiguous()
-        model_desc.table_width = tables.shape[1]
+        groups = [attn_metadata.for_group(g) for g in range(model_desc.num_groups)]
+        if any(md.decode_block_tables is None or md.decode_block_tables.shape[0] != m
+               or md.decode_context_lens.shape[0] != m or md.slot_mapping.shape[0] != m for md in groups):
+            return None
+        hidden = self.model.embed_input_ids(input_ids)
+        tables, which = _rotary_tables(self.model, positions)
+        for desc, t in zip(plan.layers, which):
+            desc.rope_table = t
+        cos = torch.stack([c for c, _ in tables]).contiguous()
+        sin = torch.stack([s for _, s in tables]).contiguous()
+        slots = torch.stack([md.slot_mapping.to(torch.int64) for md in groups]).contiguous()
+        width = max(md.decode_block_tables.shape[1] for md in groups)
+        block_tables = torch.zeros(len(groups), m, width, dtype=torch.int64)
+        for g, md in enumerate(groups):
+            block_tables[g, :, : md.decode_block_tables.shape[1]] = md.decode_block_tables
+        lens = torch.stack([md.decode_context_lens.to(torch.int64) for md in groups]).contiguous()
+        model_desc.table_width = width
         model_desc.seconds = None if self.seconds is None else self.seconds.data_ptr()
         work = self._buffer("_work", self.kernel.work_floats(ctypes.byref(model_desc), m), torch.float32)
         scratch = self._buffer("_scratch", _scratch_for(plan, m), torch.uint8)
         out = torch.empty(m, model_desc.hidden, dtype=torch.float32)
         failed = self.kernel.run(
             ctypes.addressof(self._ops), ctypes.addressof(model_desc), ctypes.addressof(plan.layers), hidden.data_ptr(),
-            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
             work.data_ptr(), scratch.data_ptr(), m, torch.get_num_threads(),
         )  # fmt: skip
         if failed:

@@ -166,7 +166,7 @@ class ModelRunner:
         # Multi-LoRA's adapter slots (lora/worker_manager.py), attached by the worker.
         self.lora: Any = None
         self.cpu_decode_step: CpuDecodeStep | None = None
-        if cpu_decode_step and self.device.type == "cpu" and self.kv_cache_groups is None and not compile_batch_sizes:
+        if cpu_decode_step and self.device.type == "cpu" and not compile_batch_sizes:
             self.cpu_decode_step = CpuDecodeStep.create(model, self.kv_caches, block_size)
         self.mm_embeddings = MultiModalEmbeddings.of(model, self.device)  # image inputs; None: text only
         self.mrope = bool(getattr(model, "uses_mrope", False))  # M-RoPE: worker/mrope_positions.py
@@ -453,8 +453,7 @@ class ModelRunner:
         if inp.decode_only and self.cpu_decode_step is not None and self.lora is None:
             md = inp.attn_metadata
             with torch.inference_mode():
-                hidden = self.cpu_decode_step.run(inp.input_ids, inp.positions, md.slot_mapping,
-                                                  md.decode_block_tables, md.decode_context_lens)
+                hidden = self.cpu_decode_step.run(inp.input_ids, inp.positions, md)
         if hidden is None:
             if self.lora is not None:
                 self.lora.context.set(inp.lora_indices, self.lora.config.max_loras)
