@@ -169,10 +169,9 @@ static inline void scale_min_k4(int j, const uint8_t *q, int *d, int *m) {
     }
 }
 
-/* The eight six-bit scales and minimums of a Q4_K / Q5_K block as floats (d * sc, -dmin * mn)
- * per 32 weights: the 12 packed bytes unpacked with masks on 32-bit words, as llama.cpp does. */
-static inline void k4_scales8(const uint8_t *b, float *s8, float *m8) {
-    uint32_t u[4];
+/* The eight six-bit scales then the eight minimums of a Q4_K / Q5_K block, one per byte: the
+ * 12 packed bytes unpacked with masks on 32-bit words, as llama.cpp does. */
+static inline void k4_unpack(const uint8_t *b, uint32_t u[4]) {
     memcpy(u, b + 4, 12);
     const uint32_t k1 = 0x3f3f3f3fu, k2 = 0x0f0f0f0fu, k3 = 0x03030303u;
     u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
@@ -180,14 +179,30 @@ static inline void k4_scales8(const uint8_t *b, float *s8, float *m8) {
     u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
     u[2] = mins_lo;
     u[0] &= k1;
+}
+
+#if defined(__AVX2__)
+/* The same 16 bytes in a register (built from the words, not stored and reloaded: a 16-byte load
+ * of four 4-byte stores cannot be forwarded and stalls). */
+static inline __m128i k4_scale_bytes(const uint8_t *b) {
+    uint32_t u[4];
+    k4_unpack(b, u);
+    return _mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]);
+}
+#endif
+
+/* The eight scales and minimums of a Q4_K / Q5_K block as floats (d * sc, -dmin * mn) per 32. */
+static inline void k4_scales8(const uint8_t *b, float *s8, float *m8) {
     const float d = f16(b), dmin = f16(b + 2);
 #if defined(__AVX2__) /* one vector conversion each: scalar ones cost more than the block's whole
                        * product at one activation row */
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)u);
+    const __m128i bytes = k4_scale_bytes(b);
     _mm256_storeu_ps(s8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), _mm256_set1_ps(d)));
     _mm256_storeu_ps(m8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))),
                                        _mm256_set1_ps(-dmin)));
 #else
+    uint32_t u[4];
+    k4_unpack(b, u);
     const uint8_t *sc = (const uint8_t *)u, *mn = sc + 8;
     for (int j = 0; j < 8; ++j) s8[j] = d * (float)sc[j], m8[j] = -(dmin * (float)mn[j]);
 #endif
@@ -518,12 +533,13 @@ static void exact_rows_any(const traits_t *t, int type, const float *x, const ui
 #if VL >= 8 && defined(__AVX2__)
 #define FACTORED 1
 typedef int32_t fi32v __attribute__((vector_size(VL * 4)));
+typedef uint32_t fu32v __attribute__((vector_size(VL * 4))); /* logical shifts: a top code needs no mask */
 typedef float v8f __attribute__((vector_size(32)));
 #define Q4K_GROUPS (128 / (4 * VL)) /* 4*VL code bytes (VL words, 8 codes each) per group */
 #define Q6K_GROUPS (64 / (4 * VL))  /* per half of 128 weights */
 
-static inline fi32v load_words(const uint8_t *p) {
-    fi32v v;
+static inline fu32v load_words(const uint8_t *p) {
+    fu32v v;
     memcpy(&v, p, sizeof(v));
     return v;
 }
@@ -583,12 +599,23 @@ static inline fi32v q6k_sub_lanes(int half, int g, int n) {
     return v;
 }
 
-/* A float vector of up to 16 scales (lanes VL.. of the second half where VL is 8). */
-static inline vf pick_scales(const float *s, fi32v lanes) {
-    vf a, b;
-    memcpy(&a, s, sizeof(a));
-    memcpy(&b, s + (VL < 16 ? VL : 0), sizeof(b));
-    return __builtin_shuffle(a, b, lanes);
+/* A block's scales per sub-block in registers: lo holds sub-blocks 0-7, hi 8-15 (Q6_K). */
+typedef struct {
+    __m256 lo, hi;
+#if VL == 16
+    __m512 all; /* lo | hi */
+#endif
+} block_scales;
+
+/* The scales in lane order `lanes` (sub-block per lane; under AVX2 a vector's lanes all lie in one
+ * half, `hi`, which the unrolled loops know). */
+static inline __attribute__((always_inline)) vf pick_scales(const block_scales *s, fi32v lanes, int hi) {
+#if VL == 16
+    (void)hi;
+    return (vf)_mm512_permutexvar_ps((__m512i)lanes, s->all);
+#else
+    return (vf)_mm256_permutevar8x32_ps(hi ? s->hi : s->lo, (__m256i)(lanes & 7));
+#endif
 }
 
 static inline float hsum8(v8f v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
@@ -600,8 +627,8 @@ static inline __attribute__((always_inline)) void factored_rows(
     int64_t r0, int64_t r1, int64_t K, int64_t ldy) {
     const int64_t nb = K / 256, bytes = type == T_Q4_K ? 144 : 210, row_bytes = nb * bytes;
     const int nsub = type == T_Q4_K ? 8 : 16;
-    const fi32v mask4 = (fi32v){0} + 0xF, mask2 = (fi32v){0} + 3;
-    fi32v lanes[8], qh_shift = (fi32v){0};
+    fi32v lanes[8];
+    fu32v qh_shift = (fu32v){0};
     if (type == T_Q4_K) {
         for (int g = 0; g < Q4K_GROUPS; ++g) lanes[2 * g] = q4k_sub_lanes(g, 0), lanes[2 * g + 1] = q4k_sub_lanes(g, 1);
     } else {
@@ -619,37 +646,39 @@ static inline __attribute__((always_inline)) void factored_rows(
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t *blk = row + b * bytes;
             const float *xb = xr + b * 256;
-            float s[16] __attribute__((aligned(64))), m[16] __attribute__((aligned(64)));
+            block_scales s;
+            __m256 m8; /* Q4_K: -dmin * the minimums */
             if (type == T_Q4_K) {
-                k4_scales8(blk, s, m);
+                const __m128i bytes = k4_scale_bytes(blk);
+                s.lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), _mm256_set1_ps(f16(blk)));
+                s.hi = s.lo;
+                m8 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))),
+                                   _mm256_set1_ps(-f16(blk + 2)));
             } else {
-                const float d = f16(blk + 208);
                 const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
-                for (int h = 0; h < 2; ++h) { /* eight scales per conversion (see k4_scales8) */
-                    const __m256 sv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(sc, 8) : sc)),
-                                                    _mm256_set1_ps(d));
-                    _mm256_storeu_ps(s + 8 * h, sv);
-                    _mm256_storeu_ps(m + 8 * h, _mm256_mul_ps(sv, _mm256_set1_ps(-32.0f)));
-                }
+                const __m256 d = _mm256_set1_ps(f16(blk + 208));
+                s.lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d);
+                s.hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d);
+                m8 = s.lo;
             }
-            /* sub-block terms: Q4_K's -dmin * m_j * sum(x), Q6_K's -32 * s_j * sum(x) */
+#if VL == 16
+            s.all = _mm512_insertf32x8(_mm512_castps256_ps512(s.lo), s.hi, 1);
+#endif
+            /* sub-block terms: Q4_K's -dmin * m_j * sum(x); Q6_K's s_j * sum(x) (times -32 at the end) */
             for (int64_t i = 0; i < M; ++i) {
                 const float *xs = xsum + i * (K / (256 / nsub)) + b * nsub;
-                for (int h = 0; h < nsub; h += 8) {
-                    v8f mv, sv;
-                    memcpy(&mv, m + h, 32);
-                    memcpy(&sv, xs + h, 32);
-                    accs[i] += mv * sv;
-                }
+                v8f t = (v8f)m8 * (v8f)_mm256_loadu_ps(xs);
+                if (type == T_Q6_K) t += (v8f)s.hi * (v8f)_mm256_loadu_ps(xs + 8);
+                accs[i] += t;
             }
             if (type == T_Q4_K) {
 #pragma GCC unroll 4
                 for (int g = 0; g < Q4K_GROUPS; ++g) {
-                    const fi32v words = load_words(blk + 16 + g * 4 * VL);
+                    const fu32v words = load_words(blk + 16 + g * 4 * VL);
                     vf c[8];
 #pragma GCC unroll 8
-                    for (int t = 0; t < 8; ++t) c[t] = __builtin_convertvector((words >> (4 * t)) & mask4, vf);
-                    const vf se = pick_scales(s, lanes[2 * g]), so = pick_scales(s, lanes[2 * g + 1]);
+                    for (int t = 0; t < 8; ++t) c[t] = __builtin_convertvector((fi32v)(t < 7 ? (words >> (4 * t)) & 0xF : words >> 28), vf);
+                    const vf se = pick_scales(&s, lanes[2 * g], 0), so = pick_scales(&s, lanes[2 * g + 1], 0);
                     for (int64_t i = 0; i < M; ++i) {
                         const float *xg = xb + i * K + g * 8 * VL;
                         const vf e = (c[0] * loadv(xg) + c[2] * loadv(xg + 2 * VL)) + (c[4] * loadv(xg + 4 * VL) + c[6] * loadv(xg + 6 * VL));
@@ -661,20 +690,26 @@ static inline __attribute__((always_inline)) void factored_rows(
             } else {
 #pragma GCC unroll 4
                 for (int half = 0; half < 2; ++half) {
-                    fi32v qh = load_words(blk + 128 + 32 * half); /* 32 bytes: VL 16 repeats them */
+                    fu32v qh = load_words(blk + 128 + 32 * half); /* 32 bytes: VL 16 repeats them */
 #if VL == 16
-                    qh = __builtin_shuffle(qh, (fi32v){0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7});
+                    qh = __builtin_shuffle(qh, (fu32v){0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7});
 #endif
 #pragma GCC unroll 2
                     for (int g = 0; g < Q6K_GROUPS; ++g) {
-                        const fi32v ql = load_words(blk + 64 * half + g * 4 * VL);
-                        const fi32v qhl = qh >> (qh_shift + 2 * (g * 4 * VL / 32));
+                        const fu32v ql = load_words(blk + 64 * half + g * 4 * VL);
+                        const fu32v qhl = qh >> (qh_shift + 2 * (g * 4 * VL / 32));
+                        /* whole six-bit codes, one per byte: code 2e in byte e of `even`, 2e + 1 in `odd`
+                         * (ql's nibble and qh's two bits meet once per word, not once per code) */
+                        const fu32v even = (ql & 0x0F0F0F0Fu) | ((qhl << 4) & 0x30303030u);
+                        const fu32v odd = ((ql >> 4) & 0x0F0F0F0Fu) | (qhl & 0x30303030u);
                         vf c[8];
-#pragma GCC unroll 8
-                        for (int t = 0; t < 8; ++t)
-                            c[t] = __builtin_convertvector(((ql >> (4 * t)) & mask4) | (((qhl >> (4 * t)) & mask2) << 4), vf);
+#pragma GCC unroll 4
+                        for (int e = 0; e < 4; ++e) {
+                            c[2 * e] = __builtin_convertvector((fi32v)(e < 3 ? (even >> (8 * e)) & 0x3F : even >> 24), vf);
+                            c[2 * e + 1] = __builtin_convertvector((fi32v)(e < 3 ? (odd >> (8 * e)) & 0x3F : odd >> 24), vf);
+                        }
                         const int li = (half * Q6K_GROUPS + g) * 2;
-                        const vf s0 = pick_scales(s, lanes[li]), s1 = pick_scales(s, lanes[li + 1]);
+                        const vf s0 = pick_scales(&s, lanes[li], half), s1 = pick_scales(&s, lanes[li + 1], half);
                         for (int64_t i = 0; i < M; ++i) {
                             const float *xg = xb + i * K + half * 128 + g * 8 * VL;
                             const vf lo = (c[0] * loadv(xg) + c[2] * loadv(xg + 2 * VL)) + (c[4] * loadv(xg + 4 * VL) + c[6] * loadv(xg + 6 * VL));
@@ -686,7 +721,8 @@ static inline __attribute__((always_inline)) void factored_rows(
                 }
             }
         }
-        for (int64_t i = 0; i < M; ++i) y[i * ldy + r] = hsum(acc[i][0] + acc[i][1]) + hsum8(accs[i]);
+        for (int64_t i = 0; i < M; ++i)
+            y[i * ldy + r] = hsum(acc[i][0] + acc[i][1]) + (type == T_Q6_K ? -32.0f : 1.0f) * hsum8(accs[i]);
     }
 }
 
@@ -891,15 +927,7 @@ static void q4k_order_activations(int8_t *xq, int64_t count) {
 
 /* Q4_K's eight six-bit scales (as int16, in the low 128 bits) and its minimums times -dmin (floats). */
 static inline __m512i k4_int_scales(const uint8_t *b, __m256 *mv) {
-    uint32_t u[4];
-    memcpy(u, b + 4, 12);
-    const uint32_t k1 = 0x3f3f3f3fu, k2 = 0x0f0f0f0fu, k3 = 0x03030303u;
-    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-    const uint32_t mins_lo = u[1] & k1;
-    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-    u[2] = mins_lo;
-    u[0] &= k1;
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)u);
+    const __m128i bytes = k4_scale_bytes(b);
     *mv = _mm256_mul_ps(_mm256_set1_ps(-f16(b + 2)),
                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
     return _mm512_castsi128_si512(_mm_cvtepu8_epi16(bytes));

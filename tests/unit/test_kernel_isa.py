@@ -128,10 +128,10 @@ def _packed_product(kernel, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.slow  # builds two libraries per variant (about 5 s each on 2 cores)
+@pytest.mark.slow  # builds three libraries per variant (about 5 s each on 2 cores; the kernel cache: scripts/test.sh)
 @pytest.mark.parametrize("variant", _runnable())
 def test_every_variant_multiplies_correctly(variant):
-    """packed_gemm.c and int_gemm.c of this variant, through their C entry points, against
+    """packed_gemm.c, int_gemm.c and gguf_gemm.c of this variant, through their C entry points, against
     torch: tile edges in every direction (rows 1-3 narrow, 5-7 partial tiles, 17+ the panel
     path, 150 two row chunks; 45 and 100 columns partial panels)."""
     pg = kernel_build.packed_gemm_kernel(variant)
@@ -159,6 +159,33 @@ def test_every_variant_multiplies_correctly(variant):
                            m, n, k, 32, 2) == 0
             ref = x @ wq.T
             assert (out - ref).norm() / ref.norm() < 1e-2  # int8 activations: within 1%
+    _check_gguf_kquants(variant, g)
+
+
+def _check_gguf_kquants(variant: str, g: torch.Generator) -> None:
+    """gguf_gemm.c's exact path for Q4_K and Q6_K (scales factored out of the sum under AVX2 and
+    AVX-512, lanes in the codes' own order: each ISA's lane width reorders differently) against
+    gguf-py's dequantization: 1-4 rows (specialized), 5-16, and two chunks of 16."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, dequantize
+
+    from pagedllm.quantization.kernels.gguf_kernel import TYPES
+    from tests.gguf_random import random_tensor
+
+    gk = kernel_build.gguf_gemm_kernel(variant)
+    assert gk is not None, kernel_build.kernel_state("gguf_gemm.c", variant).reason
+    for type_name in ("Q4_K", "Q6_K"):
+        n, k = 37, 1024
+        raw = torch.from_numpy(np.ascontiguousarray(random_tensor(type_name, n, k, seed=1)).view(np.uint8).reshape(n, -1))
+        w = torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType[type_name]).reshape(n, k).astype(np.float64))
+        for m in (1, 2, 4, 5, 16, 33):
+            x = torch.randn(m, k, generator=g)
+            out = torch.empty(m, n)
+            scratch = torch.empty(m * k * 4 + 64, dtype=torch.uint8)
+            assert gk.exact(TYPES[type_name], x.data_ptr(), raw.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+                            m, n, k, n, 2) == 0
+            ref = x.double() @ w.T
+            torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
 _ATTENTION_CHILD = r"""
