@@ -7,7 +7,9 @@ back to Q5_0 / Q8_0 as llama.cpp's do; `--mix q8_0` / `q4_0` / ... puts every ma
 type. Blocks are random with scales of trained-weight size (tests/gguf_random.py), so speed and
 memory are those of a real file of that shape. The tokenizer is the default model's (SmolLM2),
 padded with unused tokens up to the model's vocabulary. Shapes: `qwen2-1.5b` (Qwen2.5-1.5B),
-`qwen2-0.5b`, `llama-7b` (Llama-2-7B).
+`qwen2-0.5b`, `llama-7b` (Llama-2-7B), `gemma3-270m` (Gemma 3 270M: head_dim 256, q/k norms,
+four norms a layer stored as llama.cpp stores them, 1 + w, sliding window 512 on five layers
+of six).
 
     python -m benchmarks.make_gguf_model qwen2-1.5b /tmp/qwen2-1.5b-Q4_K_M.gguf [--mix q4_k_m]
 """
@@ -24,7 +26,9 @@ SHAPES = {  # arch, hidden, intermediate, layers, heads, kv heads, vocab, tied
     "qwen2-0.5b": ("qwen2", 896, 4864, 24, 14, 2, 151936, True),
     "qwen2-1.5b": ("qwen2", 1536, 8960, 28, 12, 2, 151936, True),
     "llama-7b": ("llama", 4096, 11008, 32, 32, 32, 32000, False),
+    "gemma3-270m": ("gemma3", 640, 2048, 18, 4, 1, 262144, True),
 }
+HEAD_DIM = {"gemma3": 256}  # where it is not hidden / heads
 
 
 def _q4_k_m_type(kind: str, layer: int, layers: int) -> str:
@@ -56,10 +60,10 @@ def write_model(shape: str, path: str, mix: str, tokenizer_gguf: str) -> None:
     import gguf
 
     arch, hidden, inter, layers, heads, kv_heads, vocab, tied = SHAPES[shape]
-    head_dim = hidden // heads
+    head_dim = HEAD_DIM.get(arch, hidden // heads)
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(f"random {shape} {mix}")
-    writer.add_context_length(32768 if arch == "qwen2" else 4096)
+    writer.add_context_length(32768 if arch in ("qwen2", "gemma3") else 4096)
     writer.add_embedding_length(hidden)
     writer.add_block_count(layers)
     writer.add_feed_forward_length(inter)
@@ -69,6 +73,10 @@ def write_model(shape: str, path: str, mix: str, tokenizer_gguf: str) -> None:
     writer.add_layer_norm_rms_eps(1e-6 if arch == "qwen2" else 1e-5)
     writer.add_vocab_size(vocab)
     writer.add_rope_dimension_count(head_dim)
+    if arch == "gemma3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_sliding_window(512)
     _copy_tokenizer(writer, tokenizer_gguf, vocab)
 
     tensors: list[tuple[str, str, tuple[int, ...]]] = []  # name, type, (rows, cols) or (n,)
@@ -83,6 +91,10 @@ def write_model(shape: str, path: str, mix: str, tokenizer_gguf: str) -> None:
                     (b + "ffn_gate.weight", "ffn_gate", (inter, hidden)),
                     (b + "ffn_up.weight", "ffn_up", (inter, hidden)),
                     (b + "ffn_down.weight", "ffn_down", (hidden, inter))]
+        if arch == "gemma3":
+            tensors += [(b + "attn_q_norm.weight", "norm", (head_dim,)), (b + "attn_k_norm.weight", "norm", (head_dim,)),
+                        (b + "post_attention_norm.weight", "norm", (hidden,)),
+                        (b + "post_ffw_norm.weight", "norm", (hidden,))]
         if arch == "qwen2":
             tensors += [(b + "attn_q.bias", "bias", (heads * head_dim,)), (b + "attn_k.bias", "bias", (kv_heads * head_dim,)),
                         (b + "attn_v.bias", "bias", (kv_heads * head_dim,))]

@@ -618,6 +618,18 @@ static inline __attribute__((always_inline)) vf pick_scales(const block_scales *
 #endif
 }
 
+/* Code t (bits 4t .. 4t + 3) of every lane's word as a float. AVX-512: vpermps reads only an
+ * index's low four bits, so a table of 0..15 turns the shifted word into the float in one step
+ * (no mask, no conversion). */
+static inline __attribute__((always_inline)) vf q4_codes(fu32v words, int t) {
+#if VL == 16
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    return (vf)_mm512_permutexvar_ps((__m512i)(words >> (4 * t)), iota);
+#else
+    return __builtin_convertvector((fi32v)(t < 7 ? (words >> (4 * t)) & 0xF : words >> 28), vf);
+#endif
+}
+
 static inline float hsum8(v8f v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
 
 /* Rows [r0, r1) of a Q4_K or Q6_K matrix against M reordered activation rows (M a constant where
@@ -677,7 +689,7 @@ static inline __attribute__((always_inline)) void factored_rows(
                     const fu32v words = load_words(blk + 16 + g * 4 * VL);
                     vf c[8];
 #pragma GCC unroll 8
-                    for (int t = 0; t < 8; ++t) c[t] = __builtin_convertvector((fi32v)(t < 7 ? (words >> (4 * t)) & 0xF : words >> 28), vf);
+                    for (int t = 0; t < 8; ++t) c[t] = q4_codes(words, t);
                     const vf se = pick_scales(&s, lanes[2 * g], 0), so = pick_scales(&s, lanes[2 * g + 1], 0);
                     for (int64_t i = 0; i < M; ++i) {
                         const float *xg = xb + i * K + g * 8 * VL;
