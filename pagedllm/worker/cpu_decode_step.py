@@ -114,6 +114,7 @@ class _Plan(NamedTuple):
     parts: list[StepPart]  # every projection part, for the scratch they need
     watched: list[tuple[torch.Tensor, int]]  # float weights with a kernel form, and their versions
     scratch_bytes: dict[int, int]  # rows -> the largest scratch a part needs (filled as steps come)
+    rope_tables: list[int]  # each layer's rotary table index as last written into `layers`
 
 
 def _address(fn) -> int:
@@ -286,7 +287,7 @@ class CpuDecodeStep:
         watched = [(m.weight, m.weight._version) for m in self.model.modules()
                    if (getattr(m, "prepared", None) is not None or isinstance(m, _NORMS))
                    and isinstance(getattr(m, "weight", None), torch.Tensor)]
-        return _Plan(layers, model_desc, norm_weights, parts, watched, {})
+        return _Plan(layers, model_desc, norm_weights, parts, watched, {}, [])
 
     # ---- one step ---------------------------------------------------------------------------
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor | None:
@@ -304,16 +305,21 @@ class CpuDecodeStep:
             return None
         hidden = self.model.embed_input_ids(input_ids)
         tables, which = _rotary_tables(self.model, positions)
-        for desc, t in zip(plan.layers, which):
-            desc.rope_table = t
-        cos = torch.stack([c for c, _ in tables]).contiguous()
-        sin = torch.stack([s for _, s in tables]).contiguous()
-        slots = torch.stack([md.slot_mapping.to(torch.int64) for md in groups]).contiguous()
-        width = max(md.decode_block_tables.shape[1] for md in groups)
-        block_tables = torch.zeros(len(groups), m, width, dtype=torch.int64)
-        for g, md in enumerate(groups):
-            block_tables[g, :, : md.decode_block_tables.shape[1]] = md.decode_block_tables
-        lens = torch.stack([md.decode_context_lens.to(torch.int64) for md in groups]).contiguous()
+        if which != plan.rope_tables:  # the same every step of a model: written into the plan once
+            for desc, t in zip(plan.layers, which):
+                desc.rope_table = t
+            plan.rope_tables[:] = which
+        cos, sin = _stacked([c for c, _ in tables]), _stacked([s for _, s in tables])
+        slots = _stacked([md.slot_mapping.to(torch.int64) for md in groups])
+        lens = _stacked([md.decode_context_lens.to(torch.int64) for md in groups])
+        if len(groups) == 1:
+            block_tables = groups[0].decode_block_tables.to(torch.int64).contiguous()
+        else:  # one [groups, M, width] tensor, each group's tables padded to the widest
+            block_tables = torch.zeros(len(groups), m, max(md.decode_block_tables.shape[1] for md in groups),
+                                       dtype=torch.int64)
+            for g, md in enumerate(groups):
+                block_tables[g, :, : md.decode_block_tables.shape[1]] = md.decode_block_tables
+        width = block_tables.shape[-1]
         model_desc.table_width = width
         model_desc.seconds = None if self.seconds is None else self.seconds.data_ptr()
         work = self._buffer("_work", self.kernel.work_floats(ctypes.byref(model_desc), m), torch.float32)
@@ -351,6 +357,11 @@ _OP_FUNCTION = {OP_INT_EXACT: ("int_exact", int_gemm_kernel, "exact"), OP_INT_IN
                 OP_GGUF_EXACT: ("gguf_exact", gguf_gemm_kernel, "exact"),
                 OP_GGUF_INT8: ("gguf_int8", gguf_gemm_kernel, "int8"),
                 OP_PACKED_F32: ("packed_f32", packed_gemm_kernel, "gemm")}
+
+
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One contiguous tensor of `tensors` side by side (no copy beyond contiguity for one)."""
+    return tensors[0].contiguous() if len(tensors) == 1 else torch.stack(tensors).contiguous()
 
 
 def _scratch_for(plan: _Plan, m: int) -> int:
