@@ -561,7 +561,7 @@ static inline int q6k_weight(int half, int g, int t, int j) {
 /* Activation rows x[M, K] in the lane order above (xr[M, K]) and their sums per sub-block
  * (xsum[M, K / sub]): Q4_K's minimums and Q6_K's offset of 32 are sub-block scalars. */
 static void reorder_activations(int type, const float *x, float *xr, float *xsum, int64_t M, int64_t K) {
-    if (type == T_Q5_0) { /* codes in the weights' own order: the rows as they are, sums per block */
+    if (type == T_Q5_0 || type == T_Q8_0) { /* codes in the weights' own order: the rows as they are, sums per block */
         memcpy(xr, x, (size_t)(M * K) * sizeof(float));
         for (int64_t i = 0; i < M * (K / 32); ++i) {
             float sum = 0.0f;
@@ -796,6 +796,36 @@ static inline __attribute__((always_inline)) void q5_0_rows(const float *xr, con
     }
 }
 
+/* Q8_0 (d, 32 int8 codes; w = d * code): per block d * sum(code * x), the scale once per 32
+ * weights instead of once per 16-weight vector (Gemma 3 270M's 262,144-row tied head is Q8_0 in
+ * a Q4_K_M file: most of its decode step). */
+static inline __attribute__((always_inline)) void q8_0_rows(const float *xr, const uint8_t *w, float *y,
+                                                            const int64_t M, int64_t r0, int64_t r1, int64_t K,
+                                                            int64_t ldy) {
+    const int64_t nb = K / 32, row_bytes = nb * 34;
+    for (int64_t r = r0; r < r1; ++r) {
+        vf acc[MSMALL][2];
+        prefetch_row(w + (r + PREFETCH_ROWS) * row_bytes, r + PREFETCH_ROWS < r1 ? row_bytes : 0);
+        for (int64_t i = 0; i < M; ++i) acc[i][0] = acc[i][1] = (vf){0};
+        const uint8_t *row = w + r * row_bytes;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = row + b * 34;
+            const float d = f16(blk);
+            vf c[32 / VL];
+#pragma GCC unroll 4
+            for (int v = 0; v < 32 / VL; ++v) c[v] = __builtin_convertvector(i8_to_i32((const int8_t *)blk + 2 + v * VL), vf);
+            for (int64_t i = 0; i < M; ++i) {
+                const float *xb = xr + i * K + b * 32;
+                vf s = c[0] * loadv(xb);
+#pragma GCC unroll 4
+                for (int v = 1; v < 32 / VL; ++v) s += c[v] * loadv(xb + v * VL);
+                acc[i][b & 1] += s * d; /* two chains: the FMA's latency does not bind at one row */
+            }
+        }
+        for (int64_t i = 0; i < M; ++i) y[i * ldy + r] = hsum(acc[i][0] + acc[i][1]);
+    }
+}
+
 static void factored_rows_any(int type, const float *xr, const float *xsum, const uint8_t *w, float *y, int64_t M,
                               int64_t r0, int64_t r1, int64_t K, int64_t ldy) {
 #define FACTORED_FOR(TYPE)                                                             \
@@ -813,9 +843,18 @@ static void factored_rows_any(int type, const float *xr, const float *xsum, cons
         case 4: q5_0_rows(xr, xsum, w, y, 4, r0, r1, K, ldy); break;                   \
         default: q5_0_rows(xr, xsum, w, y, M, r0, r1, K, ldy); break;                  \
     }
-    if (type == T_Q4_K) FACTORED_FOR(T_Q4_K) else if (type == T_Q6_K) FACTORED_FOR(T_Q6_K) else Q5_0_FOR()
+#define Q8_0_FOR()                                                                     \
+    switch (M) {                                                                       \
+        case 1: q8_0_rows(xr, w, y, 1, r0, r1, K, ldy); break;                         \
+        case 2: q8_0_rows(xr, w, y, 2, r0, r1, K, ldy); break;                         \
+        case 4: q8_0_rows(xr, w, y, 4, r0, r1, K, ldy); break;                         \
+        default: q8_0_rows(xr, w, y, M, r0, r1, K, ldy); break;                        \
+    }
+    if (type == T_Q4_K) FACTORED_FOR(T_Q4_K) else if (type == T_Q6_K) FACTORED_FOR(T_Q6_K)
+    else if (type == T_Q5_0) Q5_0_FOR() else Q8_0_FOR()
 #undef FACTORED_FOR
 #undef Q5_0_FOR
+#undef Q8_0_FOR
 }
 #else
 #define FACTORED 0
@@ -901,7 +940,7 @@ int gguf_gemm_exact(int type, const float *x, const uint8_t *w, float *y, float 
     const traits_t *t = traits_of(type, K);
     if (t == NULL || M < 1 || N < 1 || ldy < N) return 1;
 #if FACTORED
-    if ((type == T_Q4_K || type == T_Q6_K || type == T_Q5_0) && M < PANEL_FROM)
+    if ((type == T_Q4_K || type == T_Q6_K || type == T_Q5_0 || type == T_Q8_0) && M < PANEL_FROM)
         return exact_factored(type, x, w, y, M, N, K, ldy, num_threads);
 #endif
     if (M < PANEL_FROM) { /* chunks of up to 16 rows: each chunk widens the weights again, which

@@ -163,7 +163,7 @@ def test_every_variant_multiplies_correctly(variant):
 
 
 def _check_gguf_kquants(variant: str, g: torch.Generator) -> None:
-    """gguf_gemm.c's exact path for Q4_K, Q6_K and Q5_0 (scales factored out of the sum under AVX2
+    """gguf_gemm.c's exact path for Q4_K, Q6_K, Q5_0 and Q8_0 (scales factored out of the sum under AVX2
     and AVX-512, lanes in the codes' own order: each ISA's lane width reorders differently) against
     gguf-py's dequantization: 1-4 rows (specialized), 5-16, and two chunks of 16."""
     import numpy as np
@@ -174,7 +174,7 @@ def _check_gguf_kquants(variant: str, g: torch.Generator) -> None:
 
     gk = kernel_build.gguf_gemm_kernel(variant)
     assert gk is not None, kernel_build.kernel_state("gguf_gemm.c", variant).reason
-    for type_name in ("Q4_K", "Q6_K", "Q5_0"):
+    for type_name in ("Q4_K", "Q6_K", "Q5_0", "Q8_0"):
         n, k = 37, 1024
         raw = torch.from_numpy(np.ascontiguousarray(random_tensor(type_name, n, k, seed=1)).view(np.uint8).reshape(n, -1))
         w = torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType[type_name]).reshape(n, k).astype(np.float64))
