@@ -1,7 +1,8 @@
 """The C decode step: a decode-only step of a dense decoder on CPU as one call into
 kernels/decode_step.c — the CPU analogue of a captured CUDA graph.
 
-The families it describes (`describe_layer`): Llama / Mistral / Qwen2 / Phi-3 (pre-norms, SiLU),
+The families it describes (`_layer_reason` says which layers; `_make_plan` fills one `_Layer`
+record each): Llama / Mistral / Qwen2 / Phi-3 (pre-norms, SiLU),
 Qwen3 (per-head q/k norms), Gemma 2 / Gemma 3 (four norms a layer with `(1 + weight)`, GELU-tanh,
 attention soft caps, a rotary table per layer type, a scaled embedding), with sliding layers in
 a hybrid KV cache's own groups (each group's block tables). A family differs from the others by
@@ -19,7 +20,8 @@ It applies to a step only when every part can run in C: a decode-only step (one 
 sequence), no LoRA, float32 on CPU, each projection's path at this batch
 bucket one of the C kernels (layers/decode_step_parts.py: not where kernel_choice kept torch's
 op), KV caches of a kind the attention kernel reads (float32, bfloat16, int8). Anything else —
-prefills, mixed batches, other architectures (mixtures of experts, partial rotary), `enforce_eager=True`, `PAGEDLLM_DECODE_STEP=0` —
+prefills, mixed batches, other architectures (mixtures of experts, partial rotary),
+`enforce_eager=True`, `PAGEDLLM_DECODE_STEP=0` —
 runs the eager model, which stays the reference and the debugging path. When the kernel refuses
 its input (a bad slot, a block table too short) the step returns None and the eager step
 re-runs, which names the problem.
