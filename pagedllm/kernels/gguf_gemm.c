@@ -561,15 +561,6 @@ static inline int q6k_weight(int half, int g, int t, int j) {
 /* Activation rows x[M, K] in the lane order above (xr[M, K]) and their sums per sub-block
  * (xsum[M, K / sub]): Q4_K's minimums and Q6_K's offset of 32 are sub-block scalars. */
 static void reorder_activations(int type, const float *x, float *xr, float *xsum, int64_t M, int64_t K) {
-    if (type == T_Q5_0 || type == T_Q8_0) { /* codes in the weights' own order: the rows as they are, sums per block */
-        memcpy(xr, x, (size_t)(M * K) * sizeof(float));
-        for (int64_t i = 0; i < M * (K / 32); ++i) {
-            float sum = 0.0f;
-            for (int k = 0; k < 32; ++k) sum += x[i * 32 + k];
-            xsum[i] = sum;
-        }
-        return;
-    }
     int16_t perm[256];
     for (int t = 0; t < 8; ++t)
         for (int j = 0; j < VL; ++j) {
@@ -826,50 +817,53 @@ static inline __attribute__((always_inline)) void q8_0_rows(const float *xr, con
     }
 }
 
+/* One type's rows (`type` and M constants where the caller specializes them). */
+static inline __attribute__((always_inline)) void factored_type_rows(
+    const int type, const float *xr, const float *xsum, const uint8_t *w, float *y, const int64_t M, int64_t r0,
+    int64_t r1, int64_t K, int64_t ldy) {
+    if (type == T_Q4_K) factored_rows(T_Q4_K, xr, xsum, w, y, M, r0, r1, K, ldy);
+    else if (type == T_Q6_K) factored_rows(T_Q6_K, xr, xsum, w, y, M, r0, r1, K, ldy);
+    else if (type == T_Q5_0) q5_0_rows(xr, xsum, w, y, M, r0, r1, K, ldy);
+    else q8_0_rows(xr, w, y, M, r0, r1, K, ldy);
+}
+
+/* Specialized for 1-4 rows (accumulators in registers), the rest with M at run time. */
 static void factored_rows_any(int type, const float *xr, const float *xsum, const uint8_t *w, float *y, int64_t M,
                               int64_t r0, int64_t r1, int64_t K, int64_t ldy) {
-#define FACTORED_FOR(TYPE)                                                             \
-    switch (M) {                                                                       \
-        case 1: factored_rows(TYPE, xr, xsum, w, y, 1, r0, r1, K, ldy); break;        \
-        case 2: factored_rows(TYPE, xr, xsum, w, y, 2, r0, r1, K, ldy); break;        \
-        case 3: factored_rows(TYPE, xr, xsum, w, y, 3, r0, r1, K, ldy); break;        \
-        case 4: factored_rows(TYPE, xr, xsum, w, y, 4, r0, r1, K, ldy); break;        \
-        default: factored_rows(TYPE, xr, xsum, w, y, M, r0, r1, K, ldy); break;       \
+    switch (M) {
+        case 1: factored_type_rows(type, xr, xsum, w, y, 1, r0, r1, K, ldy); break;
+        case 2: factored_type_rows(type, xr, xsum, w, y, 2, r0, r1, K, ldy); break;
+        case 3: factored_type_rows(type, xr, xsum, w, y, 3, r0, r1, K, ldy); break;
+        case 4: factored_type_rows(type, xr, xsum, w, y, 4, r0, r1, K, ldy); break;
+        default: factored_type_rows(type, xr, xsum, w, y, M, r0, r1, K, ldy); break;
     }
-#define Q5_0_FOR()                                                                     \
-    switch (M) {                                                                       \
-        case 1: q5_0_rows(xr, xsum, w, y, 1, r0, r1, K, ldy); break;                   \
-        case 2: q5_0_rows(xr, xsum, w, y, 2, r0, r1, K, ldy); break;                   \
-        case 4: q5_0_rows(xr, xsum, w, y, 4, r0, r1, K, ldy); break;                   \
-        default: q5_0_rows(xr, xsum, w, y, M, r0, r1, K, ldy); break;                  \
-    }
-#define Q8_0_FOR()                                                                     \
-    switch (M) {                                                                       \
-        case 1: q8_0_rows(xr, w, y, 1, r0, r1, K, ldy); break;                         \
-        case 2: q8_0_rows(xr, w, y, 2, r0, r1, K, ldy); break;                         \
-        case 4: q8_0_rows(xr, w, y, 4, r0, r1, K, ldy); break;                         \
-        default: q8_0_rows(xr, w, y, M, r0, r1, K, ldy); break;                        \
-    }
-    if (type == T_Q4_K) FACTORED_FOR(T_Q4_K) else if (type == T_Q6_K) FACTORED_FOR(T_Q6_K)
-    else if (type == T_Q5_0) Q5_0_FOR() else Q8_0_FOR()
-#undef FACTORED_FOR
-#undef Q5_0_FOR
-#undef Q8_0_FOR
 }
 #else
 #define FACTORED 0
 #endif
 
 #if FACTORED
-/* Q4_K / Q6_K below PANEL_FROM rows: threads split the weight rows in tasks of 8, and every
- * chunk of up to MSMALL activation rows passes over a task's rows while they are in cache. */
+/* Q4_K / Q6_K / Q5_0 / Q8_0 below PANEL_FROM rows: threads split the weight rows in tasks of 8,
+ * and every chunk of up to MSMALL activation rows passes over a task's rows while they are in
+ * cache. The K-quants read the activations in their lanes' order (a copy); Q5_0 and Q8_0 read
+ * them as they are, Q5_0 with their sums per block. */
 static int exact_factored(int type, const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K,
                           int64_t ldy, int num_threads) {
-    float *xr = malloc((size_t)(M * K + M * (K / 16)) * sizeof(float));
-    if (xr == NULL) return 2;
-    float *xsum = xr + M * K;
-    reorder_activations(type, x, xr, xsum, M, K);
-    const int64_t sums = K / (type == T_Q6_K ? 16 : 32);
+    const int lane_order = type == T_Q4_K || type == T_Q6_K;
+    const int64_t sums = K / (type == T_Q6_K ? 16 : 32), copied = lane_order ? M * K : 0;
+    float *buf = malloc((size_t)(copied + M * sums) * sizeof(float));
+    if (buf == NULL) return 2;
+    float *xsum = buf + copied;
+    const float *xr = lane_order ? buf : x;
+    if (lane_order) {
+        reorder_activations(type, x, buf, xsum, M, K);
+    } else if (type == T_Q5_0) {
+        for (int64_t i = 0; i < M * sums; ++i) {
+            float sum = 0.0f;
+            for (int k = 0; k < 32; ++k) sum += x[i * 32 + k];
+            xsum[i] = sum;
+        }
+    }
     enum { ROWS_PER_TASK = 8 };
     const int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M * N * K >= 65536)
@@ -880,7 +874,7 @@ static int exact_factored(int type, const float *x, const uint8_t *w, float *y, 
             factored_rows_any(type, xr + m0 * K, xsum + m0 * sums, w, y + m0 * ldy, mc, r0, r1, K, ldy);
         }
     }
-    free(xr);
+    free(buf);
     return 0;
 }
 #endif

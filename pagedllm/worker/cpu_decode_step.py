@@ -178,8 +178,9 @@ def _rotary_tables(model: nn.Module, positions: torch.Tensor) -> tuple[list[tupl
     """This step's distinct `(cos, sin)` tables and each layer's index among them (Gemma 3: a
     local and a global table; the others: one). Decode positions need no metadata."""
     inner = model.model
-    per_layer = (inner.rotary_tables(positions, None) if hasattr(inner, "rotary_tables")
-                 else [inner.rotary_emb(positions)] * len(inner.layers))
+    if not hasattr(inner, "rotary_tables"):  # one table for every layer
+        return [inner.rotary_emb(positions)], [0] * len(inner.layers)
+    per_layer = inner.rotary_tables(positions, None)
     tables: list[tuple[torch.Tensor, torch.Tensor]] = []
     index: dict[int, int] = {}
     which = []
