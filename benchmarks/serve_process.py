@@ -20,25 +20,26 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(args: list[str], timeout: float = 240.0) -> Iterator[str]:
-    """Run `pagedllm serve <args>`; yield "http://127.0.0.1:<port>" once it is healthy."""
+def serving(args: list[str], timeout: float = 240.0, command: list[str] | None = None) -> Iterator[str]:
+    """Run `pagedllm serve <args>` (or `command <args>`, e.g. llama.cpp's `llama-server`); yield
+    "http://127.0.0.1:<port>" once its /health answers 200."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *args,
-                             "--port", str(port)],
+    command = command or [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve"]
+    proc = subprocess.Popen([*command, *args, "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"pagedllm serve {' '.join(args)} exited with {proc.returncode}")
+                raise RuntimeError(f"{' '.join(command + args)} exited with {proc.returncode}")
             try:
                 if httpx.get(f"{base}/health", timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"pagedllm serve {' '.join(args)}: not healthy in {timeout:.0f} s")
+                raise RuntimeError(f"{' '.join(command + args)}: not healthy in {timeout:.0f} s")
             time.sleep(0.3)
         yield base
     finally:

@@ -213,11 +213,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="no /dashboard page and no /v1/internal/engine_state (docs/dashboard.md)")
 
     g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='tool_choice "auto": parse tool calls out of the model\'s text with '
-                        "--tool-call-parser (docs/tool_calling.md)")
+                   help='vLLM\'s flag, kept for its command lines: tool_choice "auto" is on without it '
+                        "(the format is read from the chat template; docs/tool_calling.md)")
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                   help="the model's tool-call format: hermes (Qwen2.5, Hermes), llama3_json "
-                        "(Llama 3.x)")
+                   help="the model's tool-call format, instead of the one read from the chat "
+                        "template: hermes (Qwen2.5/3, Hermes), llama3_json (Llama 3.x), generic (any "
+                        "model: replies constrained to an answer-or-calls JSON envelope)")
+    g.add_argument("--tool-call-any-whitespace", action="store_true",
+                   help="let constrained tool-call JSON hold any whitespace (default: the canonical "
+                        "separators only, so small models do not spend their budget on it)")
     g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split <think>...</think> into reasoning_content (deepseek_r1, qwen3)")
     g.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
@@ -310,7 +314,8 @@ def server_extras_from_args(args: argparse.Namespace) -> tuple[list[Any], Any]:
     tool_config = ToolConfig(
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
-        reasoning_parser=getattr(args, "reasoning_parser", None))
+        reasoning_parser=getattr(args, "reasoning_parser", None),
+        any_whitespace=getattr(args, "tool_call_any_whitespace", False))
     return lora_modules, tool_config
 
 

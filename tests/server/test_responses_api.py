@@ -160,8 +160,8 @@ def _refused(client, param: str, **kw) -> None:
         {"type": "input_file", "file_id": "f"}]}])),
     ("text.format.schema", dict(text={"format": {"type": "json_schema", "name": "x", "schema": {
         "type": "object", "properties": {"a": {"type": "nope"}}}}})),  # the grammar refuses it
-    ("tool_choice", dict(tools=[ADD])),  # "auto" needs the tool parser flags
-    ("tools[0].strict", dict(tools=[{**ADD, "strict": True}])),
+    ("tools[0].name", dict(tools=[{**ADD, "name": "x" * 100_000}])),
+    ("tools", dict(tools=[{**ADD, "name": f"t{i}"} for i in range(200)])),
 ])
 def test_refused_by_name(client, param, kw):
     kw.setdefault("input", "Hi.")

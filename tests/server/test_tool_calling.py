@@ -1,6 +1,6 @@
 """Tool calling and reasoning output through the official openai client against real servers:
-the shared one (no tool flags: "required" and named calls are forced by structured output, so
-SmolLM2 makes them; "auto" is a 400 naming the flags) and one started with
+the shared one (no tool flags: SmolLM2's template takes no tools, so every mode runs in the
+generic mode, the reply constrained to an answer-or-calls envelope) and one started with
 `--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3`, whose "auto"
 path is driven with outputs pinned by structured output (`choice`), so the parsers run on real
 model output through the real response path."""
@@ -144,10 +144,6 @@ def test_none_is_text(client):
 
 
 def test_refusals(client):
-    with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
-        create(client, tools=TOOLS)  # tool_choice defaults to "auto"
-    with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
-        create(client, tools=TOOLS, tool_choice="auto")
     with pytest.raises(openai.BadRequestError, match="`tools` must be set"):
         create(client, tool_choice="required")
     with pytest.raises(openai.BadRequestError, match="does not match"):
@@ -155,7 +151,98 @@ def test_refusals(client):
     with pytest.raises(openai.BadRequestError, match="response_format"):
         create(client, tools=TOOLS, tool_choice="required",
                response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match="response_format"):  # generic "auto" constrains too
+        create(client, tools=TOOLS, response_format={"type": "json_object"})
     assert create(client, max_tokens=2).choices[0].message.content is not None  # still up
+
+
+# ------------------------------------------------ generic mode: "auto" with no flags, any model
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_generic_auto_answers_or_calls(client, strict):
+    """No flags, a template without tools: "auto" works (strict tools too: the envelope holds
+    each tool's schema), streamed and not, and the two agree."""
+    tools = [{"type": "function", "function": {**t["function"], "strict": strict}} for t in TOOLS]
+    full = create(client, tools=tools, max_tokens=60).choices[0]
+    if full.message.tool_calls:
+        check_calls(full.message.tool_calls)
+        assert full.finish_reason == "tool_calls" and full.message.content is None
+        assert len(full.message.tool_calls) == 1  # parallel_tool_calls unset: one call in generic mode
+    else:
+        assert full.message.content and not full.message.content.lstrip().startswith("{")
+    streamed = reassemble(client.chat.completions.stream(
+        model=MODEL, messages=MESSAGES, tools=tools, temperature=0, max_tokens=60)).choices[0]
+    assert streamed.message.content == full.message.content
+    assert [(t.function.name, t.function.arguments) for t in streamed.message.tool_calls or []] == [
+        (t.function.name, t.function.arguments) for t in full.message.tool_calls or []]
+
+
+def test_generic_answer_after_a_tool_result_round_trip(client):
+    """Turn 2 of a tool loop: the assistant's call and the tool's result go back in (rewritten
+    as envelopes for a template that cannot render them) and the request succeeds."""
+    first = create(client, tools=TOOLS, tool_choice="required").choices[0]
+    call = first.message.tool_calls[0]
+    messages = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                           {"role": "tool", "tool_call_id": call.id, "content": "22 degrees, sunny"}]
+    out = create(client, messages=messages, tools=TOOLS, max_tokens=60).choices[0]
+    assert out.finish_reason in ("stop", "tool_calls")
+    if out.message.tool_calls:
+        check_calls(out.message.tool_calls)
+    else:
+        assert out.message.content
+
+
+def test_a_forced_call_spends_no_tokens_on_whitespace(client):
+    """add(a=2, b=3) forced: the canonical separators only (12 tokens and the end of turn)."""
+    out = create(client, messages=[{"role": "user", "content": "Add 2 and 3."}], tools=[ADD],
+                 tool_choice="required")
+    (call,) = out.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"a": 2, "b": 3}
+    assert call.function.arguments == '{"a": 2, "b": 3}'
+    assert out.usage.completion_tokens <= 15
+
+
+def test_a_cut_reply_returns_its_complete_calls(client):
+    """parallel_tool_calls true and a budget that ends inside the second call: the first is a
+    call, the cut one is dropped, finish_reason says length, nothing comes back as text."""
+    kw = dict(tools=[ADD], tool_choice="required", parallel_tool_calls=True, max_tokens=45,
+              messages=[{"role": "user", "content": "Add 2 and 3."}])
+    c = create(client, **kw).choices[0]
+    assert c.finish_reason == "length" and not c.message.content
+    assert c.message.tool_calls and json.loads(c.message.tool_calls[0].function.arguments) == {"a": 2, "b": 3}
+    # streamed (the client's helper refuses a cut reply, so the deltas are joined here): the
+    # complete call streams whole, no content
+    calls: dict[int, list[str]] = {}
+    content, finish = "", None
+    for chunk in create(client, stream=True, **kw):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            finish = ch.finish_reason or finish
+            for tc in ch.delta.tool_calls or []:
+                calls.setdefault(tc.index, ["", ""])
+                calls[tc.index][0] += tc.function.name or ""
+                calls[tc.index][1] += tc.function.arguments or ""
+    assert finish == "length" and not content
+    assert calls[0] == ["add", c.message.tool_calls[0].function.arguments]
+
+
+def test_hostile_tools_get_400_naming_the_field(http):
+    big = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(10_000)}}
+    for tools, param in (
+            ([{"type": "function", "function": {"name": "x" * 100_000}}], "tools[0].function.name"),
+            ([{"type": "function", "function": {"name": f"t{i}"}} for i in range(1000)], "tools"),
+            ([{"type": "function", "function": {"name": "big", "parameters": big}}],
+             "tools[0].function.parameters")):
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "tools": tools})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text[:300]
+    recursive = {"type": "object", "properties": {"node": {"$ref": "#/$defs/n"}},
+                 "$defs": {"n": {"type": "object", "properties": {"child": {"$ref": "#/$defs/n"}}}}}
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 30,
+                                                "tools": [{"type": "function", "function": {
+                                                    "name": "tree", "parameters": recursive}}]})
+    assert r.status_code == 200, r.text[:300]
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
 
 
 # ------------------------------------------------ "auto" with a tool parser, reasoning

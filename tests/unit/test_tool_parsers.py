@@ -12,8 +12,9 @@ import pytest
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import check_constraint
 from pagedllm.entrypoints.openai.tool_calling import (
-    AUTO_NEEDS_FLAGS,
     ToolConfig,
     finish_reason,
     plan_tools,
@@ -270,22 +271,41 @@ def test_tool_choice_defaults_and_checks():
 
 
 def test_plan_modes():
-    off, auto = ToolConfig(), ToolConfig(True, "hermes")
-    with pytest.raises(OpenAIError) as e:
-        plan_tools(request(tools=TOOLS), off)
-    assert e.value.status == 400 and str(e.value) == AUTO_NEEDS_FLAGS
-    assert plan_tools(request(tools=TOOLS, tool_choice="none"), off).tool_parser is None
+    generic, auto = ToolConfig(), ToolConfig(True, "hermes")
+    plan = plan_tools(request(tools=TOOLS), generic)  # no flags, no tool template: generic mode
+    assert plan.tool_parser.name == "generic" and "anyOf" in plan.schema  # an answer or calls
+    assert plan.apply(SamplingParams()).structured_outputs.disable_any_whitespace
+    assert plan_tools(request(tools=TOOLS, tool_choice="none"), generic).tool_parser is None
     assert plan_tools(request(tools=TOOLS), auto).tool_parser.name == "hermes"
-    req = plan_tools(request(tools=TOOLS, tool_choice="required", parallel_tool_calls=False), off)
+    assert plan_tools(request(tools=TOOLS), auto).schema is None  # free text, parsed
+    req = plan_tools(request(tools=TOOLS, tool_choice="required", parallel_tool_calls=False), auto)
     assert req.schema["maxItems"] == 1 and req.tool_parser.name == "required"
     named = plan_tools(request(tools=TOOLS, tool_choice={"type": "function",
-                                                          "function": {"name": "ping"}}), off)
+                                                          "function": {"name": "ping"}}), auto)
     assert named.schema == {"type": "object", "properties": {}}
-    strict = [{"type": "function", "function": {**NOARGS, "strict": True}}]
-    with pytest.raises(OpenAIError, match="strict"):
-        plan_tools(request(tools=strict), auto)
     with pytest.raises(ValueError, match="requires --tool-call-parser"):
         ToolConfig(enable_auto_tool_choice=True)
+    any_ws = ToolConfig(any_whitespace=True)
+    assert not plan_tools(request(tools=TOOLS), any_ws).apply(SamplingParams()).structured_outputs.disable_any_whitespace
+
+
+def test_strict_tools_under_auto_get_the_formats_structural_tag():
+    strict = [{"type": "function", "function": {**WEATHER, "strict": True}}]
+    plan = plan_tools(request(tools=strict), ToolConfig(tool_call_parser="hermes"))
+    tag = plan.structural_tag["format"]
+    assert tag["triggers"] == ["<tool_call>"]
+    assert tag["tags"][0]["content"]["json_schema"] == WEATHER["parameters"]
+    so = plan.apply(SamplingParams()).structured_outputs
+    assert so.kind == "structural_tag"
+    check_constraint(so)  # xgrammar takes it
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string
+    grammar = Grammar.from_structural_tag(json.dumps(plan.structural_tag))
+    call = '<tool_call>\n{"name": "get_weather", "arguments": %s}\n</tool_call>'
+    assert _is_grammar_accept_string(grammar, "Free text first. " + call % '{"city": "Paris", "unit": "c"}')
+    assert _is_grammar_accept_string(grammar, "No call at all.")  # a turn without a call stays free
+    assert not _is_grammar_accept_string(grammar, call % '{"city": 3}')  # the schema holds in the call
+    assert not _is_grammar_accept_string(grammar, call.replace("get_weather", "other") % "{}")
 
 
 def test_choice_parser_reasoning_then_tools():
@@ -316,7 +336,7 @@ def test_no_parallel_keeps_the_first_call():
 
 def test_forced_output_skips_the_reasoning_parser():
     plan = plan_tools(request(tools=TOOLS, tool_choice="required"),
-                      ToolConfig(reasoning_parser="deepseek_r1"))
+                      ToolConfig(tool_call_parser="hermes", reasoning_parser="deepseek_r1"))
     out = plan.choice_parser().full('[{"name": "ping", "parameters": {}}]')
     assert out.reasoning_content is None and out.tool_calls[0].function.name == "ping"
 
@@ -337,3 +357,103 @@ def test_template_messages_keep_tool_calls():
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}])
     with pytest.raises(ValueError, match="not valid JSON"):
         bad.conversation()
+
+
+# --------------------------------------------------------------- generic mode, detection, cuts
+
+def test_generic_envelope_schema_parse_and_stream():
+    from pagedllm.entrypoints.openai.tool_parsers.generic import generic_schema
+    schema = generic_schema([WEATHER, NOARGS])
+    jsonschema.Draft202012Validator.check_schema(schema)
+    calls = {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}},
+                            {"name": "ping", "arguments": {}}]}
+    jsonschema.validate(calls, schema)
+    jsonschema.validate({"response": "Hello"}, schema)
+    for bad in ({"tool_calls": []}, {"response": 3}, {"tool_calls": [{"name": "get_weather", "arguments": {"unit": "x"}}]},
+                {"response": "a", "tool_calls": []}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    assert generic_schema([WEATHER], parallel=False)["anyOf"][0]["properties"]["tool_calls"]["maxItems"] == 1
+    assert "anyOf" not in generic_schema([WEATHER], answer=False)  # "required": calls only
+
+    parser = get_tool_parser("generic")
+    text = json.dumps(calls)
+    full = parser.extract_tool_calls(text)
+    assert full.content is None and [c.name for c in full.tool_calls] == ["get_weather", "ping"]
+    assert json.loads(full.tool_calls[0].arguments) == {"city": "Paris", "unit": "c"}
+    content, args = stream(parser, text)
+    assert content == "" and [a[1:] for a in args.values()] == [[c.name, c.arguments] for c in full.tool_calls]
+    answer = json.dumps({"response": 'Line "one"\nand \u00e9 \u2603'})
+    assert parser.extract_tool_calls(answer).content == 'Line "one"\nand \u00e9 \u2603'
+    assert parser.extract_tool_calls(answer).tool_calls == []
+    content, args = stream(parser, answer)  # streamed as the string grows, escapes whole
+    assert content == 'Line "one"\nand \u00e9 \u2603' and not args
+
+
+def test_generic_conversation_rewrites_calls_and_results():
+    from pagedllm.entrypoints.openai.tool_parsers.generic import generic_conversation
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 C"},
+    ]
+    out = generic_conversation(messages, [WEATHER])
+    assert out[0]["role"] == "system" and '"get_weather"' in out[0]["content"]
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    assert json.loads(out[2]["content"]) == {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}
+    assert json.loads(out[3]["content"]) == {"tool_response": {"name": "get_weather", "content": "22 C"}}
+    with_system = generic_conversation([{"role": "system", "content": "Be brief."}, *messages[:1]], [WEATHER])
+    assert len(with_system) == 2 and with_system[0]["content"].startswith("Be brief.\n\n")
+
+
+def test_parser_read_from_the_template():
+    from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+    from pagedllm.entrypoints.openai.tool_parsers.detect import parser_for_template, template_takes_tools
+    from tests.server.tool_templates import QWEN25_TOOL_TEMPLATE
+    smollm2 = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] "
+               "+ '<|im_end|>\\n'}}{% endfor %}")
+    assert template_takes_tools(QWEN25_TOOL_TEMPLATE) and not template_takes_tools(smollm2)
+    assert parser_for_template(QWEN25_TOOL_TEMPLATE, set(TOOL_PARSERS)) == "hermes"
+    assert parser_for_template(smollm2, set(TOOL_PARSERS)) is None
+    llama31 = ('{%- if tools %}{{ tools | tojson }}{% endif %}{%- for m in messages %}{%- if m.tool_calls %}'
+               '{{- \'{"name": "\' + m.tool_calls[0].function.name + \'", "parameters": \' }}{% endif %}{% endfor %}')
+    assert parser_for_template(llama31, set(TOOL_PARSERS)) == "llama3_json"
+    assert ToolConfig().for_template(smollm2).format == "generic"
+    assert ToolConfig().for_template(QWEN25_TOOL_TEMPLATE).format == "hermes"
+    assert ToolConfig(tool_call_parser="generic").for_template(QWEN25_TOOL_TEMPLATE).format == "generic"
+
+
+@pytest.mark.parametrize("name,cut", [
+    ("required", '[{"name": "ping", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Pa'),
+    ("hermes", 'Sure.\n<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "get_w'),
+    ("generic", '{"tool_calls": [{"name": "ping", "arguments": {}}, {"name": "get_weather", "arguments": {"ci'),
+])
+def test_a_cut_reply_keeps_its_complete_calls(name, cut):
+    """max_tokens cut the second call: the first is a call, the cut one is dropped, no JSON text."""
+    parser = RequiredToolParser() if name == "required" else get_tool_parser(name)
+    out = parser.extract_tool_calls(cut, truncated=True)
+    assert [c.name for c in out.tool_calls] == ["ping"] and out.tool_calls[0].arguments == "{}"
+    assert out.content == ("Sure." if name == "hermes" else None)
+    assert not parser.extract_tool_calls(cut).tools_called  # not cut by the budget: malformed, text
+    s = parser.streamer()
+    names = []
+    for k in range(1, len(cut) + 1):
+        d = s.feed(cut[:k], k == len(cut), truncated=k == len(cut))
+        names += [tc.name for tc in d.tool_calls if tc.name]
+    assert names[0] == "ping"
+
+
+@pytest.mark.parametrize("tools,param", [
+    ([{"type": "function", "function": {"name": "x" * 100_000}}], "tools[0].function.name"),
+    ([{"type": "function", "function": {"name": "bad name"}}], "tools[0].function.name"),
+    ([{"type": "function", "function": {"name": f"t{i}"}} for i in range(129)], "tools"),
+    ([{"type": "function", "function": {"name": "big", "parameters": {
+        "type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(5001)}}}}],
+     "tools[0].function.parameters"),
+])
+def test_hostile_tools_are_refused_by_field(tools, param):
+    with pytest.raises(OpenAIError) as e:
+        plan_tools(request(tools=tools), ToolConfig())
+    assert e.value.status == 400 and e.value.param == param
+    assert len(str(e.value)) < 400  # a 100 kB name is not echoed back

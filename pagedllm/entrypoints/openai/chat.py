@@ -92,12 +92,14 @@ class RequestTemplates:
         return template, kwargs
 
     def render(self, ctx: ServingContext, conversation: list[dict[str, Any]],
-               template: str | None, kwargs: dict[str, Any], request: Any) -> str:
-        """The prompt text (in the tokenizer thread); `request`: a chat or tokenize request."""
+               template: str | None, kwargs: dict[str, Any], request: Any, with_tools: bool = True) -> str:
+        """The prompt text (in the tokenizer thread); `request`: a chat or tokenize request;
+        `with_tools` False: the tools are not given to the template (generic mode describes
+        them in a system message of its own)."""
         def run() -> str:
             return ctx.render_chat(conversation, template, request.add_generation_prompt,
                                    request.continue_final_message, kwargs,
-                                   tools=request.template_tools())
+                                   tools=request.template_tools() if with_tools else None)
 
         if template is None:  # the server's own template: trusted, rendered as is
             return run()
@@ -148,16 +150,19 @@ class ChatServer:
         resolve_logprob_fields(ctx, request)  # -1 and --max-logprobs, before SamplingParams
         params = request.to_sampling_params(ctx.generation_defaults)
         params.verify_token_ids(ctx.vocab_size)
-        plan = plan_tools(request, ctx.tool_config)  # 400 for what the server cannot honour
-        params = plan.apply(params)  # "required" / named: the calls' schema as structured output
+        # the tool format: the server's template's, or that of a (trusted) template of the request's own
+        tool_config = ctx.tool_config if template[0] is None else ctx.tool_config.for_template(template[0], log=False)
+        plan = plan_tools(request, tool_config)  # 400 for what the server cannot honour
+        params = plan.apply(params)  # constrained calls: their schema as structured output
+        inputs.messages = plan.conversation(inputs.messages)  # generic mode: tools in a system message
         # vLLM's request fields (request_fields.py): id, priority, best_of, logprob limits
         fields = plan_fields(ctx, request, raw_request, params)
         params = fields.params
         if inputs.images:
-            prompt_text, prompt = await self._render_with_images(request, inputs, template)
+            prompt_text, prompt = await self._render_with_images(request, inputs, template, plan)
         else:
             prompt_text, prompt_ids = await ctx.run_tokenizer(self._render, request,
-                                                              inputs.messages, template)
+                                                              inputs.messages, template, plan)
             prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
         fit_default_max_tokens(ctx, params, len(prompt["prompt_token_ids"]))
         prompt["cache_salt"] = request.cache_salt
@@ -189,14 +194,14 @@ class ChatServer:
             headers=fields.headers)
 
     async def _render_with_images(self, request: ChatCompletionRequest, inputs: ChatInputs,
-                                  template: tuple[str | None, dict[str, Any]]
+                                  template: tuple[str | None, dict[str, Any]], plan: ToolPlan | None = None,
                                   ) -> tuple[str, dict[str, Any]]:
         """(prompt text, the engine's prompt dict) of a conversation with images: rendered in
         the tokenizer thread while the images load on the media threads (ServingContext.
         load_images); text, not token ids: the engine's processor expands the placeholders."""
         ctx = self.ctx
         text, images = await asyncio.gather(
-            ctx.run_tokenizer(self._render_text, request, inputs.messages, template),
+            ctx.run_tokenizer(self._render_text, request, inputs.messages, template, plan),
             ctx.load_images(inputs.images), return_exceptions=True)
         for result in (text, images):
             if isinstance(result, BaseException):
@@ -207,22 +212,24 @@ class ChatServer:
         return text, {"prompt": text, "prompt_token_ids": ids, "mm_features": features or []}
 
     def _render_text(self, request: ChatCompletionRequest, conversation,
-                     template: tuple[str | None, dict[str, Any]] | None = None) -> str:
+                     template: tuple[str | None, dict[str, Any]] | None = None,
+                     plan: ToolPlan | None = None) -> str:
         """The rendered prompt (tokenizer thread); `template`: `RequestTemplates.resolve`'s
         answer. A text too long to ever fit is refused before it is tokenized."""
         if template is None:
             template = self.templates.resolve(request.chat_template, request.chat_template_kwargs)
-        text = self.templates.render(self.ctx, conversation, *template, request)
+        text = self.templates.render(self.ctx, conversation, *template, request,
+                                     with_tools=plan is None or plan.generic_tools is None)
         if request.truncate_prompt_tokens is None:  # a cut prompt may be any length
             check_prompt_chars(text, self.ctx.max_model_len,
                                max_chars_per_token(self.ctx.tokenizer))
         return text
 
     def _render(self, request: ChatCompletionRequest, conversation,
-                template: tuple[str | None, dict[str, Any]] | None = None
+                template: tuple[str | None, dict[str, Any]] | None = None, plan: ToolPlan | None = None,
                 ) -> tuple[str, list[int]]:
         """(prompt text, token ids); `template`: `RequestTemplates.resolve`'s answer."""
-        text = self._render_text(request, conversation, template)
+        text = self._render_text(request, conversation, template, plan)
         # add_special_tokens (vLLM's, default false: the template has them); truncation keeps
         # the last truncate_prompt_tokens tokens
         ids = self.ctx.encode(text, add_special_tokens=request.add_special_tokens)
@@ -251,7 +258,7 @@ class ChatServer:
             if request.logprobs and c.logprobs is not None:
                 logprobs = chat_logprobs(c.token_ids, c.logprobs[:n_ids],
                                          request.top_logprobs or 0, _token_text)
-            parsed = plan.choice_parser().full(c.text)
+            parsed = plan.choice_parser().full(c.text, truncated=c.finish_reason == "length")
             echo = self._echo_text(request)
             if echo and (parsed.content is not None or not parsed.tool_calls):
                 parsed.content = echo + (parsed.content or "")
@@ -332,7 +339,8 @@ class ChatServer:
                     parser = parsers[c.index]
                     if parser.active:
                         texts[c.index] += text
-                        parsed = parser.delta(texts[c.index], c.finish_reason is not None)
+                        parsed = parser.delta(texts[c.index], c.finish_reason is not None,
+                                              truncated=c.finish_reason == "length")
                         delta = DeltaMessage(content=parsed.content or None,
                                              reasoning_content=parsed.reasoning_content or None,
                                              tool_calls=parsed.tool_calls or None)

@@ -128,7 +128,7 @@ class ChatCompletionRequest(SamplingRequest):
     # tool calling (docs/tool_calling.md); tool_choice defaults to "auto" with tools, else "none"
     tools: list[ChatCompletionToolParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = None
-    parallel_tool_calls: bool | None = True
+    parallel_tool_calls: bool | None = None  # unset: the server's default for its tool format
     # vLLM's: with --reasoning-parser, false drops reasoning_content from the response
     include_reasoning: bool = True
     # vLLM's: prepend the last message's content to the reply when it is the assistant's

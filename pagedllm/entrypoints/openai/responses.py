@@ -45,6 +45,7 @@ from pagedllm.entrypoints.openai.responses_turn import Turn
 from pagedllm.entrypoints.openai.streaming import SSE_HEADERS
 from pagedllm.entrypoints.openai.tool_calling import ToolPlan
 
+_FUNCTION_FIELD = re.compile(r"(tools\[\d+\])\.function\.")
 logger = logging.getLogger("pagedllm.server")
 
 
@@ -106,7 +107,14 @@ class ResponsesServer:
         history = self._history(request, owner)
         chat_request = request.to_chat(history, ctx.takes_images)
         self._check_effort(request, chat_request)
-        prep = await self.chat.prepare(chat_request, raw_request)
+        try:
+            prep = await self.chat.prepare(chat_request, raw_request)
+        except OpenAIError as exc:  # chat's `tools[i].function.x` is `tools[i].x` here (flat tools)
+            if exc.param and ".function." in exc.param:
+                exc.message = _FUNCTION_FIELD.sub(r"\1.", exc.message)
+                exc.param = _FUNCTION_FIELD.sub(r"\1.", exc.param)
+                exc.args = (exc.message,)
+            raise
         headers = dict(prep.fields.headers)
         ignored = request.ignored_fields()
         if ignored:

@@ -70,7 +70,7 @@ class ResponsesRequest(OpenAIBaseModel):
     top_p: float | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = True
+    parallel_tool_calls: bool | None = None  # unset: the server's default for its tool format
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
@@ -137,7 +137,7 @@ class ResponsesRequest(OpenAIBaseModel):
             model=self.model, messages=messages, temperature=self.temperature, top_p=self.top_p,
             max_completion_tokens=self.max_output_tokens, user=self.user,
             stream=bool(self.stream), parallel_tool_calls=self.parallel_tool_calls)
-        tools = chat_tools(self.tools, self.tool_choice)
+        tools = chat_tools(self.tools)
         if tools:
             body["tools"] = tools
         if self.tool_choice is not None:
@@ -264,8 +264,9 @@ def items_to_messages(items: list[dict[str, Any]], n_history: int = 0,
     return messages
 
 
-def chat_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> list[dict[str, Any]]:
-    """Responses' flat function tools as chat's `{"type", "function": {...}}`."""
+def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Responses' flat function tools as chat's `{"type", "function": {...}}` (`strict` kept: the
+    chat plan enforces it under any tool_choice)."""
     out = []
     for i, tool in enumerate(tools or ()):
         kind = tool.get("type")
@@ -274,13 +275,8 @@ def chat_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> list[dic
                          "runs no hosted tools (function tools only).", f"tools[{i}].type")
         if not isinstance(tool.get("name"), str):
             raise refuse(f"`tools[{i}].name` is required.", f"tools[{i}].name")
-        if tool.get("strict") and tool_choice in (None, "auto"):
-            raise refuse(f"`tools[{i}].strict`=true is not enforced with tool_choice 'auto' (the "
-                         "model's text is parsed, not constrained); set strict false, or use "
-                         "tool_choice 'required' or a named function, which the tool's schema "
-                         "enforces.", f"tools[{i}].strict")
         out.append({"type": "function", "function": {
-            k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}})
+            k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}})
     return out
 
 

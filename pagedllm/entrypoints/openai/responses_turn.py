@@ -74,7 +74,7 @@ class Turn:
         if final is None:
             raise OpenAIError("The request was aborted.", 500)
         c = final.outputs[0]
-        parsed = plan.choice_parser().full(c.text)
+        parsed = plan.choice_parser().full(c.text, truncated=c.finish_reason == "length")
         status, incomplete = status_of(c.finish_reason)
         response = self.obj(status, output_items(parsed, status), incomplete=incomplete,
                             usage_=await self._usage(final, parsed.reasoning_content))
@@ -107,7 +107,7 @@ class Turn:
                 finish = c.finish_reason
                 if parser.active:
                     text += c.text
-                    delta = parser.delta(text, finish is not None)
+                    delta = parser.delta(text, finish is not None, truncated=finish == "length")
                 else:
                     delta = ParsedDelta(content=c.text)
                 for e in b.feed(delta):

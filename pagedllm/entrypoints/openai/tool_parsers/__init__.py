@@ -1,5 +1,6 @@
-"""Tool-call parsers, chosen by `--tool-call-parser` for `tool_choice="auto"`: one module per
-format, registered here by vLLM's names. See abstract_tool_parser.py for the interface and
+"""Tool-call parsers for `tool_choice="auto"`, chosen from the chat template (detect.py) or by
+`--tool-call-parser`: one module per format, registered here by vLLM's names (and `generic`,
+llama.cpp's mode for templates without tools). See abstract_tool_parser.py for the interface and
 docs/tool_calling.md for the formats."""
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from pagedllm.entrypoints.openai.tool_parsers.forced import (
     named_tool_schema,
     required_tool_schema,
 )
+from pagedllm.entrypoints.openai.tool_parsers.generic import GenericToolParser
 from pagedllm.entrypoints.openai.tool_parsers.hermes_tool_parser import HermesToolParser
 from pagedllm.entrypoints.openai.tool_parsers.llama_tool_parser import Llama3JsonToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    GenericToolParser.name: GenericToolParser,
     HermesToolParser.name: HermesToolParser,
     Llama3JsonToolParser.name: Llama3JsonToolParser,
 }
@@ -39,7 +42,7 @@ def get_tool_parser(name: str) -> ToolParser:
 
 
 __all__ = [
-    "ExtractedToolCalls", "FunctionCall", "HermesToolParser", "Llama3JsonToolParser",
+    "ExtractedToolCalls", "FunctionCall", "GenericToolParser", "HermesToolParser", "Llama3JsonToolParser",
     "NamedToolParser", "RequiredToolParser", "StreamDelta", "TOOL_PARSERS", "ToolCallDelta",
     "ToolCallStreamer", "ToolParser", "get_tool_parser", "make_tool_call_id",
     "named_tool_schema", "required_tool_schema",

@@ -90,25 +90,37 @@ class ToolParser(ABC):
     def split(self, text: str, finished: bool) -> Split:
         """Split the model's text so far; `finished`: the text is complete."""
 
-    def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
-        """The calls of a complete output; unparsable output is all content."""
-        s = self.split(text, finished=True)
-        calls = []
-        if s.ok and s.calls:
-            for c in s.calls:
-                if not c.done or c.name is None:
-                    break
-                try:
-                    calls.append(FunctionCall(c.name, final_arguments(c.args)))
-                except ValueError:
-                    break
-            else:
-                content = "".join(s.content_parts).strip(_WS) or None
+    def extract_tool_calls(self, text: str, truncated: bool = False) -> ExtractedToolCalls:
+        """The calls of a complete output; unparsable output is all content. `truncated`: the
+        output was cut by its token budget: the calls completed before the cut are calls, the
+        one cut short is dropped (never returned as text), the content so far is content."""
+        s = self.split(text, finished=not truncated)
+        if s.ok:
+            calls = _complete_calls(s.calls)
+            content = "".join(s.content_parts).strip(_WS) or None
+            if truncated or not s.calls:  # no call: the content as the format reads it
+                return ExtractedToolCalls(bool(calls), calls, content)
+            if len(calls) == len(s.calls):
                 return ExtractedToolCalls(True, calls, content)
+        if truncated:
+            return self.extract_tool_calls(text)
         return ExtractedToolCalls(False, [], text.strip(_WS) or None)
 
     def streamer(self) -> ToolCallStreamer:
         return ToolCallStreamer(self)
+
+
+def _complete_calls(calls: list[PartialCall]) -> list[FunctionCall]:
+    """The leading calls that are whole (named, closed, arguments valid JSON)."""
+    out = []
+    for c in calls:
+        if not c.done or c.name is None:
+            break
+        try:
+            out.append(FunctionCall(c.name, final_arguments(c.args)))
+        except ValueError:
+            break
+    return out
 
 
 @dataclass
@@ -129,19 +141,20 @@ class ToolCallStreamer:
     def tools_called(self) -> bool:
         return bool(self.sent_calls)
 
-    def feed(self, text: str, finished: bool) -> StreamDelta:
-        s = self.parser.split(text, finished)
+    def feed(self, text: str, finished: bool, truncated: bool = False) -> StreamDelta:
+        """`truncated`: the final text was cut by the token budget (extract_tool_calls)."""
+        s = self.parser.split(text, finished and not truncated)
         delta = StreamDelta()
         if finished:
-            full = self.parser.extract_tool_calls(text)
-            if full.tools_called:
+            full = self.parser.extract_tool_calls(text, truncated)
+            if full.tools_called or (truncated and s.ok):
                 content = full.content or ""
-                calls = s.calls
+                calls = [c for c in s.calls if c.done] if truncated else s.calls
             elif self.sent_calls:  # too late to take the calls back
                 content = "".join(s.content_parts).strip(_WS)
                 calls = s.calls
             else:
-                content = text.strip(_WS)
+                content = full.content or ""
                 calls = []
         else:
             content = "".join(s.content_parts).strip(_WS)

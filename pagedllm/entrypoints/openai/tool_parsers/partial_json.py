@@ -44,7 +44,7 @@ def _string_end(text: str, i: int) -> int | None:
     return None
 
 
-def _value_end(text: str, i: int) -> tuple[int, bool]:
+def value_end(text: str, i: int) -> tuple[int, bool]:
     """(index reached, complete) for the JSON value starting at text[i]."""
     n = len(text)
     c = text[i]
@@ -123,7 +123,7 @@ def scan_calls(text: str, start: int = 0) -> tuple[list[PartialCall], bool]:
             if i >= n:
                 return calls, True
             v_start = i
-            v_end, complete = _value_end(text, i)
+            v_end, complete = value_end(text, i)
             if key == "name":
                 if complete:
                     name = json.loads(text[v_start:v_end])
