@@ -1,7 +1,7 @@
 """What structured outputs cost: seed20 with every request constrained by one JSON schema vs
 free, offline, and the compile time of a 50-property schema.
 
-    flock /tmp/pagedllm-cpu.lock .venv/bin/python -m benchmarks.structured_outputs
+    flock /tmp/pagedllm-cpu.lock .venv/bin/python -m benchmarks.structured_outputs [--rows 1,32]
 
 1. throughput: seed20 (benchmarks/workloads.py: 20 requests, prompts 78-178 random tokens,
    outputs 156-356, EOS ignored, greedy), all at once, `--repeats` timed runs each (median),
@@ -9,7 +9,9 @@ free, offline, and the compile time of a 50-property schema.
    objects) cannot be complete before every request's max_tokens, so both runs generate exactly
    the same number of tokens and the ratio is one of tokens/s. Target: >= 0.85. The runs
    alternate (free, constrained, ...); the time spent filling masks (worker thread, overlapped
-   with the forward) and applying them (sampler) is reported per run.
+   with the forward) and applying them (sampler) is reported per run. `--rows 1,32`: the same
+   with that many requests at once (the workload's requests repeated or cut), one line each:
+   the constrained step's cost at one stream and at a full batch.
 2. compile: a 50-property schema (strings, integers, numbers, booleans, enums, arrays, a nested
    object), compiled by a fresh xgrammar GrammarCompiler on the model's vocabulary (median of
    `--repeats`), and again from the compiler's cache.
@@ -78,14 +80,28 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kv-cache-space", type=float, default=1.0)
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--rows", default=None, help="comma-separated batch sizes (default: the workload as is)")
     args = ap.parse_args()
 
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import LLM
     from pagedllm.model_source import default_model_path
-    from pagedllm.structured_outputs_params import StructuredOutputsParams
 
     llm = LLM(args.model or str(default_model_path()), kv_cache_space=args.kv_cache_space)
-    reqs = load_workload(args.workload, llm.llm_engine.hf_config.vocab_size)
+    workload = load_workload(args.workload, llm.llm_engine.hf_config.vocab_size)
+    lines = []
+    for rows in ([int(r) for r in args.rows.split(",")] if args.rows else [len(workload)]):
+        reqs = (workload * (rows // len(workload) + 1))[:rows]
+        lines.append(measure(llm, args, reqs, rows, compile_too=not lines))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.writelines(line + "\n" for line in lines)
+
+
+def measure(llm, args, reqs, rows: int, compile_too: bool) -> str:
+    """One JSON line: free vs constrained tok/s with `rows` requests at once."""
+    from pagedllm import SamplingParams
+    from pagedllm.structured_outputs_params import StructuredOutputsParams
+
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
     so = StructuredOutputsParams(json=PEOPLE_SCHEMA)
 
@@ -127,8 +143,20 @@ def main() -> None:
             spent["apply_s"] += time.perf_counter() - t
 
     manager.build_masks, sampler_mod.apply_token_bitmask = timed_fill, timed_apply
+    try:
+        result = _timed_runs(llm, args, run, spent, rows)
+    finally:
+        manager.build_masks, sampler_mod.apply_token_bitmask = fill, apply
+    if compile_too:
+        result.update(_compile_times(llm, args))
+    line = json.dumps(result)
+    print(line, flush=True)
+    return line
 
-    result: dict = {"workload": args.workload, "repeats": args.repeats,
+
+def _timed_runs(llm, args, run, spent, rows: int) -> dict:
+    """Free and constrained runs, interleaved, `args.repeats` each; medians and mask costs."""
+    result: dict = {"workload": args.workload, "rows": rows, "repeats": args.repeats,
                     "threads": __import__("torch").get_num_threads()}
     # Interleaved (free, constrained, free, ...): drift of the machine's load hits both alike.
     runs: dict[str, list] = {"free": [], "constrained": []}
@@ -151,8 +179,14 @@ def main() -> None:
     result["mask_fill_s_per_run"] = round(spent["fill_s"] / n, 3)
     result["mask_apply_s_per_run"] = round(spent["apply_s"] / n, 3)
     result["ratio"] = round(result["constrained"]["tok_per_s"] / result["free"]["tok_per_s"], 3)
+    return result
 
+
+def _compile_times(llm, args) -> dict:
+    """A 50-property schema's compile time, cold (fresh compilers) and from the cache."""
     import xgrammar as xgr
+
+    result: dict = {}
 
     info = xgr.TokenizerInfo.from_huggingface(llm.get_tokenizer(),
                                               vocab_size=llm.llm_engine.hf_config.vocab_size)
@@ -169,11 +203,7 @@ def main() -> None:
     result["compile_50_properties_ms"] = round(statistics.median(cold) * 1e3, 1)
     result["compile_50_properties_runs_ms"] = [round(c * 1e3, 1) for c in cold]
     result["compile_50_properties_cached_ms"] = round(cached * 1e3, 3)
-    line = json.dumps(result)
-    print(line)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(line + "\n")
+    return result
 
 
 if __name__ == "__main__":

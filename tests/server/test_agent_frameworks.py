@@ -182,3 +182,32 @@ def test_responses_required_cut_calls_are_never_text(client):
             jsonschema.validate(json.loads(item.arguments), tools[[t["name"] for t in tools].index(item.name)]["parameters"])
     assert set(statuses) <= {"completed", "incomplete"}
     assert client.responses.create(model=MODEL, input="Hi.", max_output_tokens=4).status in ("completed", "incomplete")
+
+
+# ------------------------------------------------------------------ pydantic-ai
+
+def test_pydantic_ai_tool_and_output_type(server):
+    pydantic_ai = pytest.importorskip("pydantic_ai")
+    from pydantic import BaseModel
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    class Total(BaseModel):
+        total: int
+
+    model = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=f"{server.url}/v1", api_key=server.api_key))
+    calls: list[tuple[int, int]] = []
+    agent = pydantic_ai.Agent(model, output_type=Total, instructions="Use add, then give the total.",
+                              model_settings={"temperature": 0, "max_tokens": 64})
+
+    @agent.tool_plain
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        calls.append((a, b))
+        return a + b
+
+    try:
+        result = agent.run_sync("What is 2 + 3?", usage_limits=pydantic_ai.UsageLimits(request_limit=4))
+        assert isinstance(result.output, Total)  # its output tool was called with a valid object
+    except pydantic_ai.exceptions.UsageLimitExceeded:  # the small model kept calling add
+        assert calls and all(c == (2, 3) for c in calls)

@@ -287,6 +287,18 @@ def test_auto_free_output_is_valid_either_way(auto_client):
         assert isinstance(c.message.content, str) and c.finish_reason in ("stop", "length")
 
 
+def test_strict_tools_under_auto_are_constrained(auto_client):
+    """hermes "auto" with strict tools: free text until `<tool_call>`, then the call held to its
+    tool's schema (a structural tag); sampled turns either answer or make calls that validate."""
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]
+    for seed in range(6):
+        (c,) = create(auto_client, tools=strict, temperature=1.0, seed=seed, max_tokens=80,
+                      messages=[{"role": "user", "content": "Use a tool: weather in Paris or 2 + 3."}]).choices
+        if c.message.tool_calls:
+            check_calls(c.message.tool_calls)
+    assert create(auto_client, max_tokens=4).choices[0].message.content is not None
+
+
 def test_reasoning_content(auto_client):
     kw = dict(max_tokens=200, extra_body=pinned(FORCED_REASONING))
     (c,) = create(auto_client, **kw).choices

@@ -164,6 +164,7 @@ class ChatServer:
             prompt_text, prompt_ids = await ctx.run_tokenizer(self._render, request,
                                                               inputs.messages, template, plan)
             prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
+        plan.for_prompt(prompt_text)  # does the prompt open the reasoning?
         fit_default_max_tokens(ctx, params, len(prompt["prompt_token_ids"]))
         prompt["cache_salt"] = request.cache_salt
         return PreparedChat(prompt_text, prompt, len(prompt["prompt_token_ids"]), params, plan,

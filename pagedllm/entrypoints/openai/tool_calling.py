@@ -41,6 +41,7 @@ from pagedllm.entrypoints.openai.reasoning_parsers import (
     ReasoningParser,
     ReasoningStreamer,
     get_reasoning_parser,
+    reasoning_parser_for_template,
 )
 from pagedllm.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS,
@@ -75,6 +76,7 @@ class ToolConfig:
     reasoning_parser: str | None = None
     any_whitespace: bool = False  # --tool-call-any-whitespace
     auto_parser: str | None = None
+    auto_reasoning_parser: str | None = None  # the template's reasoning tags' parser
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and not self.tool_call_parser:
@@ -94,9 +96,18 @@ class ToolConfig:
             why = ("the chat template's tool-call markers" if chosen != GenericToolParser.name else
                    "the chat template takes no tools (or writes no call markers a parser knows): replies "
                    "to requests with tools are constrained to an answer-or-calls JSON envelope")
+        reasoning = reasoning_parser_for_template(chat_template)
         if log:
             logger.info("tool calls: %s parser (%s)", chosen, why)
-        return dataclasses.replace(self, auto_parser=chosen)
+            if self.reasoning_parser is None and reasoning is not None:
+                logger.info("reasoning: %s parser (the chat template's reasoning tags; "
+                            "--reasoning-parser overrides)", reasoning)
+        return dataclasses.replace(self, auto_parser=chosen, auto_reasoning_parser=reasoning)
+
+    @property
+    def reasoning(self) -> str | None:
+        """The reasoning parser: the flag's, else the one the template's tags need."""
+        return self.reasoning_parser or self.auto_reasoning_parser
 
     @property
     def format(self) -> str:
@@ -121,18 +132,28 @@ class ToolPlan:
     include_reasoning: bool = True
     # generic mode: the tools described in a system message, earlier calls as envelopes
     generic_tools: list[dict[str, Any]] | None = None
+    history_parser: ToolParser | None = None  # the template's format: its ids in the history
 
     def choice_parser(self) -> ChoiceParser:
         return ChoiceParser(self)
 
     def conversation(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The messages the template renders (generic mode: rewritten, generic.py)."""
-        if self.generic_tools is None:
-            return messages
-        return generic_conversation(messages, self.generic_tools)
+        if self.generic_tools is not None:
+            return generic_conversation(messages, self.generic_tools)
+        return self.history_parser.template_ids(messages) if self.history_parser else messages
+
+    def for_prompt(self, prompt_text: str) -> None:
+        """Once the prompt is rendered: whether the output starts inside the reasoning."""
+        if self.reasoning_parser is not None:
+            self.reasoning_parser = self.reasoning_parser.for_prompt(prompt_text)
 
     def apply(self, params: SamplingParams) -> SamplingParams:
-        """The sampling params with the calls' constraint (if any) as structured output."""
+        """The sampling params with the calls' constraint (if any) as structured output, and
+        special tokens kept in the text when the format's markers are special tokens."""
+        keeps = [p for p in (self.tool_parser, self.reasoning_parser) if p is not None and p.keeps_special_tokens]
+        if keeps and params.skip_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)
         if self.schema is None and self.structural_tag is None:
             return params
         if getattr(params, "structured_outputs", None) is not None:
@@ -203,7 +224,7 @@ def check_tools(tools: list[Any]) -> None:
 def plan_tools(request: ChatCompletionRequest, config: ToolConfig) -> ToolPlan:
     """The request's plan; a combination the server cannot honour is a 400 that names it."""
     check_tools(request.tools or [])
-    reasoning = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
+    reasoning = get_reasoning_parser(config.reasoning) if config.reasoning else None
     # parallel_tool_calls unset: several calls a reply where the model's own format has them;
     # one in generic mode (llama.cpp's default there: a small model asked for an open-ended
     # array of calls repeats its call until max_tokens)
@@ -216,6 +237,8 @@ def plan_tools(request: ChatCompletionRequest, config: ToolConfig) -> ToolPlan:
     generic = config.generic
     if generic:  # the tools described, earlier calls as envelopes: the same prompt every turn
         plan.generic_tools = functions
+    else:
+        plan.history_parser = get_tool_parser(config.format)
     if choice == "none":
         return plan
     if choice == "required" and len(functions) == 1 and not plan.parallel:
@@ -231,7 +254,8 @@ def plan_tools(request: ChatCompletionRequest, config: ToolConfig) -> ToolPlan:
         plan.reasoning_parser = None  # the envelope is forced from the first token
         return plan
     if choice == "auto":
-        plan.tool_parser = get_tool_parser(config.format)
+        plan.tool_parser = plan.history_parser
+        plan.tool_parser.tools = functions
         strict = [i for i, t in enumerate(tools) if t.function.strict]
         if strict:
             if config.format not in STRICT_FORMATS:
@@ -306,7 +330,8 @@ class ChoiceParser:
             extracted = plan.tool_parser.extract_tool_calls(content, truncated)
             out.content = extracted.content
             calls = extracted.tool_calls if plan.parallel else extracted.tool_calls[:1]
-            out.tool_calls = [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments))
+            out.tool_calls = [ToolCall(id=plan.tool_parser.make_id(),
+                                       function=FunctionCall(name=c.name, arguments=c.arguments))
                               for c in calls]
         return out
 

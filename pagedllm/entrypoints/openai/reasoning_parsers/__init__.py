@@ -1,5 +1,6 @@
-"""Reasoning parsers, chosen by `--reasoning-parser` (vLLM's names): they split
-`reasoning_content` from `content` in chat responses and streamed deltas."""
+"""Reasoning parsers, chosen from the chat template's reasoning tags or by `--reasoning-parser`
+(vLLM's names): they split `reasoning_content` from `content` in chat responses and streamed
+deltas."""
 
 from __future__ import annotations
 
@@ -10,13 +11,25 @@ from pagedllm.entrypoints.openai.reasoning_parsers.abstract_reasoning_parser imp
 )
 from pagedllm.entrypoints.openai.reasoning_parsers.deepseek_r1_reasoning_parser import (
     DeepSeekR1ReasoningParser,
+    MistralReasoningParser,
     Qwen3ReasoningParser,
 )
 
-REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    DeepSeekR1ReasoningParser.name: DeepSeekR1ReasoningParser,
-    Qwen3ReasoningParser.name: Qwen3ReasoningParser,
-}
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (
+    DeepSeekR1ReasoningParser, Qwen3ReasoningParser, MistralReasoningParser)}
+
+
+def reasoning_parser_for_template(template: str | None) -> str | None:
+    """The reasoning parser a thinking template needs (its reasoning tags), None for others.
+    `<think>` templates get `qwen3`; whether a request's output starts inside the reasoning is
+    read from its prompt (DeepSeekR1ReasoningParser.for_prompt)."""
+    if not template:
+        return None
+    if "[THINK]" in template:
+        return MistralReasoningParser.name
+    if "<think>" in template or "</think>" in template:
+        return Qwen3ReasoningParser.name
+    return None
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
@@ -29,5 +42,6 @@ def get_reasoning_parser(name: str) -> ReasoningParser:
         ) from None
 
 
-__all__ = ["DeepSeekR1ReasoningParser", "Qwen3ReasoningParser", "REASONING_PARSERS",
-           "ReasoningParser", "ReasoningSplit", "ReasoningStreamer", "get_reasoning_parser"]
+__all__ = ["DeepSeekR1ReasoningParser", "MistralReasoningParser", "Qwen3ReasoningParser", "REASONING_PARSERS",
+           "ReasoningParser", "ReasoningSplit", "ReasoningStreamer", "get_reasoning_parser",
+           "reasoning_parser_for_template"]

@@ -21,9 +21,15 @@ class ReasoningSplit:
 
 
 class ReasoningParser(ABC):
-    """Subclasses set `name` (the `--reasoning-parser` value) and implement `split`."""
+    """Subclasses set `name` (the `--reasoning-parser` value) and implement `split`.
+    `keeps_special_tokens`: the tags are special tokens, decoded into the text."""
 
     name: ClassVar[str] = ""
+    keeps_special_tokens: ClassVar[bool] = False
+
+    def for_prompt(self, prompt_text: str) -> ReasoningParser:
+        """The parser for one request, given its rendered prompt (the default: this one)."""
+        return self
 
     @abstractmethod
     def split(self, text: str, finished: bool) -> ReasoningSplit:

@@ -20,15 +20,18 @@ from pagedllm.entrypoints.openai.tool_parsers.forced import (
     named_tool_schema,
     required_tool_schema,
 )
+from pagedllm.entrypoints.openai.tool_parsers.deepseek_v3_tool_parser import DeepSeekV3ToolParser
 from pagedllm.entrypoints.openai.tool_parsers.generic import GenericToolParser
 from pagedllm.entrypoints.openai.tool_parsers.hermes_tool_parser import HermesToolParser
 from pagedllm.entrypoints.openai.tool_parsers.llama_tool_parser import Llama3JsonToolParser
+from pagedllm.entrypoints.openai.tool_parsers.marker_json import GraniteToolParser, Phi4MiniToolParser
+from pagedllm.entrypoints.openai.tool_parsers.mistral_tool_parser import MistralToolParser
+from pagedllm.entrypoints.openai.tool_parsers.pythonic_tool_parser import PythonicToolParser
+from pagedllm.entrypoints.openai.tool_parsers.qwen3_coder_tool_parser import Qwen3CoderToolParser
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    GenericToolParser.name: GenericToolParser,
-    HermesToolParser.name: HermesToolParser,
-    Llama3JsonToolParser.name: Llama3JsonToolParser,
-}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
+    GenericToolParser, HermesToolParser, Llama3JsonToolParser, Qwen3CoderToolParser, MistralToolParser,
+    GraniteToolParser, Phi4MiniToolParser, DeepSeekV3ToolParser, PythonicToolParser)}
 
 
 def get_tool_parser(name: str) -> ToolParser:

@@ -82,9 +82,24 @@ class Split:
 
 
 class ToolParser(ABC):
-    """Subclasses set `name` (the `--tool-call-parser` value) and implement `split`."""
+    """Subclasses set `name` (the `--tool-call-parser` value) and implement `split`.
+    `keeps_special_tokens`: the format's markers are special tokens, so the output is decoded
+    with them kept. `tools`: the request's functions (formats whose arguments are not JSON read
+    their parameters' types)."""
 
     name: ClassVar[str] = ""
+    keeps_special_tokens: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.tools: list[dict[str, Any]] = []
+
+    def make_id(self) -> str:
+        """A new call's id (OpenAI's `call_...` unless the format's templates need another)."""
+        return make_tool_call_id()
+
+    def template_ids(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The history as this format's template takes it (ids it would refuse mapped)."""
+        return messages
 
     @abstractmethod
     def split(self, text: str, finished: bool) -> Split:
@@ -169,7 +184,7 @@ class ToolCallStreamer:
             if i >= len(self.sent_calls):
                 # OpenAI's first delta of a call: id, type, name, arguments "" (the arguments
                 # follow in later deltas; only the very last delta carries both)
-                sent = _SentCall(make_tool_call_id(), target if finished else "")
+                sent = _SentCall(self.parser.make_id(), target if finished else "")
                 self.sent_calls.append(sent)
                 delta.tool_calls.append(ToolCallDelta(i, sent.id, call.name, sent.arguments))
                 continue

@@ -74,6 +74,7 @@ class NamedToolParser(ToolParser):
     name = "named"
 
     def __init__(self, function_name: str) -> None:
+        super().__init__()
         self.function_name = function_name
 
     def split(self, text: str, finished: bool) -> Split:
