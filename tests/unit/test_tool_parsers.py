@@ -457,3 +457,12 @@ def test_hostile_tools_are_refused_by_field(tools, param):
         plan_tools(request(tools=tools), ToolConfig())
     assert e.value.status == 400 and e.value.param == param
     assert len(str(e.value)) < 400  # a 100 kB name is not echoed back
+
+
+def test_parallel_tool_calls_unset_means_one_call_where_the_grammar_writes_them():
+    hermes = ToolConfig(tool_call_parser="hermes")
+    assert plan_tools(request(tools=TOOLS), hermes).parallel  # the model's own format: several
+    assert not plan_tools(request(tools=TOOLS, tool_choice="required"), hermes).parallel
+    assert plan_tools(request(tools=TOOLS, tool_choice="required"), hermes).schema["maxItems"] == 1
+    assert not plan_tools(request(tools=TOOLS), ToolConfig()).parallel  # generic mode
+    assert plan_tools(request(tools=TOOLS, tool_choice="required", parallel_tool_calls=True), hermes).parallel

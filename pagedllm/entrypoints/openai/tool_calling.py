@@ -225,10 +225,14 @@ def plan_tools(request: ChatCompletionRequest, config: ToolConfig) -> ToolPlan:
     """The request's plan; a combination the server cannot honour is a 400 that names it."""
     check_tools(request.tools or [])
     reasoning = get_reasoning_parser(config.reasoning) if config.reasoning else None
-    # parallel_tool_calls unset: several calls a reply where the model's own format has them;
-    # one in generic mode (llama.cpp's default there: a small model asked for an open-ended
-    # array of calls repeats its call until max_tokens)
-    parallel = request.parallel_tool_calls if request.parallel_tool_calls is not None else not config.generic
+    # parallel_tool_calls unset: several calls a reply where the model writes its own format
+    # freely ("auto" with a parser); one where the server's grammar shapes the calls (generic
+    # mode, "required"): asked for an open-ended array, a small model repeats its call until
+    # max_tokens (SmolLM2, "required" as an array: 1,839 tokens for one add(2, 3)), and
+    # llama.cpp's generic mode defaults to one call too
+    parallel = request.parallel_tool_calls
+    if parallel is None:
+        parallel = request.tool_choice == "auto" and not config.generic
     plan = ToolPlan(reasoning_parser=reasoning, parallel=parallel,
                     include_reasoning=request.include_reasoning, any_whitespace=config.any_whitespace)
     choice = request.tool_choice
