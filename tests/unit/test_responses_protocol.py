@@ -83,7 +83,6 @@ def test_history_comes_first():
     ("reasoning.summary", dict(reasoning={"summary": "auto"})),
     ("include", dict(include=["file_search_call.results"])),
     ("tools[0].type", dict(tools=[{"type": "file_search"}])),
-    ("tools[0].strict", dict(tools=[{**ADD, "strict": True}])),
     ("tool_choice", dict(tools=[ADD], tool_choice={"type": "allowed_tools"})),
     ("text.verbosity", dict(text={"verbosity": "low"})),
     ("text.format.type", dict(text={"format": {"type": "grammar"}})),
@@ -101,6 +100,12 @@ def test_refused_by_name(param, kw):
     with pytest.raises(OpenAIError) as info:
         chat_of(**kw)
     assert info.value.param == param and info.value.status == 400
+
+
+def test_strict_tools_reach_the_chat_plan():
+    """Strict function tools are taken under any tool_choice: the chat plan enforces them."""
+    chat = chat_of(input="x", tools=[{**ADD, "strict": True}])
+    assert chat.tools[0].function.strict is True and chat.tool_choice == "auto"
 
 
 def test_noop_values_are_accepted():
