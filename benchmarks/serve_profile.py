@@ -6,7 +6,8 @@ The load is issue 61's: random prompts of 256 tokens, 128 output tokens each wit
 `--num-prompts` (160) with `--concurrency` (16) in flight, streamed `/v1/completions`.
 
 Printed: served and offline output tok/s and their ratio, TTFT / ITL percentiles, CPU seconds
-of each process (and per request for the API process), and for each process the functions
+of each process (and per request for the API process; the core's as cores kept busy), the
+engine's steps and tokens per step (/metrics), and for each process the functions
 holding the most samples (self and inclusive, py-spy's `--idle` off: only time on a CPU or
 waiting in native code counts). The raw collapsed stacks go to `--out DIR` for flame graphs.
 
@@ -59,6 +60,21 @@ def top_functions(collapsed: str, n: int = 15) -> tuple[list[tuple[str, float]],
     return share(self_counts), share(incl_counts)
 
 
+def step_counters(base: str) -> dict[str, float]:
+    """The engine's step counters from /metrics: steps (`vllm:iteration_tokens_total` count), the
+    tokens they ran, preemptions."""
+    out = {"steps": 0.0, "step_tokens": 0.0, "preemptions": 0.0}
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith("vllm:iteration_tokens_total_count"):
+            out["steps"] += float(value)
+        elif name.startswith("vllm:iteration_tokens_total_sum"):
+            out["step_tokens"] += float(value)
+        elif name.startswith("vllm:num_preemptions_total"):
+            out["preemptions"] += float(value)
+    return out
+
+
 def offline_tok_s(reqs: list[BenchRequest], max_num_seqs: int) -> float:
     code = r'''
 import json, sys, time
@@ -85,6 +101,8 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=16, help="offline's; pass the server's after --")
     p.add_argument("--out", default="benchmarks/results/profile")
     p.add_argument("--no-offline", action="store_true")
+    p.add_argument("--no-spy", action="store_true", help="no sampling (py-spy itself takes CPU)")
+    p.add_argument("--renice-api", type=int, default=0, help="experiment: the API process's nice value")
     p.add_argument("serve_args", nargs="*")
     args = p.parse_args()
     if shutil.which("py-spy") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "py-spy")):
@@ -98,25 +116,32 @@ def main() -> None:
                    and c.status == psutil.CONN_LISTEN)
         api_proc = psutil.Process(api)
         core_proc = max(api_proc.children(recursive=True), key=lambda c: c.memory_info().rss)  # the model holder
+        if args.renice_api:
+            api_proc.nice(args.renice_api)
         model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
         asyncio.run(run_rate(base, model, reqs[:4], float("inf"), 4, 0, None))  # warm-up
-        spies = {name: subprocess.Popen([py_spy, "record", "--pid", str(proc.pid), "--rate", "100", "--format", "raw",
+        spies = {} if args.no_spy else {name: subprocess.Popen([py_spy, "record", "--pid", str(proc.pid), "--rate", "100", "--format", "raw",
                                          "--output", os.path.join(args.out, f"{name}.collapsed"), "--nonblocking"],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                  for name, proc in (("api", api_proc), ("core", core_proc))}
         time.sleep(1.0)
+        steps0 = step_counters(base)
         cpu0 = {n: sum(pr.cpu_times()[:2]) for n, pr in (("api", api_proc), ("core", core_proc))}
         t0 = time.perf_counter()
         served = asyncio.run(run_rate(base, model, reqs, float("inf"), args.concurrency, 0, None))
         wall = time.perf_counter() - t0
         cpu = {n: round(sum(pr.cpu_times()[:2]) - cpu0[n], 2) for n, pr in (("api", api_proc), ("core", core_proc))}
+        steps = {k: v - steps0[k] for k, v in step_counters(base).items()}
         for spy in spies.values():
             spy.send_signal(2)  # SIGINT: py-spy writes its file and exits
         for spy in spies.values():
             spy.wait(60)
     result = {"served_out_tok_s": served["output_tokens_per_s"], "ttft_ms": served["ttft_ms"],
               "itl_ms": served["itl_ms"], "failed": served["failed"], "wall_s": round(wall, 1),
-              "cpu_s": cpu, "api_cpu_ms_per_request": round(1000 * cpu["api"] / args.num_prompts, 1)}
+              "cpu_s": cpu, "api_cpu_ms_per_request": round(1000 * cpu["api"] / args.num_prompts, 1),
+              "core_cores_busy": round(cpu["core"] / wall, 2), "steps": int(steps["steps"]),
+              "tokens_per_step": round(steps["step_tokens"] / max(steps["steps"], 1), 1),
+              "preemptions": int(steps["preemptions"])}
     if not args.no_offline:
         off = offline_tok_s(reqs, args.max_num_seqs)
         result["offline_out_tok_s"] = round(off, 1)
