@@ -50,7 +50,6 @@ class ServingContext:
                  tool_config: ToolConfig | None = None) -> None:
         info = async_engine.info
         # --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser
-        self._tool_flags = tool_config or ToolConfig()
         self.async_engine = async_engine
         self.model_name: str = info.model_name  # the reported name (the first served one)
         # every name requests may use (--served-model-name A B ...)
@@ -68,7 +67,7 @@ class ServingContext:
         self.vocab_size: int = info.vocab_size
         self.chat_template = chat_template or info.chat_template
         # the tool-call format "auto" reads: the flag's, or the one the chat template speaks
-        self.tool_config = self._tool_flags.for_template(self.chat_template)
+        self.tool_config = (tool_config or ToolConfig()).for_template(self.chat_template)
         # A copy: the event loop's output processor decodes with the engine's own.
         self.tokenizer = copy.deepcopy(async_engine.tokenizer)
         self._tok_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tok")

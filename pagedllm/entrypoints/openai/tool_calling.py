@@ -151,7 +151,7 @@ class ToolPlan:
     def apply(self, params: SamplingParams) -> SamplingParams:
         """The sampling params with the calls' constraint (if any) as structured output, and
         special tokens kept in the text when the format's markers are special tokens."""
-        keeps = [p for p in (self.tool_parser, self.reasoning_parser) if p is not None and p.keeps_special_tokens]
+        keeps = any(p is not None and p.keeps_special_tokens for p in (self.tool_parser, self.reasoning_parser))
         if keeps and params.skip_special_tokens:
             params = dataclasses.replace(params, skip_special_tokens=False)
         if self.schema is None and self.structural_tag is None:

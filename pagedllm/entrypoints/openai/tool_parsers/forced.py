@@ -30,22 +30,27 @@ def named_tool_schema(function: dict[str, Any]) -> dict[str, Any]:
     return _parameters(function)
 
 
-def required_tool_schema(functions: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:
-    """The schema of a "required" output: an array of calls to any of the functions. Each
-    tool's `$defs` are lifted to the top (references are `#/$defs/...` from the root); two
-    tools defining one name differently are a ValueError (the request is a 400)."""
-    items = []
-    defs: dict[str, Any] = {}
+def lift_defs(functions: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(each tool's parameters schema without its `$defs`, every tool's `$defs` together): a schema
+    built of several tools keeps them at its root, where `#/$defs/...` references find them. Two
+    tools defining one name differently are a ValueError (the request's 400)."""
+    params_list, defs = [], {}
     for f in functions:
         params = dict(_parameters(f))
         for key, value in params.pop("$defs", {}).items():
             if key in defs and defs[key] != value:
                 raise ValueError(f"Tool definitions define `$defs` entry {key!r} differently.")
             defs[key] = value
-        items.append({
-            "properties": {"name": {"type": "string", "enum": [f["name"]]}, "parameters": params},
-            "required": ["name", "parameters"],
-        })
+        params_list.append(params)
+    return params_list, defs
+
+
+def required_tool_schema(functions: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:
+    """The schema of a "required" output: an array of calls to any of the functions, their
+    `$defs` at the top (`lift_defs`)."""
+    params_list, defs = lift_defs(functions)
+    items = [{"properties": {"name": {"type": "string", "enum": [f["name"]]}, "parameters": params},
+              "required": ["name", "parameters"]} for f, params in zip(functions, params_list)]
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": {"type": "object", "anyOf": items}}
     if not parallel:

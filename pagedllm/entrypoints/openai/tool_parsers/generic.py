@@ -15,6 +15,7 @@ import json
 from typing import Any
 
 from pagedllm.entrypoints.openai.tool_parsers.abstract_tool_parser import Split, ToolParser
+from pagedllm.entrypoints.openai.tool_parsers.forced import lift_defs
 from pagedllm.entrypoints.openai.tool_parsers.partial_json import scan_calls, value_end
 
 _WS = " \t\r\n"
@@ -24,19 +25,12 @@ ANSWER_KEY = "response"
 
 
 def call_items(functions: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """(one `{"name", "arguments"}` object schema per tool, the tools' `$defs` lifted to the root
-    where `#/$defs/...` references find them). Two tools defining one name differently are a
-    ValueError (the request's 400)."""
-    items, defs = [], {}
-    for f in functions:
-        params = dict(f.get("parameters") or _EMPTY_OBJECT)
-        for key, value in params.pop("$defs", {}).items():
-            if key in defs and defs[key] != value:
-                raise ValueError(f"Tool definitions define `$defs` entry {key!r} differently.")
-            defs[key] = value
-        items.append({"type": "object", "additionalProperties": False,
-                      "properties": {"name": {"type": "string", "enum": [f["name"]]}, "arguments": params},
-                      "required": ["name", "arguments"]})
+    """(one `{"name", "arguments"}` object schema per tool, the tools' `$defs` for the root:
+    forced.lift_defs)."""
+    params_list, defs = lift_defs(functions)
+    items = [{"type": "object", "additionalProperties": False,
+              "properties": {"name": {"type": "string", "enum": [f["name"]]}, "arguments": params},
+              "required": ["name", "arguments"]} for f, params in zip(functions, params_list)]
     return items, defs
 
 
